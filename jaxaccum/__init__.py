@@ -1,0 +1,21 @@
+"""jaxaccum: exact gradient accumulation for JAX.
+
+One jitted ``lax.scan`` over micro-batches inside your train step returns exactly the
+full-batch loss and gradients (mean, sum and token-weighted losses), with float32
+accumulation, per-micro-batch RNG keys and mutable state threaded through.
+"""
+
+from jaxaccum._split import split_micro_batches as split_micro_batches
+from jaxaccum._transform import grad as grad
+from jaxaccum._transform import value_and_grad as value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "grad",
+    "split_micro_batches",
+    "value_and_grad",
+)
+
+# Modules whose names start with an underscore are private: they are not public API and
+# may change without notice.

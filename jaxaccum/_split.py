@@ -1,0 +1,207 @@
+"""Validation of the transform's options and the column-major micro-batch split.
+
+Micro-batch ``i`` of ``N`` holds rows ``i, i + N, i + 2N, ...`` of the batch. A batch
+leaf of shape ``(B, ...)`` is reshaped (row-major, a free bitcast) to ``(B // N, N, ...)``
+and micro-batch ``i`` is the slice ``[:, i]``. When the batch axis is sharded in
+contiguous blocks over ``D`` devices and ``D`` divides ``B // N``, every row of
+micro-batch ``i`` already lives on the device that holds it after the split, so the
+split moves no data: the sharding lands on the micro-batch-size axis, never on the
+scan axis (optax's ``reshape_batch_axis`` uses the same order).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+PyTree = Any
+
+
+def check_count(name: str, value: Any) -> int | None:
+  """Returns ``value`` as an int, or raises if it is not a positive integer."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f"{name} must be a positive Python int, got {value!r} of type "
+        f"{type(value).__name__}. Pass a static integer such as {name}=8; a traced "
+        "value cannot set the length of the scan."
+    )
+  if value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {name}={value}.")
+  return int(value)
+
+
+def normalize_argnums(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
+  """Turns an int or a sequence of ints into a tuple, with a clear error otherwise."""
+  if value is None:
+    if allow_empty:
+      return ()
+    raise TypeError(f"{name} must be an int or a tuple of ints, got None.")
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    return (int(value),)
+  if isinstance(value, Sequence) and not isinstance(value, str):
+    out = []
+    for v in value:
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
+      out.append(int(v))
+    if not out and not allow_empty:
+      raise ValueError(f"{name} must name at least one argument, got {value!r}.")
+    if len(set(out)) != len(out):
+      raise ValueError(f"{name} names an argument twice: {value!r}.")
+    return tuple(out)
+  raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
+
+
+def resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+  """Resolves negative argnums against ``nargs`` positional arguments."""
+  out = []
+  for a in argnums:
+    if not -nargs <= a < nargs:
+      raise ValueError(
+          f"{name}={a} is out of range: the function was called with {nargs} positional "
+          f"argument(s), so valid indices are 0..{nargs - 1}. Pass the argument "
+          "positionally or fix the index."
+      )
+    out.append(a % nargs)
+  return tuple(out)
+
+
+def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
+  """Raises if two roles (differentiated, batch, rng, state) share an argument."""
+  names = list(named)
+  for i, a in enumerate(names):
+    for b in names[i + 1 :]:
+      both = sorted(set(named[a]) & set(named[b]))
+      if both:
+        raise ValueError(
+            f"{a}={named[a]} and {b}={named[b]} overlap at argument(s) {both}: an argument "
+            f"can have only one role. Give each of {a} and {b} different positions."
+        )
+
+
+def batch_size(batch_args: dict[int, PyTree]) -> int:
+  """The common leading size of every leaf of the batch arguments."""
+  sizes: dict[str, int] = {}
+  for argnum, tree in batch_args.items():
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+      raise ValueError(
+          f"batch argument {argnum} has no array leaves; batch_argnums must point at the "
+          "arguments that carry the batch."
+      )
+    for path, leaf in leaves:
+      where = f"argument {argnum}{jax.tree_util.keystr(path)}"
+      shape = np.shape(leaf)
+      if len(shape) == 0:
+        raise ValueError(
+            f"batch leaf {where} is a scalar (shape ()), so it has no batch axis to split. "
+            "Every leaf of a batch argument needs a leading batch axis; pass per-step "
+            "constants as a separate, non-batch argument."
+        )
+      sizes[where] = shape[0]
+  if len(set(sizes.values())) > 1:
+    listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+    raise ValueError(
+        "batch leaves must share the leading batch axis, but their leading sizes differ: "
+        f"{listing}. Give every leaf of the batch arguments the same first dimension."
+    )
+  return next(iter(sizes.values()))
+
+
+def divisors(n: int) -> list[int]:
+  """All divisors of ``n`` in increasing order."""
+  small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
+def _near(options: list[int], target: int) -> str:
+  below = [d for d in options if d < target][-2:]
+  above = [d for d in options if d > target][:2]
+  return ", ".join(str(d) for d in below + above)
+
+
+def resolve_count(
+    size: int, num_micro_batches: int | None, micro_batch_size: int | None
+) -> int:
+  """The micro-batch count for a batch of ``size`` rows, with a clear error if none fits."""
+  divs = divisors(size)
+  if num_micro_batches is not None:
+    if size % num_micro_batches:
+      raise ValueError(
+          f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}. "
+          f"Valid counts near it: {_near(divs, num_micro_batches)} (all divisors of {size}: "
+          f"{', '.join(map(str, divs))})."
+      )
+    return num_micro_batches
+  assert micro_batch_size is not None  # guaranteed by the transform's constructor
+  if size % micro_batch_size:
+    raise ValueError(
+        f"batch size {size} is not divisible by micro_batch_size={micro_batch_size}. "
+        f"Valid sizes near it: {_near(divs, micro_batch_size)} (all divisors of {size}: "
+        f"{', '.join(map(str, divs))})."
+    )
+  return size // micro_batch_size
+
+
+def split(tree: PyTree, n: int) -> PyTree:
+  """Reshapes each leaf ``(B, ...)`` to ``(B // n, n, ...)``: a bitcast, no data moves."""
+  return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]), tree)
+
+
+def take(tree: PyTree, i: jax.Array) -> PyTree:
+  """Micro-batch ``i`` of a tree made by :func:`split`: rows ``i, i + n, ...``."""
+  return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), tree)
+
+
+def split_micro_batches(
+    batch: PyTree, *, num_micro_batches: int | None = None, micro_batch_size: int | None = None
+) -> PyTree:
+  """Splits a batch into stacked micro-batches, the way the transforms do.
+
+  Micro-batch ``i`` of ``N`` holds rows ``i, i + N, i + 2N, ...`` (the column-major
+  split), which keeps a sharded batch axis sharded without moving data. Useful to feed
+  :class:`jaxaccum.MultiSteps` or a reference loop with exactly the micro-batches that
+  :func:`jaxaccum.value_and_grad` would use.
+
+  Args:
+    batch: a pytree whose leaves share a leading batch axis of size ``B``.
+    num_micro_batches: the number ``N`` of micro-batches; ``B`` must be divisible by it.
+    micro_batch_size: alternatively, the rows per micro-batch (``N = B // size``).
+
+  Returns:
+    The same pytree with leaves of shape ``(N, B // N, ...)``; index ``[i]`` is
+    micro-batch ``i``.
+
+  Raises:
+    ValueError: neither or both counts given, or ``B`` not divisible.
+
+  >>> import jax.numpy as jnp
+  >>> import jaxaccum
+  >>> jaxaccum.split_micro_batches(jnp.arange(6), num_micro_batches=2)
+  Array([[0, 2, 4],
+         [1, 3, 5]], dtype=int32)
+  """
+  count, size = check_counts(num_micro_batches, micro_batch_size)
+  n = resolve_count(batch_size({0: batch}), count, size)
+  return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1),
+                      batch)
+
+
+def check_counts(
+    num_micro_batches: Any, micro_batch_size: Any
+) -> tuple[int | None, int | None]:
+  """Validates that exactly one of the two counts is given, as a positive int."""
+  if (num_micro_batches is None) == (micro_batch_size is None):
+    raise ValueError(
+        "pass exactly one of num_micro_batches and micro_batch_size, got "
+        f"num_micro_batches={num_micro_batches!r} and micro_batch_size={micro_batch_size!r}."
+    )
+  return (check_count("num_micro_batches", num_micro_batches),
+          check_count("micro_batch_size", micro_batch_size))

@@ -1,0 +1,26 @@
+"""Shared test helpers: comparisons with a full-batch reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def assert_close(actual, expected, *, rtol=1e-5, atol=1e-7, err_msg=""):
+  """Asserts two pytrees have the same structure and are close, leaf by leaf.
+
+  The tolerance is relative to the largest magnitude of each expected leaf, so a small
+  entry of a large gradient is not held to a tighter bound than float32 round-off allows.
+  """
+  a_leaves, a_def = jax.tree.flatten(actual)
+  e_leaves, e_def = jax.tree.flatten(expected)
+  assert a_def == e_def, f"structures differ: {a_def} vs {e_def} {err_msg}"
+  for path_and_e, a in zip(jax.tree_util.tree_leaves_with_path(expected), a_leaves,
+                           strict=True):
+    path, e = path_and_e
+    a = np.asarray(jnp.asarray(a, jnp.float32) if jnp.asarray(a).dtype == jnp.bfloat16 else a)
+    e = np.asarray(jnp.asarray(e, jnp.float32) if jnp.asarray(e).dtype == jnp.bfloat16 else e)
+    assert a.shape == e.shape, f"{jax.tree_util.keystr(path)}: {a.shape} vs {e.shape}"
+    scale = float(np.max(np.abs(e))) if e.size else 0.0
+    np.testing.assert_allclose(
+        a, e, rtol=0, atol=atol + rtol * scale,
+        err_msg=f"leaf {jax.tree_util.keystr(path)} {err_msg}")
