@@ -11,6 +11,19 @@ from jaxaccum._transform import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("nnx", "linen")
+
+
+def __getattr__(name: str):
+  # The Flax adapters import flax; load them only when first used, so that
+  # `import jaxaccum` needs only jax, optax and numpy.
+  if name in _SUBMODULES:
+    import importlib
+
+    return importlib.import_module(f"jaxaccum.{name}")
+  raise AttributeError(f"module 'jaxaccum' has no attribute {name!r}")
+
+
 __all__ = (
     "grad",
     "split_micro_batches",
