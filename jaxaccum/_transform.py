@@ -182,7 +182,7 @@ def _check_state(opts: _Options, state_in: tuple, new_state: Any) -> tuple:
       )
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new),
                             strict=True):
-      if a.shape != b.shape or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+      if a.shape != b.shape or a.dtype != b.dtype:  # jnp.dtype() rejects PRNG key dtypes
         raise TypeError(
             f"the new state leaf {jax.tree_util.keystr(path)} of state argument "
             f"{opts.state_argnums[k]} is {_describe(b)}, but the input is {_describe(a)}. "
