@@ -5,6 +5,8 @@ full-batch loss and gradients (mean, sum and token-weighted losses), with float3
 accumulation, per-micro-batch RNG keys and mutable state threaded through.
 """
 
+from jaxaccum._multisteps import MultiSteps as MultiSteps
+from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import grad as grad
 from jaxaccum._transform import value_and_grad as value_and_grad
@@ -25,6 +27,8 @@ def __getattr__(name: str):
 
 
 __all__ = (
+    "MultiSteps",
+    "MultiStepsState",
     "grad",
     "split_micro_batches",
     "value_and_grad",

@@ -1,0 +1,392 @@
+"""``jaxaccum.MultiSteps``: accumulate gradients across calls, with token weighting.
+
+A drop-in replacement for :class:`optax.MultiSteps` (same constructor, methods and state
+field names) whose ``update`` also takes ``weight=``: the number of items (e.g. real
+tokens) that the micro-batch's mean loss was taken over. The emitted gradient is then
+``sum_i(weight_i * g_i) / sum_i(weight_i)``, the exact gradient of the token mean over the
+whole window, however unevenly the tokens fall across micro-batches.
+
+How a window's mode is tracked: whether a call is weighted is a trace-time property of
+that call (``weight`` given or not), but which calls share a window depends on the
+run-time counter ``mini_step``. The state therefore records the mode of the open window
+(``MultiStepsState.weighted``), and each call compares it with its own mode. Like the
+other checks on run-time values (a negative weight, a schedule returning ``k < 1``),
+this runs inside the compiled step: a :func:`jax.lax.cond` that, only when the check
+fails, calls :func:`jax.debug.callback` to raise a ``ValueError``, which surfaces as a
+:class:`jax.errors.JaxRuntimeError` carrying the message. Everything that is known at
+trace time (shapes, dtypes, Python values) raises a ``ValueError``/``TypeError`` at once.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxaccum import _reduce
+
+PyTree = Any
+
+
+class MultiStepsState(NamedTuple):
+  """State of :class:`jaxaccum.MultiSteps`: :class:`optax.MultiStepsState`'s fields and two more.
+
+  Attributes:
+    mini_step: micro-steps accumulated in the open window (int32); reset to 0 when the
+      window is emitted.
+    gradient_step: optimizer steps taken so far (int32): the count the inner optimizer's
+      schedules see.
+    inner_opt_state: the wrapped optimizer's state.
+    acc_grads: the running (weighted) mean of the window's gradients, or their
+      (weighted) sum with ``use_grad_mean=False``, in ``accumulator_dtype``.
+    skip_state: what ``should_skip_update_fn`` returned on the last call (``()`` without
+      one).
+    acc_weight: the total weight of the open window: the sum of ``weight`` over its
+      calls, or the number of calls when they pass no weight (float32).
+    weighted: whether the open window's calls pass ``weight`` (bool).
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: Any
+  acc_grads: Any
+  skip_state: Any = ()
+  # numpy scalars, so that importing jaxaccum does not start a JAX backend.
+  acc_weight: Any = np.float32(0)
+  weighted: Any = np.bool_(False)
+
+
+def _fail(pred: jax.Array, message: str, *values: Any) -> None:
+  """Raises ``ValueError(message.format(*values))`` when ``pred`` holds, even under jit.
+
+  A concrete ``pred`` raises now. A traced one adds a :func:`jax.lax.cond` whose taken
+  branch calls back to Python to raise: nothing runs on the host while checks pass.
+  """
+  try:
+    failed = bool(pred)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+    pass
+  else:
+    if failed:
+      raise ValueError(message.format(*(np.asarray(v) for v in values)))
+    return
+
+  def callback(pred, *values):
+    # Under vmap the predicate is batched and both branches may run: check it again.
+    if np.any(pred):
+      bad = np.asarray(pred)
+      values = [np.asarray(v)[bad] if np.ndim(v) else v for v in values] if bad.ndim else values
+      raise ValueError(message.format(*values))
+
+  lax.cond(pred, lambda: jax.debug.callback(callback, pred, *values), lambda: None)
+
+
+def _describe(x: Any) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  return f"{type(x).__name__} {x!r}"
+
+
+def _check_weight(weight: Any, dtype: Any) -> jax.Array:
+  """Validates ``weight`` (a non-negative real scalar) and returns it in ``dtype``."""
+  what = ("the number of items (e.g. real tokens) that this micro-batch's mean loss was "
+          "taken over")
+  if isinstance(weight, (bool, np.bool_)):
+    raise TypeError(f"weight must be a non-negative number, {what}; got weight={weight!r}.")
+  try:
+    w = jnp.asarray(weight)
+  except TypeError as e:
+    raise TypeError(f"weight must be a scalar number, {what}; got {_describe(weight)}.") from e
+  if w.shape != ():
+    raise TypeError(
+        f"weight must be a scalar, {what}; got weight as {_describe(weight)}. Reduce it "
+        "first, e.g. weight=jnp.sum(mask)."
+    )
+  if not (jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)):
+    raise TypeError(
+        f"weight must have an integer or floating dtype, {what}; got {_describe(weight)}.")
+  w = w.astype(dtype)
+  _fail(~(w >= 0),
+        "weight must be non-negative (" + what + "), got weight={}. Pass the count of "
+        "real items, 0 for a micro-batch that has none.", w)
+  return w
+
+
+def _increment(x: jax.Array) -> jax.Array:
+  """``x + 1``, saturating at the largest int32 (as :func:`optax.safe_increment`)."""
+  return jnp.where(x < jnp.iinfo(x.dtype).max, x + 1, x)
+
+
+class MultiSteps:
+  """Accumulates gradients over ``k`` calls, then applies the inner optimizer once.
+
+  A drop-in replacement for :class:`optax.MultiSteps`: the same arguments, methods
+  (:meth:`init`, :meth:`update`, :meth:`has_updated`, :meth:`gradient_transformation`,
+  :attr:`inner_opt`) and state fields, and the same behaviour. Calls that do not complete
+  the window return zero updates; the call that does passes the window's mean gradient
+  to the inner optimizer and returns its updates. The inner optimizer (its step count,
+  schedules, clipping, weight decay) therefore sees one step per window, exactly as if
+  it received the gradient of the whole effective batch.
+
+  What it adds is ``update(grads, state, params, weight=w)``: when ``grads`` is the
+  gradient of a micro-batch's *mean* loss over ``w`` items (real tokens, say), the
+  emitted gradient is ``sum_i(w_i * g_i) / sum_i(w_i)``, the gradient of the mean over all
+  the window's items. :class:`optax.MultiSteps` takes the plain mean of the ``g_i``,
+  which is wrong for token-level losses when micro-batches hold different numbers of
+  tokens. A call with ``w == 0`` contributes nothing, even if its gradient is NaN (the
+  mean over zero tokens); a window whose total weight is 0 emits a zero gradient.
+
+  Every call of a window must pass ``weight`` or none must: mixing is an error (checked
+  under jit, see below). Consecutive windows may differ.
+
+  Memory: the state holds ``acc_grads``, a parameter-sized buffer in ``accumulator_dtype``
+  that persists between calls. :func:`jaxaccum.value_and_grad` instead accumulates
+  inside one step and frees its accumulator when the step ends.
+
+  Args:
+    opt: the wrapped optimizer (an :class:`optax.GradientTransformation`).
+    every_k_schedule: the number ``k >= 1`` of calls per optimizer step, as an int, or a
+      function of the optimizer step count (``state.gradient_step``) returning it, which
+      can vary the effective batch size over training.
+    use_grad_mean: if ``True`` (the default) the window's gradients are averaged
+      (weighted by ``weight`` when given). If ``False`` they are summed, each multiplied
+      by its ``weight`` when given.
+    should_skip_update_fn: optional ``fn(updates, gradient_step, params) -> (skip,
+      skip_state)`` as in :class:`optax.MultiSteps` (e.g. :func:`optax.skip_not_finite`):
+      a call for which ``skip`` is true leaves the state unchanged (but for
+      ``skip_state``) and returns zero updates, as if it never happened.
+    accumulator_dtype: dtype of ``acc_grads``; float32 by default, ``None`` for the
+      parameters' dtypes.
+
+  Raises:
+    ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable, or
+      ``accumulator_dtype`` is not a floating dtype.
+
+  Checks on values only known when the compiled step runs (a negative weight, mixed
+  weighted and unweighted calls in one window, ``every_k_schedule`` returning a value
+  below 1) raise a ``ValueError`` from a :func:`jax.debug.callback` that only runs when
+  the check fails; under :func:`jax.jit` it reaches you as a
+  :class:`jax.errors.JaxRuntimeError` whose message names the argument. Python values
+  and concrete arrays are checked at once.
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> import jaxaccum
+  >>> opt = jaxaccum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+  >>> params = jnp.zeros(2)
+  >>> state = opt.init(params)
+  >>> # Micro-batch 1: mean gradient over 1 real token; micro-batch 2: over 3 tokens.
+  >>> updates, state = opt.update(jnp.array([4.0, 0.0]), state, params, weight=1)
+  >>> updates, bool(opt.has_updated(state))
+  (Array([0., 0.], dtype=float32), False)
+  >>> updates, state = opt.update(jnp.array([0.0, 4.0]), state, params, weight=3)
+  >>> updates, bool(opt.has_updated(state))  # -(1 * g1 + 3 * g2) / 4
+  (Array([-1., -3.], dtype=float32), True)
+  """
+
+  def __init__(
+      self,
+      opt: optax.GradientTransformation,
+      every_k_schedule: int | Callable[[jax.Array], jax.typing.ArrayLike],
+      use_grad_mean: bool = True,
+      should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+      accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+  ):
+    if not (hasattr(opt, "init") and hasattr(opt, "update")):
+      raise TypeError(
+          f"opt must be an optax.GradientTransformation (with init and update), got "
+          f"{_describe(opt)}.")
+    self._opt = optax.with_extra_args_support(opt)
+    if isinstance(every_k_schedule, numbers.Integral) and not isinstance(
+        every_k_schedule, (bool, np.bool_)):
+      if every_k_schedule < 1:
+        raise ValueError(
+            "every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
+            f"function of the optimizer step returning one, got every_k_schedule="
+            f"{every_k_schedule}. Use 1 to update on every call."
+        )
+      k = int(every_k_schedule)
+      self._every_k_schedule = lambda step: k
+    elif callable(every_k_schedule):
+      self._every_k_schedule = every_k_schedule
+    else:
+      raise TypeError(
+          "every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
+          "function of the optimizer step returning one, got "
+          f"every_k_schedule={every_k_schedule!r} of type {type(every_k_schedule).__name__}."
+      )
+    if not isinstance(use_grad_mean, (bool, np.bool_)):
+      raise TypeError(f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}.")
+    self._use_grad_mean = bool(use_grad_mean)
+    if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+      raise TypeError(
+          "should_skip_update_fn must be a function (updates, gradient_step, params) -> "
+          f"(skip, skip_state), such as optax.skip_not_finite; got {should_skip_update_fn!r}.")
+    self._should_skip_update_fn = should_skip_update_fn or _never_skip
+    dtype = _reduce.check_dtype("accumulator_dtype", accumulator_dtype)
+    self._accumulator_dtype = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+    # The total weight: float32, or wider if the accumulator is.
+    self._weight_dtype = jnp.promote_types(jnp.float32, self._accumulator_dtype or jnp.float32)
+
+  @property
+  def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer (with extra-argument support, as in optax)."""
+    return self._opt
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """The initial state: an empty window and the inner optimizer's initial state."""
+    gradient_step = jnp.zeros([], jnp.int32)
+    _, skip_state = self._should_skip_update_fn(
+        optax.tree.zeros_like(params), gradient_step, params)
+    return MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=gradient_step,
+        inner_opt_state=self._opt.init(params),
+        acc_grads=optax.tree.zeros_like(params, dtype=self._accumulator_dtype),
+        skip_state=skip_state,
+        acc_weight=jnp.zeros([], self._weight_dtype),
+        weighted=jnp.zeros([], jnp.bool_),
+    )
+
+  def _every_k(self, gradient_step: jax.Array) -> jax.Array:
+    k = jnp.asarray(self._every_k_schedule(gradient_step))
+    if k.shape != ():
+      raise TypeError(f"every_k_schedule must return a scalar, got {_describe(k)}.")
+    if not jnp.issubdtype(k.dtype, jnp.integer):
+      k = jnp.round(k)
+    k = k.astype(jnp.int32)
+    _fail(k < 1, "every_k_schedule returned {} at gradient_step={}; it must return a "
+          "positive integer (micro-steps per optimizer step).", k, gradient_step)
+    return k
+
+  def update(
+      self,
+      updates: optax.Updates,
+      state: MultiStepsState,
+      params: optax.Params | None = None,
+      *,
+      weight: jax.typing.ArrayLike | None = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    """Adds one micro-batch's gradients; every ``k``-th call applies the inner optimizer.
+
+    Args:
+      updates: the gradients of the micro-batch's loss (its mean over ``weight`` items
+        when ``weight`` is given).
+      state: the state from :meth:`init` or the previous call.
+      params: the current parameters, passed to the inner optimizer.
+      weight: optional non-negative scalar: the number of items (e.g. real tokens) that
+        the micro-batch's mean loss was taken over. Give it on every call of a window or
+        on none.
+      **extra_args: passed to the inner optimizer's ``update`` on the call that completes
+        the window.
+
+    Returns:
+      ``(updates, new_state)``: zeros until the window completes, then the inner
+      optimizer's updates for the window's (weighted) mean gradient.
+
+    Raises:
+      TypeError: ``weight`` is not a real scalar, or ``should_skip_update_fn`` does not
+        return a boolean scalar.
+      ValueError: ``weight`` is negative, the window mixes weighted and unweighted
+        calls, or ``every_k_schedule`` returns a value below 1 (under jit, raised when
+        the step runs, as a :class:`jax.errors.JaxRuntimeError`).
+    """
+    weighted = weight is not None
+    w = _check_weight(weight, self._weight_dtype) if weighted else None
+    k = self._every_k(state.gradient_step)
+    mini_step = jnp.asarray(state.mini_step)
+    _fail((mini_step > 0) & (jnp.asarray(state.weighted) != weighted),
+          "MultiSteps.update was called " + ("with" if weighted else "without") +
+          " weight= after {} call(s) " + ("without" if weighted else "with") +
+          " it in the same window: weighted and unweighted calls cannot be mixed in one "
+          "accumulation window. Pass weight= on every call of the window, or on none.",
+          mini_step)
+
+    skip, skip_state = self._should_skip_update_fn(updates, state.gradient_step, params)
+    skip = jnp.asarray(skip)
+    if (skip.dtype, skip.shape) != (jnp.bool_, ()):
+      raise TypeError(
+          "should_skip_update_fn must return a boolean scalar array as its first output, "
+          f"got {_describe(skip)}.")
+
+    first = mini_step == 0
+    if weighted:
+      total = jnp.where(first, jnp.zeros_like(w), jnp.asarray(state.acc_weight, w.dtype)) + w
+      use = w > 0
+      if self._use_grad_mean:
+        frac = jnp.where(use, w / jnp.where(use, total, 1), 0)
+        add = lambda g, a: jnp.where(use, a + (g - a) * frac, a)  # noqa: E731
+      else:
+        add = lambda g, a: jnp.where(use, a + g * w, a)  # noqa: E731
+    else:
+      total = (mini_step + 1).astype(self._weight_dtype)
+      if self._use_grad_mean:
+        # Welford's running mean, exactly as optax.MultiSteps.
+        add = lambda g, a: a + (g - a) / (mini_step + 1)  # noqa: E731
+      else:
+        add = lambda g, a: g + a  # noqa: E731
+    acc = jax.tree.map(add, updates, state.acc_grads)
+    emit = jnp.logical_and(~skip, mini_step >= k - 1)
+
+    def apply_inner():
+      new_updates, new_inner = self._opt.update(
+          optax.tree.cast_like(acc, updates), state.inner_opt_state, params=params,
+          **extra_args)
+      new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
+                               new_inner, state.inner_opt_state)
+      return new_updates, new_inner
+
+    update_shapes = jax.eval_shape(apply_inner)[0]
+
+    def hold():
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+      same = jax.tree.map(lambda old: jnp.astype(old, jnp.asarray(old).dtype),
+                          state.inner_opt_state)
+      return zeros, same
+
+    # Only the call that completes a window runs the inner optimizer.
+    new_updates, inner_opt_state = lax.cond(emit, apply_inner, hold)
+
+    def keep_or(old, new):
+      old = jnp.asarray(old)
+      return jnp.where(skip, old, new).astype(old.dtype)
+
+    new_state = MultiStepsState(
+        mini_step=jnp.where(emit, 0, keep_or(mini_step, _increment(mini_step))).astype(
+            jnp.int32),
+        gradient_step=jnp.where(emit, _increment(state.gradient_step),
+                                state.gradient_step).astype(jnp.int32),
+        inner_opt_state=inner_opt_state,
+        acc_grads=jax.tree.map(
+            lambda old, new: jnp.where(emit, 0, keep_or(old, new)).astype(old.dtype),
+            state.acc_grads, acc),
+        skip_state=skip_state,
+        acc_weight=jnp.where(emit, 0, keep_or(state.acc_weight, total)).astype(
+            self._weight_dtype),
+        weighted=keep_or(state.weighted, weighted).astype(jnp.bool_),
+    )
+    return new_updates, new_state
+
+  def has_updated(self, state: MultiStepsState | PyTree) -> jax.Array:
+    """Whether the last call applied the inner optimizer (completed a window)."""
+    return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """This wrapper as an optax transformation, for :func:`optax.chain` and friends.
+
+    It is a :class:`optax.GradientTransformationExtraArgs`, so ``weight=`` and other
+    keyword arguments pass through :func:`optax.chain` and
+    :func:`optax.inject_hyperparams` to :meth:`update`.
+    """
+    return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+
+
+def _never_skip(updates: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, tuple]:
+  del updates, gradient_step, params
+  return jnp.zeros([], jnp.bool_), ()
