@@ -7,6 +7,10 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
+from jaxaccum._plan import Candidate as Candidate
+from jaxaccum._plan import Plan as Plan
+from jaxaccum._plan import plan as plan
+from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import grad as grad
 from jaxaccum._transform import value_and_grad as value_and_grad
@@ -27,9 +31,13 @@ def __getattr__(name: str):
 
 
 __all__ = (
+    "Candidate",
     "MultiSteps",
     "MultiStepsState",
+    "Plan",
     "grad",
+    "plan",
+    "plan_step",
     "split_micro_batches",
     "value_and_grad",
 )
