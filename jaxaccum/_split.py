@@ -107,7 +107,12 @@ def batch_size(batch_args: dict[int, PyTree]) -> int:
         )
       sizes[where] = shape[0]
   if len(set(sizes.values())) > 1:
-    listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+    groups: dict[int, list[str]] = {}
+    for where, size in sizes.items():
+      groups.setdefault(size, []).append(where)
+    listing = "; ".join(
+        f"{size} at {', '.join(paths[:4])}{f' and {len(paths) - 4} more' if len(paths) > 4 else ''}"
+        for size, paths in groups.items())
     raise ValueError(
         "batch leaves must share the leading batch axis, but their leading sizes differ: "
         f"{listing}. Give every leaf of the batch arguments the same first dimension."

@@ -208,7 +208,7 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict):
     return num, (den, new_state, aux)
 
   if opts.remat:
-    inner = jax.checkpoint(inner, policy=opts.remat_policy, prevent_cse=False)
+    inner = jax.checkpoint(inner, policy=opts.remat_policy, prevent_cse=True)
   vg = jax.value_and_grad(inner, argnums=argnums, has_aux=True)
 
   def call(i, state):

@@ -1,0 +1,372 @@
+"""jaxaccum.value_and_grad / grad against the full batch through plain jax.value_and_grad."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxaccum
+from tests._util import assert_close
+
+B = 16
+
+
+def mlp_loss(params, batch):
+  x, y = batch
+  h = jnp.tanh(x @ params["layers"][0]["w"] + params["layers"][0]["b"])
+  out = h @ params["layers"][1]["w"] + params["layers"][1]["b"]
+  return jnp.mean((out - y) ** 2)
+
+
+def make_mlp(key, din=5, dh=7, dout=3, batch=B, dtype=jnp.float32):
+  k = jax.random.split(key, 4)
+  params = {
+      "layers": [
+          {"w": jax.random.normal(k[0], (din, dh)) / 2, "b": jnp.full((dh,), 0.1)},
+          {"w": jax.random.normal(k[1], (dh, dout)) / 3, "b": jnp.zeros((dout,))},
+      ]
+  }
+  x = jax.random.normal(k[2], (batch, din))
+  y = jax.random.normal(k[3], (batch, dout))
+  cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
+  return cast(params), cast((x, y))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, B])
+def test_mean_loss_equals_full_batch(n):
+  params, batch = make_mlp(jax.random.key(0))
+  loss, grads = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n))(params, batch)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("size", [1, 4, B])
+def test_micro_batch_size_option(size):
+  params, batch = make_mlp(jax.random.key(1))
+  out = jax.jit(jaxaccum.value_and_grad(mlp_loss, micro_batch_size=size))(params, batch)
+  assert_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+
+
+def test_sum_loss_equals_full_batch_sum():
+  def sum_loss(params, batch):
+    x, y = batch
+    return jnp.sum((x @ params["layers"][0]["w"] - y[:, :1]) ** 2)
+
+  params, batch = make_mlp(jax.random.key(2))
+  out = jax.jit(jaxaccum.value_and_grad(sum_loss, num_micro_batches=4, reduce="sum"))(
+      params, batch)
+  assert_close(out, jax.value_and_grad(sum_loss)(params, batch))
+
+
+def test_mean_of_summed_losses_would_be_off_by_n():
+  # The anti-pattern: summing gradients of mean-reduced micro-batch losses is N x too big.
+  params, batch = make_mlp(jax.random.key(3))
+  ref = jax.grad(mlp_loss)(params, batch)
+  wrong = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=4, reduce="sum"))(params, batch)
+  assert_close(wrong, jax.tree.map(lambda g: 4 * g, ref))
+  right = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=4))(params, batch)
+  assert_close(right, ref)
+
+
+def test_grad_matches_jax_grad_with_and_without_aux():
+  params, batch = make_mlp(jax.random.key(4))
+  g = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=8))(params, batch)
+  assert_close(g, jax.grad(mlp_loss)(params, batch))
+
+  def with_aux(p, b):
+    loss = mlp_loss(p, b)
+    return loss, {"loss": loss}
+
+  g, aux = jax.jit(jaxaccum.grad(with_aux, num_micro_batches=8, has_aux=True))(params, batch)
+  ref_g, ref_aux = jax.grad(with_aux, has_aux=True)(params, batch)
+  assert_close((g, aux), (ref_g, ref_aux))
+
+
+def _per_micro_batch(fun, batch, n):
+  """The hand reference: fun on each micro-batch of the column-major split."""
+  mbs = jaxaccum.split_micro_batches(batch, num_micro_batches=n)
+  return [fun(jax.tree.map(lambda a, i=i: a[i], mbs)) for i in range(n)]
+
+
+def test_split_is_column_major():
+  batch = {"a": jnp.arange(12), "b": jnp.arange(24).reshape(12, 2)}
+  mbs = jaxaccum.split_micro_batches(batch, num_micro_batches=3)
+  np.testing.assert_array_equal(mbs["a"][1], [1, 4, 7, 10])
+  np.testing.assert_array_equal(mbs["b"][2], batch["b"][2::3])
+  same = jaxaccum.split_micro_batches(batch, micro_batch_size=4)
+  np.testing.assert_array_equal(same["a"], mbs["a"])
+
+
+def test_aux_reductions_mean_sum_stack_max_min():
+  def loss_aux(params, batch):
+    x, y = batch
+    err = (x @ params["layers"][0]["w"])[:, :3] - y
+    loss = jnp.mean(err**2)
+    aux = {
+        "mse": loss,
+        "count": jnp.int32(x.shape[0]),
+        "per_mb": jnp.mean(jnp.abs(err), axis=0),
+        "worst": jnp.max(jnp.abs(err)),
+        "best": jnp.min(jnp.abs(err)),
+        "first_row": x[0],
+    }
+    return loss, aux
+
+  params, batch = make_mlp(jax.random.key(5))
+  n = 4
+  spec = {"mse": None, "count": "sum", "per_mb": "stack", "worst": "max", "best": "min",
+          "first_row": "stack"}
+  (loss, aux), grads = jax.jit(jaxaccum.value_and_grad(
+      loss_aux, num_micro_batches=n, has_aux=True, aux_reduce=spec))(params, batch)
+  (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_aux, has_aux=True)(params, batch)
+  assert_close((loss, grads), (ref_loss, ref_grads))
+  per = _per_micro_batch(lambda mb: loss_aux(params, mb)[1], batch, n)
+  assert_close(aux["mse"], ref_aux["mse"])  # mean of equal-size means = full-batch mean
+  assert aux["count"].dtype == jnp.int32 and int(aux["count"]) == B
+  assert_close(aux["per_mb"], jnp.stack([p["per_mb"] for p in per]))
+  assert_close(aux["worst"], ref_aux["worst"])
+  assert_close(aux["best"], ref_aux["best"])
+  np.testing.assert_array_equal(aux["first_row"], batch[0][:n])  # row i opens micro-batch i
+
+
+def test_aux_default_mean_and_string_spec():
+  def loss_aux(params, batch):
+    loss = mlp_loss(params, batch)
+    return loss, (loss * 2, jnp.sum(batch[0]))
+
+  params, batch = make_mlp(jax.random.key(6))
+  (_, aux), _ = jax.jit(jaxaccum.value_and_grad(loss_aux, num_micro_batches=4, has_aux=True))(
+      params, batch)
+  ref = loss_aux(params, batch)[1]
+  assert_close(aux[0], ref[0])
+  assert_close(aux[1], ref[1] / 4)  # the mean of per-micro-batch sums
+  (_, aux), _ = jax.jit(jaxaccum.value_and_grad(
+      loss_aux, num_micro_batches=4, has_aux=True, aux_reduce="sum"))(params, batch)
+  assert_close(aux[1], ref[1])
+
+
+def test_several_batch_arguments_nested_pytrees_and_extra_args():
+  def loss(params, images, scale, targets, *, offset):
+    feats = images["pixels"].reshape(images["pixels"].shape[0], -1) * scale
+    feats = feats + images["extra"][0]
+    pred = feats @ params["w"][0] + params["w"][1]["bias"] + offset
+    return jnp.mean((pred - targets["y"]) ** 2)
+
+  k = jax.random.split(jax.random.key(7), 5)
+  params = {"w": (jax.random.normal(k[0], (6, 2)), {"bias": jnp.ones(2)})}
+  images = {"pixels": jax.random.normal(k[1], (12, 2, 3)),
+            "extra": [jax.random.normal(k[2], (12, 6))]}
+  targets = {"y": jax.random.normal(k[3], (12, 2))}
+  scale = jnp.float32(0.5)
+  f = jaxaccum.value_and_grad(loss, num_micro_batches=3, batch_argnums=(1, 3), argnums=(0, 2))
+  out = jax.jit(functools.partial(f, offset=1.0))(params, images, scale, targets)
+  ref = jax.value_and_grad(loss, argnums=(0, 2))(params, images, scale, targets, offset=1.0)
+  assert_close(out, ref)
+  assert isinstance(out[1], tuple) and len(out[1]) == 2
+
+
+def test_negative_argnums():
+  params, batch = make_mlp(jax.random.key(8))
+  out = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=2, argnums=-2,
+                                        batch_argnums=-1))(params, batch)
+  assert_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+
+
+def test_no_retrace_and_constant_trace_count():
+  traces = []
+
+  def counted(params, batch):
+    traces.append(1)
+    return mlp_loss(params, batch)
+
+  params, batch = make_mlp(jax.random.key(9), batch=32)
+  counts = {}
+  for n in (2, 16):
+    traces.clear()
+    step = jax.jit(jaxaccum.value_and_grad(counted, num_micro_batches=n))
+    step(params, batch)
+    first = len(traces)
+    step(params, batch)
+    step(jax.tree.map(lambda a: a + 1, params), batch)
+    assert len(traces) == first, "a second call with the same shapes retraced the loss"
+    counts[n] = first
+  assert counts[2] == counts[16], counts  # traced a constant number of times, whatever N is
+  assert counts[2] <= 2, counts  # once for shapes, once for the scan body
+
+
+def test_one_scan_in_the_program():
+  params, batch = make_mlp(jax.random.key(10), batch=64)
+  f = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=16)
+  jaxpr = jax.make_jaxpr(f)(params, batch)
+  prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert prims.count("scan") == 1, prims
+  hlo = jax.jit(f).lower(params, batch).compile().as_text()
+  assert hlo.count(" while(") == 1
+
+
+def test_rng_keys_distinct_per_micro_batch_and_reproducible():
+  def noisy_loss(params, batch, key):
+    x, y = batch
+    keep = jax.random.bernoulli(key, 0.5, x.shape)
+    pred = (jnp.where(keep, x, 0.0) @ params["layers"][0]["w"])[:, :3]
+    return jnp.mean((pred - y) ** 2), jax.random.key_data(key)
+
+  params, batch = make_mlp(jax.random.key(11))
+  key = jax.random.key(42)
+  n = 4
+  f = jax.jit(jaxaccum.value_and_grad(noisy_loss, num_micro_batches=n, has_aux=True,
+                                      rng_argnums=2, aux_reduce="stack"))
+  (loss, keys), grads = f(params, batch, key)
+  expected = jnp.stack([jax.random.key_data(jax.random.fold_in(key, i)) for i in range(n)])
+  np.testing.assert_array_equal(keys, expected)
+  assert len({tuple(np.asarray(k)) for k in keys}) == n
+  # Exactly the hand-written loop over micro-batches with those keys.
+  mbs = jaxaccum.split_micro_batches(batch, num_micro_batches=n)
+  ref = [jax.value_and_grad(noisy_loss, has_aux=True)(
+      params, jax.tree.map(lambda a, i=i: a[i], mbs), jax.random.fold_in(key, i))
+         for i in range(n)]
+  assert_close(loss, sum(r[0][0] for r in ref) / n)
+  assert_close(grads, jax.tree.map(lambda *g: sum(g) / n, *[r[1] for r in ref]))
+  again = f(params, batch, key)
+  np.testing.assert_array_equal(again[0][0], loss)
+  other = f(params, batch, jax.random.key(43))
+  assert not np.allclose(other[0][0], loss)
+
+
+def test_rng_pytree_of_raw_keys():
+  def loss(w, x, rngs):
+    noise = jax.random.normal(rngs["dropout"], x.shape) * 0.1
+    return jnp.mean((x + noise) * w), rngs["dropout"]
+
+  w, x = jnp.float32(2.0), jnp.arange(8.0)
+  rngs = {"dropout": jax.random.PRNGKey(0)}
+  (_, keys), _ = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=2, has_aux=True, rng_argnums=2, aux_reduce="stack"))(w, x, rngs)
+  np.testing.assert_array_equal(keys[1], jax.random.fold_in(rngs["dropout"], 1))
+
+
+def _stateful_loss(params, batch, stats):
+  """A BatchNorm-like layer: normalizes by micro-batch statistics, updates running means."""
+  x, y = batch
+  mean = jnp.mean(x, axis=0)
+  new_stats = {"mean": 0.9 * stats["mean"] + 0.1 * mean, "steps": stats["steps"] + 1}
+  pred = ((x - mean) @ params["layers"][0]["w"])[:, :3]
+  return jnp.mean((pred - y) ** 2), new_stats
+
+
+def test_state_threads_through_micro_batches_in_order():
+  params, batch = make_mlp(jax.random.key(12))
+  stats = {"mean": jnp.zeros(5), "steps": jnp.int32(0)}
+  n = 4
+  (loss, new_stats), grads = jax.jit(jaxaccum.value_and_grad(
+      _stateful_loss, num_micro_batches=n, state_argnums=2))(params, batch, stats)
+  mbs = jaxaccum.split_micro_batches(batch, num_micro_batches=n)
+  s, losses, gs = stats, [], []
+  for i in range(n):
+    (l_i, s), g = jax.value_and_grad(_stateful_loss, has_aux=True)(
+        params, jax.tree.map(lambda a, i=i: a[i], mbs), s)
+    losses.append(l_i)
+    gs.append(g)
+  assert_close(new_stats, s)
+  assert int(new_stats["steps"]) == n
+  assert_close(loss, sum(losses) / n)
+  assert_close(grads, jax.tree.map(lambda *g: sum(g) / n, *gs))
+
+
+def test_state_with_aux_and_tuple_of_states():
+  def loss(params, batch, s1, s2):
+    l_val, new_s1 = _stateful_loss(params, batch, s1)
+    return l_val, ((new_s1, s2 * 2.0), {"l": l_val})
+
+  params, batch = make_mlp(jax.random.key(13))
+  s1 = {"mean": jnp.zeros(5), "steps": jnp.int32(0)}
+  s2 = jnp.ones(2)
+  ((value, ((out1, out2), aux)), grads) = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=2, state_argnums=(2, 3), has_aux=True))(params, batch, s1, s2)
+  assert int(out1["steps"]) == 2
+  np.testing.assert_array_equal(out2, jnp.full(2, 4.0))
+  assert_close(aux["l"], value)
+
+
+def test_remat_same_numbers_less_temporary_memory():
+  from jax.ad_checkpoint import checkpoint_name
+
+  def deep_loss(params, x):
+    for w in params:
+      x = jax.nn.gelu(x @ w)
+      x = checkpoint_name(jnp.sin(x) * jnp.cos(x) + jnp.tanh(x), "layer_out")
+    return jnp.mean(x**2)
+
+  ks = jax.random.split(jax.random.key(14), 5)
+  params = [jax.random.normal(k, (64, 64)) / 8 for k in ks[:4]]
+  x = jax.random.normal(ks[4], (512, 64))
+  plain = jaxaccum.value_and_grad(deep_loss, num_micro_batches=2)
+  remat = jaxaccum.value_and_grad(
+      deep_loss, num_micro_batches=2,
+      remat_policy=jax.checkpoint_policies.save_only_these_names("layer_out"))
+  assert_close(jax.jit(remat)(params, x), jax.jit(plain)(params, x))
+  assert_close(jax.jit(remat)(params, x), jax.value_and_grad(deep_loss)(params, x))
+
+  def temp(f):
+    return jax.jit(f).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+  assert temp(remat) < 0.8 * temp(plain), (temp(remat), temp(plain))
+  whole = jaxaccum.value_and_grad(deep_loss, num_micro_batches=2, remat=True)
+  assert_close(jax.jit(whole)(params, x), jax.jit(plain)(params, x))
+  assert temp(whole) < temp(plain)
+
+
+def test_unroll_gives_the_same_numbers():
+  params, batch = make_mlp(jax.random.key(15))
+  out = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=8, unroll=2))(
+      params, batch)
+  assert_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+
+
+def test_bf16_gradients_accumulate_in_float32():
+  params32, batch32 = make_mlp(jax.random.key(16), din=16, dh=32, dout=4, batch=1024)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params32)
+  batch = jax.tree.map(lambda a: a.astype(jnp.bfloat16), batch32)
+  up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
+  ref = jax.jit(jax.grad(mlp_loss))(up(params), up(batch))  # the same inputs, in float32
+
+  def rel_err(g):
+    g = up(g)
+    pairs = zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True)
+    num = sum(jnp.sum((a - b) ** 2) for a, b in pairs)
+    return float(jnp.sqrt(num / sum(jnp.sum(b**2) for b in jax.tree.leaves(ref))))
+
+  full_bf16 = rel_err(jax.jit(jax.grad(mlp_loss))(params, batch))
+  acc = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=128))(params, batch)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(acc))  # the params' dtype
+  acc_f32 = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=128, grads_dtype=jnp.float32))(
+      params, batch)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(acc_f32))
+  naive = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=128,
+                                accumulator_dtype=jnp.bfloat16))(params, batch)
+  # The float32 accumulator is no worse than the full batch computed in bf16 ...
+  assert rel_err(acc_f32) <= full_bf16, (rel_err(acc_f32), full_bf16)
+  # ... and rounding it to bf16 once at the end adds only bf16's own rounding
+  # (2**-9 relative per entry), while a bf16 accumulator rounds 128 times.
+  assert rel_err(acc) <= full_bf16 + 2.0**-9, (rel_err(acc), full_bf16)
+  assert rel_err(naive) > 3 * rel_err(acc), (rel_err(naive), rel_err(acc))
+
+
+def test_bf16_loss_value_keeps_its_dtype():
+  params, batch = make_mlp(jax.random.key(17), dtype=jnp.bfloat16)
+  loss, grads = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=4))(params, batch)
+  ref_loss, _ = jax.value_and_grad(mlp_loss)(params, batch)
+  assert loss.dtype == ref_loss.dtype == jnp.bfloat16
+  assert_close(loss, ref_loss, rtol=2e-2)  # bf16 has 8 bits of mantissa
+
+
+def test_float64_stays_float64():
+  with jax.enable_x64(True):
+    params, batch = make_mlp(jax.random.key(18), dtype=jnp.float64)
+    loss, grads = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=4))(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
+    assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(grads))
+    assert_close((loss, grads), (ref_loss, ref_grads), rtol=1e-12, atol=0)
