@@ -1,0 +1,334 @@
+"""Tests for ``jaxaccum.plan`` / ``jaxaccum.plan_step``: memory read from compiled programs.
+
+Every memory figure the planner reports is checked against an independent compile of
+``jaxaccum.value_and_grad`` with the same count (``argument + output + temp - alias`` bytes of
+``memory_analysis()``, the CPU figure), and every numerical result against the full batch
+through plain ``jax.value_and_grad``.
+"""
+
+import contextlib
+import importlib.util
+import math
+import pathlib
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _plan
+from tests._util import assert_close
+
+BATCH = 64  # divisors 1, 2, 4, 8, 16, 32, 64
+SIZES = (8, 32, 32, 1)
+HUGE = 2**40
+
+
+def mlp_loss(params, batch):
+  x, y = batch
+  for w, b in params[:-1]:
+    x = jnp.tanh(x @ w + b)
+  w, b = params[-1]
+  return jnp.mean((x @ w + b - y) ** 2)
+
+
+def make_mlp(batch_size=BATCH, seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(SIZES) + 1)
+  params = [(jax.random.normal(k, (a, b)) / a**0.5, 0.1 * jax.random.normal(k, (b,)))
+            for k, a, b in zip(keys, SIZES[:-1], SIZES[1:], strict=False)]
+  x = jax.random.normal(keys[-2], (batch_size, SIZES[0]))
+  y = jax.random.normal(keys[-1], (batch_size, 1))
+  return params, (x, y)
+
+
+def shapes(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def xla_bytes(compiled):
+  """The reference CPU figure, straight from XLA."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+def compile_vg(n, *args, loss=mlp_loss):
+  fn = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n))
+  return fn.lower(*args).compile()
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compilations (jax's own monitoring event) inside the block."""
+  names = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_memory_falls_with_micro_batch_count_on_an_mlp():
+  params, batch = make_mlp()
+  p = jaxaccum.plan(mlp_loss, *shapes((params, batch)), memory_budget_bytes=HUGE,
+                    search="all")
+  counts = [c.num_micro_batches for c in p.candidates]
+  assert counts == [1, 2, 4, 8, 16, 32, 64]
+  assert [c.micro_batch_size for c in p.candidates] == [BATCH // n for n in counts]
+  peaks = [c.peak_bytes for c in p.candidates]
+  temps = [c.temp_bytes for c in p.candidates]
+  assert all(a >= b for a, b in zip(peaks, peaks[1:], strict=False)), peaks
+  assert all(a >= b for a, b in zip(temps, temps[1:], strict=False)), temps
+  # Activations of 64 rows vs 1: the fall is real, not round-off.
+  assert peaks[-1] < 0.9 * peaks[0], peaks
+  # The planner's figures are XLA's, for the same program.
+  assert peaks[0] == xla_bytes(compile_vg(1, params, batch))
+  # A budget everything fits: the fewest micro-batches.
+  assert (p.num_micro_batches, p.micro_batch_size, p.peak_bytes) == (1, BATCH, peaks[0])
+  table = str(p)
+  assert p.table() == table
+  for c in p.candidates:
+    assert re.search(rf"^\s*{c.num_micro_batches}\s+{c.micro_batch_size}\s", table, re.M)
+  assert "<- chosen" in table and "num_micro_batches=1 " in table
+
+
+@pytest.mark.parametrize("target", [4, 16])
+def test_chosen_plan_fits_and_the_next_smaller_count_does_not(target):
+  params, batch = make_mlp()
+  budget = xla_bytes(compile_vg(target, params, batch))  # exactly the target's figure
+  p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+  assert p.num_micro_batches == target
+  assert p.micro_batch_size == BATCH // target
+  assert p.memory_budget_bytes == budget
+  # Independently: the chosen compiled program fits, the next smaller divisor does not.
+  assert xla_bytes(p.compiled) == p.peak_bytes <= budget
+  smaller = target // 2
+  assert xla_bytes(compile_vg(smaller, params, batch)) > budget
+  rows = {c.num_micro_batches: c for c in p.candidates}
+  assert rows[target].fits and not rows[smaller].fits
+
+
+def test_plan_count_gives_full_batch_gradients():
+  params, batch = make_mlp()
+  budget = xla_bytes(compile_vg(8, params, batch))
+  p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+  assert p.num_micro_batches == 8
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
+  vg = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=p.num_micro_batches))
+  loss, grads = vg(params, batch)
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+  # The chosen program comes back compiled: running it compiles nothing.
+  with count_compiles() as compiles:
+    loss, grads = p.compiled(params, batch)
+  assert compiles == []
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+
+
+def linear_loss(w, batch):
+  x, y = batch
+  return jnp.mean((x @ w - y) ** 2)
+
+
+def test_batch_4096_needs_at_most_8_compilations():
+  # 4096 = 2**12 has 13 divisors; a binary search over them needs ceil(log2(14)) = 4.
+  w = jax.ShapeDtypeStruct((4,), jnp.float32)
+  batch = (jax.ShapeDtypeStruct((4096, 4), jnp.float32),
+           jax.ShapeDtypeStruct((4096,), jnp.float32))
+  with count_compiles() as compiles:
+    loose = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=HUGE)
+  assert loose.num_micro_batches == 1
+  assert len(compiles) == len(loose.candidates) <= math.ceil(math.log2(13 + 1)) <= 8
+  # A budget between two compiled figures, and one only N = 4096 meets.
+  rows = loose.candidates
+  budgets = [rows[-1].peak_bytes]
+  if len(rows) > 1:
+    budgets.append((rows[0].peak_bytes + rows[1].peak_bytes) // 2)
+  for budget in budgets:
+    with count_compiles() as compiles:
+      try:
+        p = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=budget)
+      except ValueError as e:  # too small: still a bounded search
+        assert "too small" in str(e)
+        assert 0 < len(compiles) <= 4
+        continue
+    assert len(compiles) == len(p.candidates) <= 4
+    assert len({c.num_micro_batches for c in p.candidates}) == len(p.candidates)
+    assert p.peak_bytes <= budget
+    assert p.compiled is not None
+
+
+def test_plan_step_with_donation_matches_a_full_batch_step():
+  params, batch = make_mlp()
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  opt_state = optimizer.init(params)
+  made = []
+
+  def make_step(n):
+    made.append(n)
+    vg = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n)
+
+    def step(params, opt_state, batch):
+      loss, grads = vg(params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+  args = shapes((params, opt_state, batch))
+  loose = jaxaccum.plan_step(make_step, *args, batch_argnums=2, memory_budget_bytes=HUGE)
+  assert loose.num_micro_batches == 1
+  assert sorted(made) == [c.num_micro_batches for c in loose.candidates]
+  # Donation shows: the new parameters and momentum reuse the old buffers.
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  assert all(c.alias_bytes >= 2 * param_bytes for c in loose.candidates)
+  budget = max(c.peak_bytes for c in loose.candidates if c.num_micro_batches > 1)
+  p = jaxaccum.plan_step(make_step, *args, batch_argnums=-1, memory_budget_bytes=budget)
+  assert 1 < p.num_micro_batches and p.peak_bytes <= budget
+  assert xla_bytes(p.compiled) == p.peak_bytes
+
+  def ref_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  expected = jax.jit(ref_step)(params, opt_state, batch)
+  copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731 (the step consumes donated inputs)
+  got = p.compiled(copy(params), copy(opt_state), batch)
+  assert_close(got, expected)
+
+
+def test_sharded_batch_is_planned_per_device():
+  devices = np.array(jax.devices()[:8])
+  mesh = Mesh(devices, ("data",))
+  params, batch = make_mlp()
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                          params)
+  batch_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split), batch)
+  p = jaxaccum.plan(mlp_loss, params_s, batch_s, memory_budget_bytes=HUGE)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch))
+  for c in p.candidates:
+    # One device holds all the parameters and an eighth of the batch.
+    assert c.argument_bytes == param_bytes + batch_bytes // len(devices)
+  # Against the same program on one device, holding the whole batch.
+  assert p.num_micro_batches == 1
+  assert p.peak_bytes < xla_bytes(compile_vg(1, params, batch))
+
+
+def test_budget_too_small_says_by_how_much():
+  params, batch = make_mlp()
+  budget = 1000
+  least = xla_bytes(compile_vg(BATCH, params, batch))
+  with pytest.raises(ValueError, match="memory_budget_bytes=1,000 .* is too small") as info:
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+  message = str(info.value)
+  assert f"smallest figure reached is {least:,} bytes" in message
+  assert f"num_micro_batches={BATCH} (micro-batches of 1 row)" in message
+  assert f"{least - budget:,} bytes" in message and "over the budget" in message
+
+
+@pytest.mark.parametrize("budget", [0, -5, float("nan"), -1.5])
+def test_non_positive_budget(budget):
+  params, batch = make_mlp()
+  with pytest.raises(ValueError, match="memory_budget_bytes must be a positive number"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+
+
+@pytest.mark.parametrize("budget", ["8GB", True])
+def test_non_numeric_budget(budget):
+  params, batch = make_mlp()
+  with pytest.raises(TypeError, match="memory_budget_bytes must be a number of bytes"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+
+
+def test_batch_leaves_that_disagree():
+  params, (x, y) = make_mlp()
+  with pytest.raises(ValueError, match="leading sizes differ.*64.*32"):
+    jaxaccum.plan(mlp_loss, params, (x, y[:32]), memory_budget_bytes=HUGE)
+
+
+def test_cpu_needs_an_explicit_budget():
+  params, batch = make_mlp()
+  with pytest.raises(ValueError, match=r"memory_budget_bytes is required here: .*\(cpu\)"):
+    jaxaccum.plan(mlp_loss, params, batch)
+
+
+def test_bad_options():
+  params, batch = make_mlp()
+  with pytest.raises(TypeError, match="plan chooses the micro-batch count.*num_micro_batches=4"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, num_micro_batches=4)
+  with pytest.raises(TypeError, match="micro_batch_size=2"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, micro_batch_size=2)
+  with pytest.raises(TypeError, match="unknown option.*'batch_axis'"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, batch_axis=0)
+  with pytest.raises(ValueError, match="reduce must be one of"):  # value_and_grad's own check
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, reduce="avg")
+  with pytest.raises(ValueError, match="search must be one of 'binary', 'all'"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, search="linear")
+  with pytest.raises(ValueError, match="batch_argnums=3 is out of range"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, batch_argnums=3)
+
+
+def test_plan_step_bad_factory():
+  params, batch = make_mlp()
+  with pytest.raises(TypeError, match="make_step must be a function"):
+    jaxaccum.plan_step(None, params, batch, batch_argnums=1, memory_budget_bytes=HUGE)
+  with pytest.raises(TypeError, match=r"make_step\(\d+\) must return a jitted function"):
+    jaxaccum.plan_step(lambda n: jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n),
+                       params, batch, batch_argnums=1, memory_budget_bytes=HUGE)
+
+
+class _FakeDevice:
+  platform = "gpu"
+
+  def __init__(self, id, stats):
+    self.id, self._stats = id, stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+def test_default_budget_is_the_device_limit_less_the_margin():
+  # The default is read from memory_stats() where a backend reports it (GPU); CPU does not.
+  devices = [_FakeDevice(0, {"bytes_limit": 1000, "bytes_in_use": 10}),
+             _FakeDevice(1, {"bytes_limit": 800})]
+  assert _plan._default_budget(devices) == int(800 * (1 - _plan._SAFETY_MARGIN)) == 720
+  with pytest.raises(ValueError, match="memory_budget_bytes is required"):
+    _plan._default_budget([_FakeDevice(0, None)])
+
+
+def test_memory_figure_uses_xla_peak_only_where_it_counts_temporaries():
+  stats = types.SimpleNamespace(argument_size_in_bytes=100, output_size_in_bytes=40,
+                                temp_size_in_bytes=500, alias_size_in_bytes=30,
+                                peak_memory_in_bytes=520)
+  compiled = types.SimpleNamespace(memory_analysis=lambda: stats)
+  assert _plan._memory(compiled, "gpu")["peak_bytes"] == 520
+  assert _plan._memory(compiled, "cpu")["peak_bytes"] == 100 + 40 + 500 - 30
+
+
+def test_example_script_prints_the_plan(capsys):
+  path = pathlib.Path(__file__).parents[1] / "examples" / "plan_memory.py"
+  spec = importlib.util.spec_from_file_location("plan_memory_example", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  p = module.main(["--batch-size", "16", "--features", "4", "--width", "8", "--depth", "1",
+                   "--budget-mib", "1"])
+  out = capsys.readouterr().out
+  assert str(p) in out
+  assert isinstance(p, jaxaccum.Plan)
+  assert p.peak_bytes <= p.memory_budget_bytes == 2**20
+  assert f"chosen: num_micro_batches={p.num_micro_batches} " in out
