@@ -14,7 +14,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/char_lm.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_accumulation.py
+
+bench-quick: $(STAMP)
+	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

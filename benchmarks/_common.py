@@ -1,0 +1,88 @@
+"""Shared benchmark helpers: compile with statistics, interleaved timing, the environment.
+
+Every benchmark compiles first (``.lower(...).compile()``, timed), warms up, then times
+its methods round-robin in one process (repeat ``r`` visits the methods in an order
+rotated by ``r``, so drift in the machine's load falls on all of them alike) and reports
+medians.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+MIB = 2.0**20
+
+
+def device_info() -> dict[str, Any]:
+  """The device, host and library versions the numbers were taken on."""
+  dev = jax.devices()[0]
+  return {
+      "device_kind": dev.device_kind,
+      "platform": dev.platform,
+      "num_devices": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+      "host": platform.platform(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "date": datetime.date.today().isoformat(),
+  }
+
+
+def compile_with_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
+  """Lowers and compiles a jitted ``fn`` for ``args``; returns it and its statistics.
+
+  The statistics are the wall time of lowering plus compiling, and the compiled memory
+  in bytes from ``memory_analysis()``: ``argument``, ``output``, ``alias``, ``temp`` and
+  ``total = argument + output + temp - alias`` (what the executable needs at its peak,
+  inputs and outputs included; donated inputs counted once).
+  """
+  t0 = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  stats = {"compile_s": compile_s}
+  mem = compiled.memory_analysis()
+  for key, attr in (("argument", "argument_size_in_bytes"), ("output", "output_size_in_bytes"),
+                    ("alias", "alias_size_in_bytes"), ("temp", "temp_size_in_bytes")):
+    stats[key] = float(getattr(mem, attr, 0) or 0) if mem is not None else float("nan")
+  stats["total"] = stats["argument"] + stats["output"] + stats["temp"] - stats["alias"]
+  return compiled, stats
+
+
+def time_interleaved(
+    runners: dict[str, Callable[[], Any]], *, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+  """Times each zero-argument runner ``repeats`` times, round-robin, after ``warmup`` calls.
+
+  Each runner does one step and blocks until its results are ready. Returns the list of
+  wall times in seconds per runner.
+  """
+  names = list(runners)
+  for _ in range(warmup):
+    for name in names:
+      runners[name]()
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(repeats):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      t0 = time.perf_counter()
+      runners[name]()
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
+def median(xs: Sequence[float]) -> float:
+  """The median of a non-empty sequence (NaN when empty)."""
+  return statistics.median(xs) if xs else float("nan")
+
+
+def block(tree: Any) -> Any:
+  """``jax.block_until_ready`` on a pytree; returns it."""
+  return jax.block_until_ready(tree)
