@@ -7,8 +7,8 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
-from jaxaccum._plan import Candidate as Candidate
 from jaxaccum._plan import Plan as Plan
+from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._split import split_micro_batches as split_micro_batches
@@ -31,10 +31,10 @@ def __getattr__(name: str):
 
 
 __all__ = (
-    "Candidate",
     "MultiSteps",
     "MultiStepsState",
     "Plan",
+    "PlanCandidate",
     "grad",
     "plan",
     "plan_step",

@@ -38,7 +38,7 @@ _SEARCHES = ("binary", "all")
 _FIXED_BY_PLAN = ("num_micro_batches", "micro_batch_size")
 
 
-class Candidate(NamedTuple):
+class PlanCandidate(NamedTuple):
   """One compiled candidate of a :class:`Plan`; sizes are bytes per device.
 
   Attributes:
@@ -72,8 +72,8 @@ class Plan:
   Attributes:
     num_micro_batches: the fewest micro-batches whose program fits the budget.
     micro_batch_size: rows per micro-batch, ``batch_size // num_micro_batches``.
-    peak_bytes: memory of the chosen program, in bytes per device (see :class:`Candidate`).
-    candidates: one :class:`Candidate` per compiled micro-batch count, by increasing count.
+    peak_bytes: memory of the chosen program, in bytes per device (see :class:`PlanCandidate`).
+    candidates: one :class:`PlanCandidate` per compiled micro-batch count, by increasing count.
     batch_size: the rows of the batch arguments.
     memory_budget_bytes: the budget the plan was made for, in bytes per device.
     compiled: the chosen :class:`jax.stages.Compiled` program. Call it with arguments of the
@@ -86,7 +86,7 @@ class Plan:
   num_micro_batches: int
   micro_batch_size: int
   peak_bytes: int
-  candidates: tuple[Candidate, ...]
+  candidates: tuple[PlanCandidate, ...]
   batch_size: int
   memory_budget_bytes: int
   compiled: Any = dataclasses.field(repr=False, compare=False)
@@ -108,7 +108,7 @@ def _fmt_bytes(n: int) -> str:
   return f"{n} B"
 
 
-def _table(candidates: Sequence[Candidate], batch_size: int, budget: int,
+def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
            chosen: int | None) -> str:
   header = ("N", "micro-batch", "peak", "temp", "arguments", "outputs", "aliased",
             "compile s", "")
@@ -212,7 +212,7 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
     budget = _default_budget(devices)
   platform = devices[0].platform
   counts = _split.divisors(size)  # increasing N: decreasing memory
-  cache: dict[int, tuple[Candidate, Any, Any]] = {}
+  cache: dict[int, tuple[PlanCandidate, Any, Any]] = {}
 
   def fits(i: int) -> bool:
     n = counts[i]
@@ -227,7 +227,7 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
       compiled = jitted.lower(*args).compile()
       seconds = time.perf_counter() - start
       mem = _memory(compiled, platform)
-      row = Candidate(num_micro_batches=n, micro_batch_size=size // n, compile_seconds=seconds,
+      row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n, compile_seconds=seconds,
                       fits=mem["peak_bytes"] <= budget, **mem)
       cache[n] = (row, compiled, jitted)
     return cache[n][0].fits

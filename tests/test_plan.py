@@ -83,6 +83,7 @@ def test_memory_falls_with_micro_batch_count_on_an_mlp():
   params, batch = make_mlp()
   p = jaxaccum.plan(mlp_loss, *shapes((params, batch)), memory_budget_bytes=HUGE,
                     search="all")
+  assert all(isinstance(c, jaxaccum.PlanCandidate) for c in p.candidates)
   counts = [c.num_micro_batches for c in p.candidates]
   assert counts == [1, 2, 4, 8, 16, 32, 64]
   assert [c.micro_batch_size for c in p.candidates] == [BATCH // n for n in counts]
