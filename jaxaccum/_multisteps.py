@@ -94,24 +94,36 @@ def _describe(x: Any) -> str:
 
 
 def _check_weight(weight: Any, dtype: Any) -> jax.Array:
-  """Validates ``weight`` (a non-negative real scalar) and returns it in ``dtype``."""
+  """Validates ``weight`` (a non-negative real scalar) and returns it in ``dtype``.
+
+  Python numbers, numpy values and concrete arrays are checked now; a traced weight's
+  sign is checked when the compiled step runs.
+  """
   what = ("the number of items (e.g. real tokens) that this micro-batch's mean loss was "
           "taken over")
   if isinstance(weight, (bool, np.bool_)):
     raise TypeError(f"weight must be a non-negative number, {what}; got weight={weight!r}.")
   try:
-    w = jnp.asarray(weight)
-  except TypeError as e:
-    raise TypeError(f"weight must be a scalar number, {what}; got {_describe(weight)}.") from e
-  if w.shape != ():
+    concrete = np.asarray(weight)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    concrete = None
+  shape, dtype_in = ((concrete.shape, concrete.dtype) if concrete is not None
+                     else (weight.shape, weight.dtype))
+  if shape != ():
     raise TypeError(
-        f"weight must be a scalar, {what}; got weight as {_describe(weight)}. Reduce it "
-        "first, e.g. weight=jnp.sum(mask)."
+        f"weight must be a scalar, {what}; got weight as {_describe(weight)} (shape "
+        f"{tuple(shape)}). Reduce it first, e.g. weight=jnp.sum(mask)."
     )
-  if not (jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)):
+  if not (jnp.issubdtype(dtype_in, jnp.integer) or jnp.issubdtype(dtype_in, jnp.floating)):
     raise TypeError(
         f"weight must have an integer or floating dtype, {what}; got {_describe(weight)}.")
-  w = w.astype(dtype)
+  if concrete is not None:
+    if not concrete >= 0:
+      raise ValueError(
+          f"weight must be non-negative ({what}), got weight={concrete}. Pass the count of "
+          "real items, 0 for a micro-batch that has none.")
+    return jnp.asarray(concrete, dtype)
+  w = weight.astype(dtype)
   _fail(~(w >= 0),
         "weight must be non-negative (" + what + "), got weight={}. Pass the count of "
         "real items, 0 for a micro-batch that has none.", w)
