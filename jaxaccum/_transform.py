@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum import _reduce, _split
+from jaxaccum import _reduce, _sharding, _split
 
 PyTree = Any
 
@@ -20,7 +20,7 @@ class _Options:
 
   def __init__(self, *, fun, num_micro_batches, micro_batch_size, argnums, batch_argnums,
                has_aux, reduce, aux_reduce, rng_argnums, state_argnums, accumulator_dtype,
-               grads_dtype, remat, remat_policy, unroll):
+               grads_dtype, remat, remat_policy, unroll, data_axis=None, mesh=None):
     if not callable(fun):
       raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
     self.fun = fun
@@ -63,6 +63,8 @@ class _Options:
     self.remat = remat or remat_policy is not None
     self.remat_policy = remat_policy
     self.unroll = unroll
+    self.data_axis = _sharding.check_data_axis(data_axis)
+    self.mesh = _sharding.check_mesh(mesh, self.data_axis)
 
   def roles(self, nargs: int) -> dict[str, tuple[int, ...]]:
     roles = {
@@ -191,8 +193,12 @@ def _check_state(opts: _Options, state_in: tuple, new_state: Any) -> tuple:
   return got
 
 
-def _accumulate(opts: _Options, args: tuple, kwargs: dict):
-  """The accumulated (value, aux-part, grads) of ``opts.fun`` over the micro-batches."""
+def _accumulate(opts: _Options, args: tuple, kwargs: dict, combine=None):
+  """The accumulated (value, aux-part, grads) of ``opts.fun`` over the micro-batches.
+
+  ``combine``, if given, reduces the accumulators across devices once after the loop
+  (see ``_sharding.data_parallel``) and returns the micro-batch count to divide by.
+  """
   roles = opts.roles(len(args))
   argnums, batch_argnums = roles["argnums"], roles["batch_argnums"]
   rng_argnums, state_argnums = roles["rng_argnums"], roles["state_argnums"]
@@ -200,8 +206,10 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict):
   n = _split.resolve_count(_split.batch_size(batches), opts.count, opts.size)
   for j in rng_argnums:
     _check_keys(j, args[j])
+  _sharding.check_split_sharding(batches, n)
   split = {j: _split.split(b, n) for j, b in batches.items()}
   state0 = tuple(args[j] for j in state_argnums)
+  params = tuple(args[j] for j in argnums)
 
   def inner(*call_args):
     num, den, new_state, aux = _unpack(opts, opts.fun(*call_args, **kwargs))
@@ -225,7 +233,7 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict):
     return num, den, new_state, aux, grads
 
   # One abstract evaluation gives the shapes of everything the scan carries.
-  num_s, den_s, _, aux_s, grads_s = jax.eval_shape(call, jnp.int32(0), state0)
+  num_s, den_s, state_s, aux_s, grads_s = jax.eval_shape(call, jnp.int32(0), state0)
   weighted = opts.reduce == "weighted"
   if weighted and not (jnp.issubdtype(den_s.dtype, jnp.integer)
                        or jnp.issubdtype(den_s.dtype, jnp.floating)):
@@ -238,18 +246,24 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict):
   den_dtype = (jnp.int32 if weighted and jnp.issubdtype(den_s.dtype, jnp.integer)
                else acc_dtype(den_s.dtype) if weighted else None)
 
+  # The accumulators take the sharding / device-varying type of what is added to them.
   carry0 = (
-      jnp.zeros((), acc_dtype(num_s.dtype)),
-      jnp.zeros((), den_dtype) if weighted else None,
-      jax.tree.map(lambda g: jnp.zeros(g.shape, acc_dtype(g.dtype)), grads_s),
-      jax.tree.map(lambda k, s: _reduce.aux_init(k, s, opts.accumulator_dtype), kinds, aux_s),
-      state0,
+      _sharding.conform(jnp.zeros((), acc_dtype(num_s.dtype)), num_s),
+      _sharding.conform(jnp.zeros((), den_dtype), den_s) if weighted else None,
+      _sharding.align(jax.tree.map(
+          lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), grads_s),
+          params),
+      jax.tree.map(
+          lambda k, s: None if k == "stack" else _sharding.conform(
+              _reduce.aux_init(k, s, opts.accumulator_dtype), s), kinds, aux_s),
+      jax.tree.map(_sharding.conform, state0, state_s) if state_argnums else state0,
   )
 
   def body(carry, i):
     num_acc, den_acc, grad_acc, aux_acc, state = carry
     num, den, new_state, aux, grads = call(i, state)
     grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
+    grad_acc = _sharding.align(grad_acc, params)
     num_acc = num_acc + num.astype(num_acc.dtype)
     if weighted:
       den_acc = den_acc + den.astype(den_dtype)
@@ -261,17 +275,20 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict):
     return new_carry, stacked
 
   carry, stacked = lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll)
+  count = n
+  if combine is not None:
+    carry, stacked, count = combine(carry, stacked, kinds, n)
   num_acc, den_acc, grad_acc, aux_acc, state = carry
 
-  divisor = den_acc if weighted else jnp.asarray(n if opts.reduce == "mean" else 1)
-  aux_divisor = den_acc if weighted else jnp.asarray(n)
+  divisor = den_acc if weighted else jnp.asarray(count if opts.reduce == "mean" else 1)
+  aux_divisor = den_acc if weighted else jnp.asarray(count)
   value = _reduce.safe_divide(num_acc, divisor).astype(num_s.dtype)
 
   def finish_grad(a, g):
     out = _reduce.safe_divide(a, divisor)
     return out.astype(opts.grads_dtype if opts.grads_dtype is not None else g.dtype)
 
-  grads = jax.tree.map(finish_grad, grad_acc, grads_s)
+  grads = _sharding.align(jax.tree.map(finish_grad, grad_acc, grads_s), params)
   aux = jax.tree.map(
       lambda k, c, st, s: _reduce.aux_finalize(k, c, st, s, aux_divisor),
       kinds, aux_acc, stacked, aux_s)
@@ -300,6 +317,8 @@ def value_and_grad(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
+    data_axis: str | Sequence[str] | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -351,6 +370,20 @@ def value_and_grad(
       recomputation in the backward pass for activation memory.
     remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
     unroll: passed to :func:`jax.lax.scan`.
+    data_axis: data-parallel mode: the mesh axis name (or tuple of names) that the batch
+      axis is sharded over. Each device accumulates the gradients of its own rows and
+      they are reduced over these axes once per step, after the loop, instead of once per
+      micro-batch: the number of all-reduces per step does not depend on ``N``. ``fun``
+      then sees ``B / (N * D)`` rows per call on each of the ``D`` data shards, so ``B``
+      must be divisible by ``D * N``. Parameters are replicated over these axes, or, on
+      ``Explicit`` mesh axes, sharded over some of them (FSDP): such a parameter is
+      all-gathered inside ``fun`` and its gradient reduce-scattered once per
+      micro-batch into an accumulator of the shard's size. Mesh axes not named here are
+      left to the compiler. Without ``data_axis``, sharded inputs under :func:`jax.jit`
+      work too (the split moves no data), but XLA may all-reduce the gradients inside the
+      loop. See ``jaxaccum/_sharding.py`` for how aux, state and keys are reduced.
+    mesh: the :class:`jax.sharding.Mesh` holding ``data_axis``; ``None`` (default) uses
+      the mesh set with :func:`jax.set_mesh`.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
@@ -379,11 +412,14 @@ def value_and_grad(
       argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux, reduce=reduce,
       aux_reduce=aux_reduce, rng_argnums=rng_argnums, state_argnums=state_argnums,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
-      remat_policy=remat_policy, unroll=unroll)
+      remat_policy=remat_policy, unroll=unroll, data_axis=data_axis, mesh=mesh)
 
   @functools.wraps(fun)
   def value_and_grad_fn(*args, **kwargs):
-    value, extra, grads = _accumulate(opts, args, kwargs)
+    if opts.data_axis is not None:
+      value, extra, grads = _sharding.data_parallel(opts, _accumulate, args, kwargs)
+    else:
+      value, extra, grads = _accumulate(opts, args, kwargs)
     grads = grads[0] if opts.argnums_is_int else grads
     has_extra = opts.has_aux or bool(opts.state_argnums)
     return ((value, extra), grads) if has_extra else (value, grads)
