@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxaccum import _split, _transform
+from jaxaccum.linen import _check_batch  # shared; jaxaccum.linen does not import flax
 
 PyTree = Any
 
@@ -88,31 +88,6 @@ def _check_rng_argnums(rng_argnums: Any) -> tuple[int, ...]:
           f"rng_argnums={rng_argnums!r} holds a negative index {j}; count positional "
           "arguments of fun(model, batch, ...) from 0 (the first key is usually 2).")
   return argnums
-
-
-def _check_batch(batch: PyTree) -> None:
-  """Every leaf of ``batch`` has the same leading (batch) axis."""
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError(
-        f"batch (the second argument of fun(model, batch, ...)) has no array leaves, got "
-        f"{_describe(batch)}. Pass the data to split into micro-batches as the batch, e.g. "
-        "(x, y) or {'image': x, 'label': y}.")
-  sizes = {}
-  for path, leaf in leaves:
-    shape = np.shape(leaf)
-    where = f"batch{jax.tree_util.keystr(path)}"
-    if not shape:
-      raise ValueError(
-          f"{where} is a scalar, so it has no batch axis to split into micro-batches. "
-          "Every leaf of batch needs a leading batch axis; pass per-step constants as an "
-          "extra argument after the batch, fun(model, batch, constant).")
-    sizes[where] = shape[0]
-  if len(set(sizes.values())) > 1:
-    listing = ", ".join(f"{k} has {v}" for k, v in sizes.items())
-    raise ValueError(
-        f"the leaves of batch must share the leading batch axis, but {listing} rows. "
-        "Give every leaf of batch the same first dimension.")
 
 
 def _model_filter(wrt: Any):

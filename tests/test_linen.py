@@ -1,0 +1,224 @@
+"""jaxaccum.linen: a Linen CNN with BatchNorm and dropout in a TrainState step.
+
+References, both under ``jax.jit``:
+* GroupNorm without dropout: plain ``jax.value_and_grad`` on the full batch;
+* BatchNorm and dropout: a Python loop over ``jaxaccum.split_micro_batches`` that threads
+  ``batch_stats`` from micro-batch to micro-batch and gives micro-batch ``i`` the key
+  ``jax.random.fold_in(key, i)``, then averages the gradients.
+Tolerance: ``tests._util.assert_close`` (float32, 1e-5 relative to each leaf's maximum).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training import train_state
+
+import jaxaccum
+from tests._util import assert_close
+
+
+class CNN(nn.Module):
+  norm: str = "batch"
+  dropout: float = 0.5
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Conv(4, (3, 3))(x)
+    if self.norm == "batch":
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    else:
+      x = nn.GroupNorm(num_groups=2)(x)
+    x = nn.relu(x).mean(axis=(1, 2))
+    x = nn.Dropout(self.dropout, deterministic=not train)(x)
+    return nn.Dense(3)(x)
+
+
+class TrainState(train_state.TrainState):
+  batch_stats: Any
+
+
+def make_loss(model):
+  def loss_fn(params, batch, model_state, rngs):
+    x, y = batch
+    logits, new_state = model.apply({"params": params, **model_state}, x, train=True,
+                                    mutable=list(model_state), rngs=rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
+
+  return loss_fn
+
+
+def data(step, batch_size=8):
+  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
+  return (jax.random.normal(kx, (batch_size, 6, 6, 1)),
+          jax.random.randint(ky, (batch_size,), 0, 3))
+
+
+def create(model, tx=None):
+  variables = model.init(jax.random.key(0), data(0)[0], train=False)
+  tx = tx or optax.sgd(0.1, momentum=0.9)
+  if "batch_stats" in variables:
+    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                             batch_stats=variables["batch_stats"])
+  return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+
+@jax.jit
+def _reference_step(state, batch, key):
+  """The sequential micro-batch loop for the BatchNorm + dropout CNN, N = 4."""
+  n = 4
+  loss_fn = make_loss(CNN("batch", 0.5))
+  micro = jaxaccum.split_micro_batches(batch, num_micro_batches=n)
+  model_state = {"batch_stats": state.batch_stats}
+  loss, grads = 0.0, jax.tree.map(jnp.zeros_like, state.params)
+  for i in range(n):
+    mb = jax.tree.map(lambda x, i=i: x[i], micro)
+    (l_i, model_state), g_i = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, mb, model_state, {"dropout": jax.random.fold_in(key, i)})
+    loss, grads = loss + l_i / n, jax.tree.map(lambda a, g: a + g / n, grads, g_i)
+  return state.apply_gradients(grads=grads, **model_state), loss, grads
+
+
+def test_batchnorm_dropout_train_steps_match_sequential_micro_batches():
+  model = CNN("batch", 0.5)
+  state = ref_state = create(model)
+  vg = jax.jit(jaxaccum.linen.value_and_grad(make_loss(model), num_micro_batches=4))
+  train_step = jax.jit(jaxaccum.linen.make_train_step(make_loss(model), num_micro_batches=4))
+  root = jax.random.key(7)
+  for step in range(3):
+    batch, key = data(step), jax.random.fold_in(root, step)
+    (loss, new_stats), grads = vg(state.params, batch, {"batch_stats": state.batch_stats},
+                                  {"dropout": key})
+    state, step_loss = train_step(state, batch, {"dropout": key})
+    ref_state, ref_loss, ref_grads = _reference_step(ref_state, batch, key)
+    assert_close(loss, ref_loss, err_msg=f"step {step}")
+    assert_close(step_loss, ref_loss, err_msg=f"step {step}")
+    assert_close(grads, ref_grads, err_msg=f"step {step}")
+    assert_close(new_stats["batch_stats"], ref_state.batch_stats, err_msg=f"step {step}")
+  assert int(state.step) == 3
+  assert_close(state.params, ref_state.params)
+  assert_close(state.batch_stats, ref_state.batch_stats)
+  assert_close(state.opt_state, ref_state.opt_state)
+
+
+class DenseDropout(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dropout(0.5, deterministic=False)(nn.Dense(32)(x))
+
+
+def test_dropout_masks_differ_per_micro_batch():
+  """Micro-batch i uses fold_in(key, i): identical rows get distinct, reproducible masks."""
+  n = 4
+  model = DenseDropout()
+  params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+
+  def loss_fn(params, x, model_state, rngs):
+    h = model.apply({"params": params}, x, rngs=rngs)
+    return jnp.mean(h**2), (model_state, h)
+
+  x, key = jnp.ones((8, 3)), jax.random.key(5)
+  (_, (_, h)), _ = jax.jit(jaxaccum.linen.value_and_grad(
+      loss_fn, num_micro_batches=n, has_aux=True, aux_reduce="stack"))(
+          params, x, {}, {"dropout": key})
+  apply = jax.jit(model.apply)
+  for i in range(n):
+    ref = apply({"params": params}, x[i::n], rngs={"dropout": jax.random.fold_in(key, i)})
+    assert_close(h[i], ref, err_msg=f"micro-batch {i}")
+  masks = (h == 0).reshape(n, -1)
+  for i in range(n):
+    for j in range(i):
+      assert (masks[i] != masks[j]).any(), f"micro-batches {i} and {j} share a mask"
+
+
+def test_batchnorm_gradient_differs_from_full_batch():
+  model = CNN("batch", 0.0)
+  state = create(model)
+  batch = data(0)
+  model_state = {"batch_stats": state.batch_stats}
+  (_, _), grads = jax.jit(jaxaccum.linen.value_and_grad(make_loss(model), num_micro_batches=4))(
+      state.params, batch, model_state, {})
+  (_, _), ref = jax.jit(jax.value_and_grad(make_loss(model), has_aux=True))(
+      state.params, batch, model_state, {})
+  g, r = grads["Conv_0"]["kernel"], ref["Conv_0"]["kernel"]
+  rel = float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r)))
+  assert rel > 1e-2, f"ghost-batch gradient unexpectedly equals the full batch (rel={rel})"
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_groupnorm_train_steps_equal_full_batch(n):
+  model = CNN("group", 0.0)
+  loss_fn = make_loss(model)
+  state = ref_state = create(model)
+  train_step = jax.jit(jaxaccum.linen.make_train_step(loss_fn, num_micro_batches=n,
+                                                      collections=()))
+
+  @jax.jit
+  def ref_step(state, batch):
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, {}, {})
+    return state.apply_gradients(grads=grads), loss
+
+  for step in range(3):
+    state, loss = train_step(state, data(step), {})
+    ref_state, ref_loss = ref_step(ref_state, data(step))
+    assert_close(loss, ref_loss, err_msg=f"step {step}")
+  assert_close(state.params, ref_state.params)
+
+
+def test_no_retrace_on_second_step():
+  traces = []
+  model = CNN("batch", 0.5)
+  loss_fn = make_loss(model)
+
+  def counted(*args):
+    traces.append(1)
+    return loss_fn(*args)
+
+  train_step = jax.jit(jaxaccum.linen.make_train_step(counted, num_micro_batches=4))
+  state = create(model)
+  state, _ = train_step(state, data(0), {"dropout": jax.random.key(0)})
+  first = len(traces)
+  assert first > 0
+  state, _ = train_step(state, data(1), {"dropout": jax.random.key(1)})
+  assert len(traces) == first, "the second step retraced fun"
+
+
+def test_has_aux():
+  model = CNN("batch", 0.5)
+  loss_fn = make_loss(model)
+
+  def with_aux(params, batch, model_state, rngs):
+    loss, new_state = loss_fn(params, batch, model_state, rngs)
+    return loss, (new_state, {"loss": loss})
+
+  state = create(model)
+  train_step = jax.jit(jaxaccum.linen.make_train_step(with_aux, num_micro_batches=4,
+                                                      has_aux=True))
+  _, (loss, aux) = train_step(state, data(0), {"dropout": jax.random.key(0)})
+  assert_close(aux["loss"], loss)
+
+
+def test_bad_input():
+  model = CNN("batch", 0.5)
+  loss_fn = make_loss(model)
+  state = create(model)
+  with pytest.raises(TypeError, match=r"four positional arguments.*signature \(params, batch\)"):
+    jaxaccum.linen.value_and_grad(lambda params, batch: 0.0, num_micro_batches=2)
+  vg = jaxaccum.linen.value_and_grad(loss_fn, num_micro_batches=2)
+  stats = {"batch_stats": state.batch_stats}
+  with pytest.raises(TypeError, match=r"rngs\['dropout'\] is an array of shape \(\) and dtype "
+                                      r"int32"):
+    vg(state.params, data(0), stats, {"dropout": jnp.int32(0)})
+  x, y = data(0)
+  with pytest.raises(ValueError, match=r"batch\[0\] has 8, batch\[1\] has 6 rows"):
+    vg(state.params, (x, y[:6]), stats, {"dropout": jax.random.key(0)})
+  with pytest.raises(TypeError, match=r"TrainState has no field 'batch_stats'"):
+    plain = train_state.TrainState.create(apply_fn=model.apply, params=state.params,
+                                          tx=optax.sgd(0.1))
+    jaxaccum.linen.make_train_step(loss_fn, num_micro_batches=2)(
+        plain, data(0), {"dropout": jax.random.key(0)})
+  with pytest.raises(TypeError, match=r"collections must be a sequence of collection names"):
+    jaxaccum.linen.make_train_step(loss_fn, num_micro_batches=2, collections="batch_stats")
