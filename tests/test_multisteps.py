@@ -181,7 +181,7 @@ def test_optax_multisteps_does_not_agree_on_token_weighted_loss():
   for key in params:
     step_full = full[0][key] - params[key]
     err = float(jnp.max(jnp.abs(ox[0][key] - full[0][key])) / jnp.max(jnp.abs(step_full)))
-    assert err > 0.1, (key, err)
+    assert err > 1.0, (key, err)
   with pytest.raises(AssertionError):
     assert_close(ox[-1], full[-1])
 
@@ -227,6 +227,24 @@ def test_weighted_accumulation_matches_hand_computation(use_grad_mean):
   total = 2 * grads[0] + 5 * grads[2] + 1 * grads[3]
   np.testing.assert_allclose(out, total / 8 if use_grad_mean else total, rtol=1e-6)
   assert int(state.gradient_step) == 1 and float(state.acc_weight) == 0.0
+
+
+@pytest.mark.parametrize(("accumulator_dtype", "acc_dtype"),
+                         [(jnp.float32, jnp.float32), (None, jnp.bfloat16)])
+def test_weighted_bfloat16_gradients_and_accumulator_dtype(accumulator_dtype, acc_dtype):
+  params = jnp.zeros(3, jnp.bfloat16)
+  ms = jaxaccum.MultiSteps(optax.identity(), 3, accumulator_dtype=accumulator_dtype)
+  update = jax.jit(lambda g, s, w: ms.update(g, s, params, weight=w))
+  state = ms.init(params)
+  assert state.acc_grads.dtype == acc_dtype
+  grads = [jnp.array([1.0, 2.0, -3.0]), jnp.array([0.5, -1.0, 4.0]), jnp.array([2.0, 0, 1])]
+  for g, w in zip(grads, [3, 1, 4], strict=True):
+    out, state = update(g.astype(jnp.bfloat16), state, w)
+    assert state.acc_grads.dtype == acc_dtype
+  expected = (3 * grads[0] + grads[1] + 4 * grads[2]) / 8
+  assert out.dtype == jnp.bfloat16
+  # bfloat16 keeps 8 bits of mantissa: 2**-8 relative per rounding.
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=2e-2, atol=1e-2)
 
 
 def test_state_tracks_window_weight_and_mode():
