@@ -194,11 +194,16 @@ def value_and_grad_fn(run: str, num_micro_batches: int):
 # ---------------------------------------------------------------------------- train
 
 
+@functools.partial(nnx.jit, static_argnums=0)
+def _create(cfg: Config) -> tuple[CharLM, nnx.Optimizer]:
+  """A fresh model and optimizer, built under jit: one compile instead of one per initialiser."""
+  model = CharLM(cfg, rngs=nnx.Rngs(cfg.seed))
+  return model, nnx.Optimizer(model, optax.adam(cfg.learning_rate), wrt=nnx.Param)
+
+
 def make_trainer(cfg: Config, run: str):
   """A fresh model (same seed, so the same init for every run) and its jitted step."""
-  model = CharLM(cfg, rngs=nnx.Rngs(cfg.seed))
-  optimizer = nnx.Optimizer(model, optax.adam(cfg.learning_rate), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+  graphdef, state = nnx.split(_create(cfg))
   vg = value_and_grad_fn(run, cfg.num_micro_batches)
 
   @functools.partial(jax.jit, donate_argnums=0)

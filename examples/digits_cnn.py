@@ -83,11 +83,32 @@ def loss_fn(model: CNN, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-def make_trainer(norm: str, mode: str, *, num_micro_batches: int, lr: float, seed: int):
-  """A fresh model (same seed for every run) and its jitted train, grad and eval steps."""
+@functools.partial(nnx.jit, static_argnums=(0, 1, 2))
+def _create(norm: str, lr: float, seed: int) -> tuple[CNN, nnx.Optimizer]:
+  """A fresh model and optimizer, built under jit: one compile instead of one per initialiser."""
   model = CNN(norm, rngs=nnx.Rngs(seed))
-  optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+  return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+
+@functools.cache
+def _accuracy_fn(graphdef: nnx.GraphDef):
+  """Test accuracy of the model in a (model, optimizer) state; one compile per graph."""
+
+  @jax.jit
+  def accuracy(state, x, y):
+    model, _ = nnx.merge(graphdef, state)
+    model.eval()  # BatchNorm uses its running averages
+    return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
+
+  return accuracy
+
+
+def make_trainer(norm: str, mode: str, *, num_micro_batches: int, lr: float, seed: int):
+  """A fresh model (same seed for every run), its jitted train step and its test accuracy.
+
+  The train step returns ``(state, loss, grads)``: the gradients it applied, to compare.
+  """
+  graphdef, state = nnx.split(_create(norm, lr, seed))
   if mode == "full batch":
     vg = nnx.value_and_grad(loss_fn)
   else:
@@ -98,20 +119,9 @@ def make_trainer(norm: str, mode: str, *, num_micro_batches: int, lr: float, see
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = vg(model, batch)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    return nnx.state((model, optimizer)), loss, grads
 
-  @jax.jit
-  def first_grads(state, batch):
-    model, _ = nnx.merge(graphdef, state)
-    return vg(model, batch)[1]
-
-  @jax.jit
-  def accuracy(state, x, y):
-    model, _ = nnx.merge(graphdef, state)
-    model.eval()  # BatchNorm uses its running averages
-    return jnp.mean(jnp.argmax(model(x), axis=-1) == y)
-
-  return state, train_step, first_grads, accuracy
+  return state, train_step, _accuracy_fn(graphdef)
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
@@ -170,22 +180,21 @@ def main(*, epochs: int = 4, batch_size: int = 32, micro_batch_size: int = 2, lr
 
   runs = {(norm, mode): make_trainer(norm, mode, num_micro_batches=n, lr=lr, seed=seed)
           for norm in NORMS for mode in MODES}
-  first = (x_tr[order[0]], y_tr[order[0]])
-  grads = {key: run[2](run[0], first) for key, run in runs.items()}
-  grad_diff = {norm: _max_abs_diff(grads[norm, "accumulated"], grads[norm, "full batch"])
-               for norm in NORMS}
-  grad_scale = {norm: max(float(jnp.max(jnp.abs(g)))
-                          for g in jax.tree.leaves(grads[norm, "full batch"]))
-                for norm in NORMS}
-
   states = {key: run[0] for key, run in runs.items()}
   curves = {norm: {mode: [] for mode in MODES} for norm in NORMS}
+  first_grads = {}
   for idx in tqdm(order, desc="training (4 runs)", disable=not progress):
     batch = (x_tr[idx], y_tr[idx])
     for (norm, mode), run in runs.items():
-      states[norm, mode], loss = run[1](states[norm, mode], batch)
+      states[norm, mode], loss, grads = run[1](states[norm, mode], batch)
+      first_grads.setdefault((norm, mode), grads)
       curves[norm][mode].append(float(loss))
-  accuracy = {norm: {mode: float(runs[norm, mode][3](states[norm, mode], x_te, y_te))
+  grad_diff = {norm: _max_abs_diff(first_grads[norm, "accumulated"],
+                                   first_grads[norm, "full batch"]) for norm in NORMS}
+  grad_scale = {norm: max(float(jnp.max(jnp.abs(g)))
+                          for g in jax.tree.leaves(first_grads[norm, "full batch"]))
+                for norm in NORMS}
+  accuracy = {norm: {mode: float(runs[norm, mode][2](states[norm, mode], x_te, y_te))
                      for mode in MODES} for norm in NORMS}
 
   path = out_dir / "digits_cnn.png"

@@ -1,0 +1,184 @@
+"""Every example of issue 7 runs in a tiny configuration and gives the right numbers; the
+benchmark's methods agree with the full batch and its report is written.
+
+The examples compare three or four training runs from one initialisation; a float32
+gradient equal to the full batch's up to round-off keeps the runs within ~1e-6 relative
+over a few steps, so 1e-5 separates "the same computation" from a different one (the
+per-micro-batch-means bug and BatchNorm's ghost batches move the numbers by >= 1e-3).
+"""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tests._util import assert_close
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(relpath: str):
+  path = ROOT / relpath
+  if str(path.parent) not in sys.path:
+    sys.path.insert(0, str(path.parent))  # the benchmark imports its sibling _common
+  name = f"_issue7_{path.stem}"
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+def _is_png(path: pathlib.Path) -> bool:
+  return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_char_lm_accumulated_matches_full_batch_and_micro_means_do_not(tmp_path, capsys):
+  char_lm = _load("examples/char_lm.py")
+  cfg = char_lm.Config(steps=3, batch_size=8, num_micro_batches=4, seq_len=16, min_len=2,
+                       d_model=16, heads=2, layers=1, learning_rate=1e-2, max_chars=50_000)
+  out = char_lm.main(cfg, out_dir=tmp_path, progress=False)
+  printed = capsys.readouterr().out
+  for words in ("effective batch", "micro-batches: 4 of 2", "largest |gradient",
+                "compiled memory", f"plot: {tmp_path}"):
+    assert words in printed, printed
+  assert _is_png(out["plot"])
+  # The micro-batches really hold different numbers of tokens, so the bug shows.
+  assert len(set(out["tokens_per_micro_batch"])) > 1, out["tokens_per_micro_batch"]
+  full = np.asarray(out["curves"]["full batch"])
+  acc = np.asarray(out["curves"]["accumulated"])
+  bug = np.asarray(out["curves"]["per-micro-batch means"])
+  assert full.shape == acc.shape == bug.shape == (3,) and np.all(np.isfinite(full))
+  np.testing.assert_allclose(acc, full, rtol=1e-5)
+  # Step 0 is evaluated before any update; afterwards the bug's trajectory departs.
+  assert bug[0] == pytest.approx(full[0], rel=1e-5)
+  assert np.max(np.abs(bug[1:] - full[1:]) / full[1:]) > 1e-4
+  scale = out["grad_scale"]
+  assert out["grad_diff"]["accumulated"] <= 1e-5 * scale
+  assert out["grad_diff"]["per-micro-batch means"] > 1e-3 * scale
+  mem = out["memory"]
+  assert 0 < mem["accumulated"]["temp"] < mem["full batch"]["temp"]
+
+
+def test_char_lm_corpus_is_the_stdlib_and_batches_are_padded():
+  char_lm = _load("examples/char_lm.py")
+  corpus = char_lm.load_corpus(20_000)
+  assert corpus.shape == (20_000,) and corpus.min() >= 1 and corpus.max() < char_lm.VOCAB
+  text = "".join(map(chr, corpus[:5000]))
+  assert "def " in text or "import " in text
+  cfg = char_lm.Config(batch_size=16, seq_len=12, min_len=3)
+  batch = char_lm.sample_batch(np.random.default_rng(0), corpus, cfg)
+  lengths = batch["mask"].sum(axis=1)
+  assert lengths.min() >= 3 and lengths.max() <= 12 and len(set(lengths)) > 1
+  # Targets are the inputs shifted by one; padding only after the real tokens.
+  real = batch["mask"].astype(bool)
+  np.testing.assert_array_equal(batch["inputs"][:, 1:][real[:, 1:]],
+                                batch["targets"][:, :-1][real[:, 1:]])
+  assert np.all(batch["targets"][~real] == char_lm.PAD)
+  assert np.all(batch["targets"][real] != char_lm.PAD)
+
+
+def test_digits_cnn_groupnorm_matches_full_batch_and_batchnorm_does_not(tmp_path):
+  digits = _load("examples/digits_cnn.py")
+  out = digits.main(epochs=1, max_steps=3, out_dir=tmp_path, progress=False, verbose=False)
+  assert _is_png(out["plot"])
+  g = out["curves"]["GroupNorm"]
+  np.testing.assert_allclose(g["accumulated"], g["full batch"], rtol=1e-5)
+  assert out["grad_diff"]["GroupNorm"] <= 1e-5 * out["grad_scale"]["GroupNorm"]
+  # BatchNorm over micro-batches of 2 uses ghost-batch statistics: a different gradient.
+  assert out["grad_diff"]["BatchNorm"] > 1e-3 * out["grad_scale"]["BatchNorm"]
+  b = out["curves"]["BatchNorm"]
+  assert abs(b["accumulated"][0] - b["full batch"][0]) > 1e-3 * b["full batch"][0]
+  for norm in digits.NORMS:
+    for mode in digits.MODES:
+      assert 0.0 <= out["accuracy"][norm][mode] <= 1.0
+
+
+def test_digits_cnn_rejects_a_batch_not_divisible_by_the_micro_batch(tmp_path):
+  digits = _load("examples/digits_cnn.py")
+  with pytest.raises(ValueError, match="batch_size=30 must be a multiple of micro_batch_size=4"):
+    digits.main(batch_size=30, micro_batch_size=4, out_dir=tmp_path, progress=False)
+
+
+def test_streaming_multisteps_weighted_matches_reference_and_optax_does_not(tmp_path):
+  stream = _load("examples/streaming_multisteps.py")
+  out = stream.main(windows=3, k=4, rows=2, width=24, out_dir=tmp_path, progress=False,
+                    verbose=False)
+  assert _is_png(out["plot"])
+  assert out["steps"] == 3
+  assert len(out["tokens"]) == 12 and len(set(out["tokens"])) > 1
+  ours, theirs = out["gap"]["jaxaccum.MultiSteps"], out["gap"]["optax.MultiSteps"]
+  assert len(ours) == len(theirs) == 3
+  # Parameters are O(0.1-1); Adam's first steps move them by ~1e-2.
+  assert max(ours) < 1e-5, ours
+  assert min(theirs) > 1e-4, theirs
+
+
+# ------------------------------------------------------------------------- benchmark
+
+
+def _tiny_problems(bench):
+  return {
+      "mlp": bench.mlp_problem(bench.MLPConfig(batch=16, d_in=8, hidden=16, depth=2)),
+      "transformer": bench.lm_problem(bench.LMConfig(batch=8, seq=8, vocab=16, d_model=16,
+                                                     heads=2, layers=1)),
+  }
+
+
+def test_benchmark_methods_agree_with_the_full_batch():
+  bench = _load("benchmarks/bench_accumulation.py")
+  n = 4  # N = 1 runs in test_benchmark_run_writes_json_markdown_and_plots
+  for model, (loss_fn, params, batch) in _tiny_problems(bench).items():
+    # sgd(1): the parameter change is minus the (accumulated) gradient.
+    methods = bench.build_methods(loss_fn, optax.sgd(1.0), jax.tree.leaves(batch)[0].shape[0],
+                                  n, reference=False)
+    assert tuple(methods) == bench.METHODS
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    for name, method in methods.items():
+      state = method.init(params)
+      prepared = method.prepare(batch)
+      stats = method.compile(state, prepared)
+      assert stats["compile_s"] > 0 and stats["total"] > 0, (name, stats)
+      for _ in range(2):  # the second step checks that state round-trips (donation)
+        new_state, loss = method.step(state, prepared)
+        if _ == 0:
+          step_grads = jax.tree.map(lambda a, b: a - b, params, method.params(new_state))
+          # |change| error is float32 round-off of parameters of magnitude <= ~4.
+          assert_close(step_grads, ref_grads, rtol=1e-5, atol=2e-6,
+                       err_msg=f"{model} {name} N={n}")
+          np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5,
+                                     err_msg=f"{model} {name} N={n}")
+        state = new_state
+      assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(method.params(state)))
+
+
+def test_benchmark_run_writes_json_markdown_and_plots(tmp_path):
+  bench = _load("benchmarks/bench_accumulation.py")
+  configs = {"mlp": bench.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)}
+  results = bench.run(quick=True, ns=(1, 2), models=("mlp",), repeats=1, warmup=1,
+                      out_dir=tmp_path, configs=configs, progress=False)
+  saved = json.loads((tmp_path / "accumulation.json").read_text())
+  assert saved["environment"]["device_kind"] == jax.devices()[0].device_kind
+  rows = saved["models"]["mlp"]["rows"]
+  assert [r["n"] for r in rows] == [1, 2] and [r["micro_batch"] for r in rows] == [16, 8]
+  for row in rows:
+    assert set(row["methods"]) == set(bench.METHODS) | {bench.REFERENCE}
+    for stats in row["methods"].values():
+      assert stats["step_s"] > 0 and stats["temp"] >= 0 and stats["total"] > 0
+      assert stats["total"] == pytest.approx(stats["argument"] + stats["output"]
+                                             + stats["temp"] - stats["alias"])
+  targets = saved["models"]["mlp"]["targets"]
+  assert len(targets["per_n"]) == 2 and isinstance(targets["pass_compile_flat"], bool)
+  for r in targets["per_n"]:
+    assert (r["pass_vs_full"] is None) != (r["pass_vs_multisteps"] is None)
+  md = (tmp_path / "accumulation.md").read_text()
+  assert "| N | micro-batch |" in md and results["environment"]["device_kind"] in md
+  for name in ("accumulation_step_time.png", "accumulation_memory.png"):
+    assert _is_png(tmp_path / name)
