@@ -392,6 +392,14 @@ def data_parallel(opts: Any, accumulate: Callable[..., Any], args: tuple, kwargs
       if j in batch_argnums:
         spec, gather = PartitionSpec(axes), ()
         lead = _entry_axes(have[0]) if have is not None and len(have) else ()
+        if set(lead) - set(axes):
+          raise ValueError(
+              f"batch leaf argument {j}{jax.tree_util.keystr(path)} is sharded over "
+              f"{lead} (spec {have}), but data_axis={axes} leaves out "
+              f"{tuple(a for a in lead if a not in axes)}. Name every mesh axis the batch "
+              f"is sharded over: data_axis={lead}; parameters may stay sharded over any "
+              "of them (FSDP)."
+          )
         if explicit_data and all_manual and lead != axes:
           # A fully manual, Explicit shard_map needs its input typed as it maps it.
           rest = tuple(have[1:]) if have is not None else ()
