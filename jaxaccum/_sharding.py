@@ -9,13 +9,16 @@ Two things live here.
    what keeps the column-major split free of communication.
 
 2. The data-parallel mode (``data_axis=...``). The whole accumulation runs inside
-   :func:`jax.shard_map`, manual over the data axes only (other mesh axes, e.g. an FSDP or
-   tensor axis, stay under the compiler's control). Each device scans over its own rows
-   with its parameters marked device-varying, so the backward pass of a micro-batch holds
-   a local, unreduced gradient and no cross-device reduction is emitted inside the loop.
-   After the loop the accumulators (loss, gradients, denominators, aux) are reduced over
-   the data axes with one ``psum``: the number of all-reduces per step does not depend on
-   the number of micro-batches.
+   :func:`jax.shard_map`, manual over the data axes (mesh axes not named stay under the
+   compiler's control). Each device scans over its own rows with its parameters marked
+   device-varying, so the backward pass of a micro-batch yields a local, unreduced
+   gradient and no cross-device reduction is emitted inside the loop. After the loop the
+   accumulators (loss, gradients, denominators, aux) are reduced over the data axes with
+   one ``psum``: the number of all-reduces per step does not depend on the number of
+   micro-batches. A parameter sharded over some of the data axes (FSDP, read from its
+   ``Explicit`` sharding type) is all-gathered inside ``fun``; the transpose of that
+   gather reduce-scatters its gradient once per micro-batch into an accumulator of the
+   shard's size, and only the remaining data axes are reduced after the loop.
 
 Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``):
 ``fun`` sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live
@@ -402,9 +405,10 @@ def data_parallel(opts: Any, accumulate: Callable[..., Any], args: tuple, kwargs
           )
         if explicit_data and all_manual and lead != axes:
           # A fully manual, Explicit shard_map needs its input typed as it maps it.
-          rest = tuple(have[1:]) if have is not None else ()
-          x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
-              jax.typeof(x).sharding.mesh, PartitionSpec(axes, *rest)))
+          spec = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
+          x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)
+                                   if isinstance(mesh, jax.sharding.Mesh) else spec)
+          spec = PartitionSpec(axes)
       else:
         spec, gather = _manual_part(have, axes)
         if gather and (j in state_argnums or j in rng_argnums):

@@ -351,3 +351,20 @@ def test_data_axis_must_name_every_axis_the_batch_is_sharded_over():
   with pytest.raises(ValueError, match=r"sharded over \('data', 'fsdp'\).*leaves out "
                      r"\('fsdp',\)\. Name every mesh axis.*data_axis=\('data', 'fsdp'\)"):
     jax.eval_shape(step, params, batch)
+
+
+def test_sum_reduction_eager_numpy_inputs_and_keyword_arguments():
+  """No jit, host arrays, a keyword argument: still the full-batch sum."""
+  params, batch = _problem(3)
+  params, batch = jax.tree.map(np.asarray, (params, batch))
+
+  def sum_loss(params, batch, scale=1.0):
+    return scale * jnp.sum(_nll(params, batch)[0])
+
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(sum_loss))(params, batch, 0.5)
+  mesh = jax.make_mesh((8,), ("data",))
+  step = jaxaccum.value_and_grad(sum_loss, num_micro_batches=4, reduce="sum",
+                                 data_axis="data", mesh=mesh)
+  loss, grads = step(params, batch, scale=0.5)
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
