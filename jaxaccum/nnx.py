@@ -95,10 +95,6 @@ def _model_filter(wrt: Any):
   return nnx.All(wrt, lambda path, _: bool(path) and path[0] == 0)
 
 
-def _structure(state: PyTree):
-  return jax.tree.structure(state)
-
-
 def value_and_grad(
     fun: Callable[..., Any],
     *,
@@ -201,10 +197,10 @@ def value_and_grad(
   try:
     model_filter = _model_filter(wrt)
     nnx.filterlib.to_predicate(model_filter)
-  except TypeError as e:
+  except (TypeError, ValueError):
     raise TypeError(
         f"wrt must be an NNX filter such as nnx.Param, a Variable type, a tuple of filters or "
-        f"nnx.All(...), got wrt={wrt!r}: {e}") from None
+        f"nnx.All(...), got wrt={wrt!r}.") from None
 
   @functools.wraps(fun)
   def value_and_grad_fn(*args, **kwargs):
@@ -242,7 +238,7 @@ def value_and_grad(
           f"the model {type(model).__name__} has no variables matching wrt={wrt!r}, so "
           "there is nothing to differentiate. Pass the filter of the variables to train, "
           "e.g. wrt=nnx.Param, and check that the model was built with them.")
-    rest_structure = _structure(rest)
+    rest_structure = jax.tree.structure(rest)
     plain = tuple(None if j in node_pos else args[j] for j in range(2, len(args)))
 
     def inner(diff, batch, rest, *plain):
@@ -261,7 +257,7 @@ def value_and_grad(
       else:
         value, aux = out, None
       new_graphdef, _, new_rest = nnx.split(nodes, model_filter, ...)
-      if new_graphdef != graphdef or _structure(new_rest) != rest_structure:
+      if new_graphdef != graphdef or jax.tree.structure(new_rest) != rest_structure:
         raise ValueError(
             "fun changed the structure of the model (added, removed or replaced a Variable "
             "or submodule). Under accumulation fun runs once per micro-batch and may only "

@@ -481,6 +481,8 @@ def test_bad_outputs_and_options():
   with pytest.raises(TypeError, match=r"the value returned by fun must be a scalar"):
     jaxaccum.nnx.value_and_grad(lambda m, b: (classify_loss(m, b), 1.0),
                                 num_micro_batches=2)(model, batch)
+  with pytest.raises(TypeError, match=r"wrt must be an NNX filter.*got wrt=3.14"):
+    jaxaccum.nnx.value_and_grad(classify_loss, num_micro_batches=2, wrt=3.14)
   with pytest.raises(ValueError, match=r"exactly one of num_micro_batches"):
     jaxaccum.nnx.value_and_grad(classify_loss)
   with pytest.raises(ValueError, match=r"rng_argnums=1 names argument 1, which is the batch"):
