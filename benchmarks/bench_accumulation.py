@@ -560,7 +560,7 @@ def run(*, quick: bool, ns: Sequence[int] | None = None, models: Sequence[str] =
   """Runs the benchmark and writes the JSON, markdown and plots; returns the results."""
   env = _common.device_info()
   ns = tuple(ns or (QUICK_NS if quick else ALL_NS))
-  repeats = repeats or (3 if quick else 7)
+  repeats = repeats or (5 if quick else 7)
   warmup = warmup or (1 if quick else 2)
   compile_repeats = compile_repeats or (1 if quick else 2)
   configs = configs or default_configs(env["platform"], quick)
@@ -600,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
                       default=os.environ.get("BENCH_QUICK", "") not in ("", "0"),
-                      help="small models, N in 1,4,16,64, 3 repeats (also BENCH_QUICK=1)")
+                      help="small models, N in 1,4,16,64, 5 repeats (also BENCH_QUICK=1)")
   parser.add_argument("--ns", type=int, nargs="+", help="micro-batch counts N")
   parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
   parser.add_argument("--repeats", type=int, help="timed repeats per method")
