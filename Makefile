@@ -18,9 +18,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_accumulation.py
+	$(BIN)/python benchmarks/bench_sharding.py
 
 bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py
+	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_sharding.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

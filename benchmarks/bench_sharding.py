@@ -226,7 +226,9 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="N in {1, 4, 16}, fewer repeats")
+  parser.add_argument("--quick", action="store_true",
+                      default=os.environ.get("BENCH_QUICK", "") not in ("", "0"),
+                      help="N in {1, 4, 16}, fewer repeats (also BENCH_QUICK=1)")
   parser.add_argument("--batch", type=int, default=512)
   parser.add_argument("--features", type=int, default=128)
   parser.add_argument("--hidden", type=int, default=256)
