@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -86,18 +87,24 @@ def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
         )
 
 
-def batch_size(batch_args: dict[int, PyTree]) -> int:
-  """The common leading size of every leaf of the batch arguments."""
+def batch_size(batch_args: dict[Any, PyTree]) -> int:
+  """The common leading size of every leaf of the batch arguments.
+
+  ``batch_args`` maps an argument's position (named "argument j" in errors) or its name
+  (e.g. "batch") to the pytree passed there.
+  """
   sizes: dict[str, int] = {}
-  for argnum, tree in batch_args.items():
+  for key, tree in batch_args.items():
+    label = key if isinstance(key, str) else f"argument {key}"
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if not leaves:
       raise ValueError(
-          f"batch argument {argnum} has no array leaves; batch_argnums must point at the "
-          "arguments that carry the batch."
+          f"the batch {label} has no array leaves, got {type(tree).__name__} {tree!r}. Pass "
+          "the data to split into micro-batches there, e.g. (x, y) or "
+          "{'image': x, 'label': y}."
       )
     for path, leaf in leaves:
-      where = f"argument {argnum}{jax.tree_util.keystr(path)}"
+      where = f"{label}{jax.tree_util.keystr(path)}"
       shape = np.shape(leaf)
       if len(shape) == 0:
         raise ValueError(
@@ -118,6 +125,13 @@ def batch_size(batch_args: dict[int, PyTree]) -> int:
         f"{listing}. Give every leaf of the batch arguments the same first dimension."
     )
   return next(iter(sizes.values()))
+
+
+def is_key(leaf: Any) -> bool:
+  """Whether ``leaf`` is a PRNG key: a typed key array or a raw uint32 key."""
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
+                                or (dtype == jnp.uint32 and np.ndim(leaf) >= 1))
 
 
 def divisors(n: int) -> list[int]:

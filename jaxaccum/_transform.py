@@ -153,11 +153,7 @@ def _unpack(opts: _Options, out: Any):
 
 def _check_keys(argnum: int, tree: PyTree) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    dtype = getattr(leaf, "dtype", None)
-    ok = dtype is not None and (
-        jnp.issubdtype(dtype, jax.dtypes.prng_key)
-        or (dtype == jnp.uint32 and getattr(leaf, "ndim", 0) >= 1))
-    if not ok:
+    if not _split.is_key(leaf):
       raise TypeError(
           f"rng_argnums names argument {argnum}, but its leaf "
           f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a PRNG key. "

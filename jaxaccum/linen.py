@@ -29,10 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxaccum import _transform
+from jaxaccum import _split, _transform
 
 PyTree = Any
 
@@ -62,39 +60,12 @@ def _check_fun(fun: Any) -> None:
 
 def _check_rngs(rngs: PyTree) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(rngs):
-    dtype = getattr(leaf, "dtype", None)
-    if not (dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
-                                   or (dtype == jnp.uint32 and jnp.ndim(leaf) >= 1))):
-      what = (f"an array of shape {tuple(leaf.shape)} and dtype {dtype}"
-              if dtype is not None else repr(leaf))
+    if not _split.is_key(leaf):
+      what = (f"an array of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
+              if hasattr(leaf, "dtype") else repr(leaf))
       raise TypeError(
           f"rngs must be a dict of PRNG keys such as {{'dropout': jax.random.key(0)}}, but "
           f"rngs{jax.tree_util.keystr(path)} is {what}.")
-
-
-def _check_batch(batch: PyTree) -> None:
-  """Every leaf of ``batch`` has the same leading (batch) axis."""
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError(
-        f"batch (the second argument of fun) has no array leaves, got {type(batch).__name__} "
-        f"{batch!r}. Pass the data to split into micro-batches as the batch, e.g. "
-        "(x, y) or {'image': x, 'label': y}.")
-  sizes = {}
-  for path, leaf in leaves:
-    shape = np.shape(leaf)
-    where = f"batch{jax.tree_util.keystr(path)}"
-    if not shape:
-      raise ValueError(
-          f"{where} is a scalar, so it has no batch axis to split into micro-batches. "
-          "Every leaf of batch needs a leading batch axis; pass per-step constants as an "
-          "extra argument or close over it in fun.")
-    sizes[where] = shape[0]
-  if len(set(sizes.values())) > 1:
-    listing = ", ".join(f"{k} has {v}" for k, v in sizes.items())
-    raise ValueError(
-        f"the leaves of batch must share the leading batch axis, but {listing} rows. "
-        "Give every leaf of batch the same first dimension.")
 
 
 def value_and_grad(
@@ -172,7 +143,7 @@ def value_and_grad(
 
   @functools.wraps(fun)
   def value_and_grad_fn(params, batch, model_state, rngs, *args, **kwargs):
-    _check_batch(batch)
+    _split.batch_size({"batch": batch})
     _check_rngs(rngs)
     return core(params, batch, model_state, rngs, *args, **kwargs)
 

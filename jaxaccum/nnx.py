@@ -39,7 +39,6 @@ import jax
 from flax import nnx
 
 from jaxaccum import _split, _transform
-from jaxaccum.linen import _check_batch  # shared; jaxaccum.linen does not import flax
 
 PyTree = Any
 
@@ -218,7 +217,7 @@ def value_and_grad(
       raise TypeError(
           f"the second argument (batch) must be a pytree of arrays, got the NNX object "
           f"{type(batch).__name__}. Call it as fun(model, batch, ...).")
-    _check_batch(batch)
+    _split.batch_size({"batch": batch})
     for j in rng_argnums_t:
       if j >= len(args):
         raise ValueError(

@@ -181,3 +181,8 @@ def test_bad_dtype_and_remat_options():
     jaxaccum.value_and_grad(loss, num_micro_batches=2, remat="yes")
   with pytest.raises(TypeError, match="fun must be callable"):
     jaxaccum.value_and_grad(3, num_micro_batches=2)
+
+
+def test_batch_argument_without_arrays():
+  with pytest.raises(ValueError, match=r"the batch argument 1 has no array leaves, got dict \{\}"):
+    call(fun=lambda w, b: jnp.sum(w), args=(W, {}))
