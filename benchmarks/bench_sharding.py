@@ -168,7 +168,7 @@ def run(args) -> dict:
       batch = jax.device_put(batch0, NamedSharding(mesh, batch_spec))
       for n in args.ns:
         step = make_step(method, n, args.batch, mesh, data_axis)
-        compiled, cstats = _common.compile_with_stats(step, params, batch)
+        compiled, cstats = _common.compile_with_stats(lambda s=step: s, params, batch)
         colls = collectives_per_step(compiled.as_text(), n)
         err = rel_error(compiled(params, batch), ref)
         key = (method, axis_type, n)

@@ -11,6 +11,7 @@ scan axis (optax's ``reshape_batch_axis`` uses the same order).
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -72,6 +73,25 @@ def resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[in
       )
     out.append(a % nargs)
   return tuple(out)
+
+
+def short_signature(fun: Any, num_positional: int) -> str | None:
+  """``fun``'s signature as text if it cannot take ``num_positional`` positional arguments.
+
+  Returns None when it can, or when the signature cannot be read (builtins, some C
+  callables), so callers only raise on a signature they have actually seen.
+  """
+  try:
+    sig = inspect.signature(fun)
+  except (TypeError, ValueError):
+    return None
+  kinds = [p.kind for p in sig.parameters.values()]
+  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
+                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+  if positional >= num_positional or inspect.Parameter.VAR_POSITIONAL in kinds:
+    return None
+  params = ", ".join(map(str, sig.parameters.values()))
+  return f"{getattr(fun, '__name__', fun)!r} has signature ({params})"
 
 
 def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:

@@ -24,7 +24,6 @@ This module does not import flax itself: it works on any ``TrainState``-like obj
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,18 +41,11 @@ def _check_fun(fun: Any) -> None:
     raise TypeError(
         "fun must be a callable fun(params, batch, model_state, rngs), got "
         f"{fun!r} of type {type(fun).__name__}.")
-  try:
-    sig = inspect.signature(fun)
-  except (TypeError, ValueError):
-    return
-  kinds = [p.kind for p in sig.parameters.values()]
-  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
-                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
-  if positional < 4 and inspect.Parameter.VAR_POSITIONAL not in kinds:
-    params = ", ".join(str(p) for p in sig.parameters.values())
+  found = _split.short_signature(fun, 4)
+  if found:
     raise TypeError(
         "fun must take four positional arguments, fun(params, batch, model_state, rngs), "
-        f"but {getattr(fun, '__name__', fun)!r} has signature ({params}). model_state is "
+        f"but {found}. model_state is "
         "the dict of mutable collections (e.g. {'batch_stats': ...}, or {} without "
         "BatchNorm) and rngs the dict of PRNG keys (e.g. {'dropout': key}, or {}).")
 

@@ -31,7 +31,6 @@ What this means for common layers:
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,20 +56,12 @@ def _check_fun(fun: Any) -> None:
     raise TypeError(
         f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
         f"{type(fun).__name__}.")
-  try:
-    sig = inspect.signature(fun)
-  except (TypeError, ValueError):  # builtins and some C callables have no signature
-    return
-  kinds = [p.kind for p in sig.parameters.values()]
-  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
-                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
-  if positional < 2 and inspect.Parameter.VAR_POSITIONAL not in kinds:
-    params = ", ".join(str(p) for p in sig.parameters.values())
+  found = _split.short_signature(fun, 2)
+  if found:
     raise TypeError(
         "fun must take the model and the batch as its first two positional arguments, "
-        f"fun(model, batch, ...), but {getattr(fun, '__name__', fun)!r} has signature "
-        f"({params}). Pack the inputs and targets into one batch pytree such as (x, y) "
-        "and put other inputs after it.")
+        f"fun(model, batch, ...), but {found}. Pack the inputs and targets into one batch "
+        "pytree such as (x, y) and put other inputs after it.")
 
 
 def _check_rng_argnums(rng_argnums: Any) -> tuple[int, ...]:
