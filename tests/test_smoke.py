@@ -9,9 +9,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_every_public_name_has_a_docstring():
-  for name in jaxaccum.__all__:
-    obj = getattr(jaxaccum, name)
-    assert obj.__doc__ and obj.__doc__.strip(), f"jaxaccum.{name} has no docstring"
+  for module in (jaxaccum, jaxaccum.nnx, jaxaccum.linen):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      assert obj.__doc__ and obj.__doc__.strip(), f"{module.__name__}.{name} has no docstring"
 
 
 def test_quickstart_example_runs(capsys):
