@@ -39,7 +39,7 @@ def accumulator_dtype_for(dtype: Any, accumulator_dtype: Any) -> np.dtype:
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.inexact):
     return dtype
-  if accumulator_dtype is not None:
+  if accumulator_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
     return jnp.dtype(accumulator_dtype)
   if dtype.itemsize < 4:
     return jnp.dtype(jnp.float32)
@@ -63,14 +63,27 @@ def _mean_dtype(dtype: Any, accumulator_dtype: Any) -> np.dtype:
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
     return accumulator_dtype_for(dtype, accumulator_dtype)
-  return jnp.dtype(jnp.float32)
+  return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))  # float32 unless x64
 
 
 def _sum_dtype(dtype: Any, accumulator_dtype: Any) -> np.dtype:
+  """Integer and boolean sums are counted in at least int32: they neither wrap nor saturate."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.bool_:
-    return jnp.dtype(jnp.int32)
+  if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer):
+    return jnp.promote_types(dtype if dtype != jnp.bool_ else jnp.int32, jnp.int32)
   return accumulator_dtype_for(dtype, accumulator_dtype)
+
+
+def check_aux_leaf(path: str, kind: str, shape: jax.ShapeDtypeStruct) -> None:
+  """Only numbers can be averaged or summed; keys and the like can only be stacked."""
+  dtype = shape.dtype
+  numeric = jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.number)
+  if kind != "stack" and not numeric:
+    raise TypeError(
+        f"aux leaf {path or '(root)'} has dtype {dtype}, which cannot be reduced with "
+        f"aux_reduce {kind!r}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
+        "return it outside aux."
+    )
 
 
 def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, default: str) -> PyTree:
@@ -138,7 +151,10 @@ def aux_update(kind: str, carry: jax.Array | None, value: jax.Array, weight: jax
     return jnp.minimum(carry, value)
   value = value.astype(carry.dtype)
   if kind == "mean" and weight is not None:
-    value = value * weight.astype(carry.dtype)
+    # A micro-batch of weight 0 adds nothing, even if its aux is NaN (e.g. a mean over
+    # zero tokens): 0 * aux is 0 for every finite aux, so this only removes NaN and inf.
+    w = weight.astype(carry.dtype)
+    value = jnp.where(w == 0, jnp.zeros_like(value), value * w)
   return carry + value
 
 
@@ -149,8 +165,9 @@ def aux_finalize(kind: str, carry: jax.Array | None, stacked: jax.Array | None,
     return stacked
   if kind in ("max", "min"):
     return carry
-  if kind == "sum":
-    return carry.astype(shape.dtype)
+  if kind == "sum":  # floats come back in their own dtype, counts in the wider one
+    dtype = jnp.dtype(shape.dtype)
+    return carry.astype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else carry
   out = safe_divide(carry, divisor)
   dtype = jnp.dtype(shape.dtype)
   return out.astype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else out

@@ -148,10 +148,14 @@ def batch_size(batch_args: dict[Any, PyTree]) -> int:
 
 
 def is_key(leaf: Any) -> bool:
-  """Whether ``leaf`` is a PRNG key: a typed key array or a raw uint32 key."""
+  """Whether ``leaf`` is one PRNG key: a scalar typed key or a raw uint32 key."""
   dtype = getattr(leaf, "dtype", None)
-  return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
-                                or (dtype == jnp.uint32 and np.ndim(leaf) >= 1))
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return np.ndim(leaf) == 0
+  # A raw key: uint32 of shape (2,) (threefry) or (4,) (rbg).
+  return dtype == jnp.uint32 and np.shape(leaf) in ((2,), (4,))
 
 
 def divisors(n: int) -> list[int]:
@@ -228,9 +232,8 @@ def split_micro_batches(
          [1, 3, 5]], dtype=int32)
   """
   count, size = check_counts(num_micro_batches, micro_batch_size)
-  n = resolve_count(batch_size({0: batch}), count, size)
-  return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1),
-                      batch)
+  n = resolve_count(batch_size({"batch": batch}), count, size)
+  return jax.tree.map(lambda x: x.swapaxes(0, 1), split(batch, n))
 
 
 def check_counts(

@@ -62,6 +62,9 @@ class _Options:
       )
     self.remat = remat or remat_policy is not None
     self.remat_policy = remat_policy
+    if not isinstance(unroll, (bool, int)) or (not isinstance(unroll, bool) and unroll < 1):
+      raise TypeError(
+          f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
     self.unroll = unroll
     self.data_axis = _sharding.check_data_axis(data_axis)
     self.mesh = _sharding.check_mesh(mesh, self.data_axis)
@@ -156,8 +159,9 @@ def _check_keys(argnum: int, tree: PyTree) -> None:
     if not _split.is_key(leaf):
       raise TypeError(
           f"rng_argnums names argument {argnum}, but its leaf "
-          f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a PRNG key. "
-          "Pass a key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree of them."
+          f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a single PRNG key. "
+          "Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree of "
+          "them; micro-batch i gets fold_in(key, i), so there is no need to split it."
       )
 
 
@@ -207,13 +211,23 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict, combine=None):
   state0 = tuple(args[j] for j in state_argnums)
   params = tuple(args[j] for j in argnums)
 
-  def inner(*call_args):
+  # The differentiated function takes only the arguments that have a role (differentiated,
+  # batch, key, state) and closes over the others, so those may be anything (a static
+  # flag, a string) even under jax.checkpoint.
+  role_pos = tuple(dict.fromkeys(argnums + batch_argnums + rng_argnums + state_argnums))
+
+  def inner(*role_vals):
+    call_args = list(args)
+    for j, v in zip(role_pos, role_vals, strict=True):
+      call_args[j] = v
     num, den, new_state, aux = _unpack(opts, opts.fun(*call_args, **kwargs))
     return num, (den, new_state, aux)
 
   if opts.remat:
+    # prevent_cse=True: the recomputation sits in the same scan iteration as the forward
+    # pass it repeats, and without the barrier XLA merges the two, saving nothing.
     inner = jax.checkpoint(inner, policy=opts.remat_policy, prevent_cse=True)
-  vg = jax.value_and_grad(inner, argnums=argnums, has_aux=True)
+  vg = jax.value_and_grad(inner, argnums=tuple(range(len(argnums))), has_aux=True)
 
   def call(i, state):
     call_args = list(args)
@@ -223,7 +237,7 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict, combine=None):
       call_args[j] = jax.tree.map(lambda k: jax.random.fold_in(k, i), args[j])
     for j, s in zip(state_argnums, state, strict=True):
       call_args[j] = s
-    (num, (den, new_state, aux)), grads = vg(*call_args)
+    (num, (den, new_state, aux)), grads = vg(*(call_args[j] for j in role_pos))
     if state_argnums:
       new_state = _check_state(opts, state, new_state)
     return num, den, new_state, aux, grads
@@ -235,12 +249,16 @@ def _accumulate(opts: _Options, args: tuple, kwargs: dict, combine=None):
                        or jnp.issubdtype(den_s.dtype, jnp.floating)):
     raise TypeError(
         f"the denominator of reduce='weighted' must be a number, got dtype {den_s.dtype}.")
-  default_aux = "mean"
-  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, aux_s, default_aux)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, aux_s, "mean")
+  for (path, kind), shape in zip(jax.tree_util.tree_leaves_with_path(kinds),
+                                 jax.tree.leaves(aux_s), strict=True):
+    _reduce.check_aux_leaf(jax.tree_util.keystr(path), kind, shape)
   acc_dtype = functools.partial(_reduce.accumulator_dtype_for,
                                 accumulator_dtype=opts.accumulator_dtype)
-  den_dtype = (jnp.int32 if weighted and jnp.issubdtype(den_s.dtype, jnp.integer)
-               else acc_dtype(den_s.dtype) if weighted else None)
+  den_dtype = None
+  if weighted:
+    den_dtype = (jnp.promote_types(den_s.dtype, jnp.int32)
+                 if jnp.issubdtype(den_s.dtype, jnp.integer) else acc_dtype(den_s.dtype))
 
   # The accumulators take the sharding / device-varying type of what is added to them.
   carry0 = (
@@ -436,7 +454,8 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   Array(14., dtype=float32)
   """
   vg = value_and_grad(fun, **options)
-  has_extra = bool(options.get("has_aux")) or options.get("state_argnums") is not None
+  has_extra = bool(options.get("has_aux")) or bool(_split.normalize_argnums(
+      "state_argnums", options.get("state_argnums"), allow_empty=True))
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):

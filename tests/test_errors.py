@@ -136,8 +136,23 @@ def test_batch_leaf_without_batch_axis():
 
 def test_rng_argument_must_be_a_key():
   with pytest.raises(TypeError, match=r"rng_argnums names argument 2, but its leaf \(root\) is "
-                     r"an array of shape \(\) and dtype float32, not a PRNG key"):
+                     r"an array of shape \(\) and dtype float32, not a single PRNG key"):
     call(fun=lambda w, b, k: loss(w, b), args=(W, BATCH, jnp.float32(0)), rng_argnums=2)
+  with pytest.raises(TypeError, match=r"is an array of shape \(3,\) and dtype key<fry>, not a "
+                     r"single PRNG key.*no need to split it"):
+    call(fun=lambda w, b, k: loss(w, b), args=(W, BATCH, jax.random.split(jax.random.key(0), 3)),
+         rng_argnums=2)
+  with pytest.raises(TypeError, match=r"shape \(5,\) and dtype uint32, not a single PRNG key"):
+    call(fun=lambda w, b, k: loss(w, b), args=(W, BATCH, jnp.zeros(5, jnp.uint32)), rng_argnums=2)
+
+
+def test_unreducible_aux_and_bad_unroll():
+  with pytest.raises(TypeError, match=r"aux leaf \['key'\] has dtype key<fry>, which cannot be "
+                     r"reduced with aux_reduce 'mean'. Mark it aux_reduce='stack'"):
+    call(fun=lambda w, b, k: (loss(w, b), {"key": k}), args=(W, BATCH, jax.random.key(0)),
+         has_aux=True)
+  with pytest.raises(TypeError, match="unroll must be a positive int or a bool"):
+    jaxaccum.value_and_grad(loss, num_micro_batches=2, unroll="a")
 
 
 def test_state_must_keep_its_structure_and_shape():

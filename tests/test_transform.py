@@ -288,7 +288,16 @@ def test_state_with_aux_and_tuple_of_states():
       loss, num_micro_batches=2, state_argnums=(2, 3), has_aux=True))(params, batch, s1, s2)
   assert int(out1["steps"]) == 2
   np.testing.assert_array_equal(out2, jnp.full(2, 4.0))
-  assert_close(aux["l"], value)
+  mbs = jaxaccum.split_micro_batches(batch, num_micro_batches=2)
+  s, ref, ref_g = s1, [], []
+  for i in range(2):
+    (l_i, s), g_i = jax.value_and_grad(_stateful_loss, has_aux=True)(
+        params, jax.tree.map(lambda a, i=i: a[i], mbs), s)
+    ref.append(l_i)
+    ref_g.append(g_i)
+  assert_close((value, aux["l"]), (sum(ref) / 2, sum(ref) / 2))
+  assert_close(out1, s)
+  assert_close(grads, jax.tree.map(lambda *g: sum(g) / 2, *ref_g))
 
 
 def test_remat_same_numbers_less_temporary_memory():
@@ -370,3 +379,69 @@ def test_float64_stays_float64():
     ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
     assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(grads))
     assert_close((loss, grads), (ref_loss, ref_grads), rtol=1e-12, atol=0)
+
+
+def test_remat_with_static_and_non_array_arguments():
+  def loss(params, batch, train, name):
+    assert isinstance(name, str)
+    value = mlp_loss(params, batch)
+    return value * 2.0 if train else value
+
+  params, batch = make_mlp(jax.random.key(19))
+  f = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=4, remat=True),
+              static_argnums=(2, 3))
+  for train in (True, False):
+    assert_close(f(params, batch, train, "mlp"),
+                 jax.value_and_grad(loss)(params, batch, train, "mlp"))
+
+
+def test_integer_and_boolean_aux_sums_do_not_wrap():
+  def loss(w, x):
+    return jnp.mean(x * w), {"big": jnp.int8(100), "any": jnp.any(x > 0), "n": jnp.uint8(200)}
+
+  (_, aux), _ = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=4, has_aux=True, aux_reduce="sum"))(jnp.float32(1.0),
+                                                                   jnp.arange(8.0))
+  assert int(aux["big"]) == 400 and int(aux["n"]) == 800  # not wrapped to int8/uint8
+  assert aux["any"].dtype == jnp.int32 and int(aux["any"]) == 4  # a count, not a bool
+
+
+def test_grad_with_empty_or_zero_state_argnums():
+  params, batch = make_mlp(jax.random.key(20))
+  g = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=2, state_argnums=()))(params, batch)
+  assert_close(g, jax.grad(mlp_loss)(params, batch))
+
+  def stateful(count, params, batch):  # state as argument 0
+    return mlp_loss(params, batch), count + 1
+
+  g, count = jax.jit(jaxaccum.grad(stateful, num_micro_batches=2, argnums=1, batch_argnums=2,
+                                   state_argnums=0))(jnp.int32(0), params, batch)
+  assert int(count) == 2
+  assert_close(g, jax.grad(mlp_loss)(params, batch))
+
+
+def test_weighted_aux_ignores_micro_batches_of_weight_zero():
+  def loss(w, batch):
+    x, m = batch
+    num, den = jnp.sum(x * w * m), jnp.sum(m)
+    return (num, den), {"mean_x": jnp.sum(x * m) / den}  # NaN when den == 0
+
+  x = jnp.arange(8.0)
+  m = jnp.array([1.0, 0.0] * 4)  # micro-batch 1 of 2 (odd rows) has no weight at all
+  (value, aux), g = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=2, reduce="weighted", has_aux=True))(jnp.float32(2.0), (x, m))
+  assert_close(value, jnp.sum(2.0 * x * m) / jnp.sum(m))
+  assert_close(g, jnp.sum(x * m) / jnp.sum(m))
+  assert_close(aux["mean_x"], jnp.sum(x * m) / jnp.sum(m))  # 3.0, not NaN
+
+
+def test_int64_denominator_under_x64():
+  with jax.enable_x64(True):
+    def loss(w, x):
+      return jnp.sum(x * w), jnp.int64(2**33) * jnp.int64(x.shape[0])
+
+    x = jnp.arange(8.0)
+    value, g = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce="weighted"))(
+        jnp.float64(3.0), x)
+    assert_close(value, 3.0 * jnp.sum(x) / (2**33 * 8), rtol=1e-12, atol=0)
+    assert_close(g, jnp.sum(x) / (2**33 * 8), rtol=1e-12, atol=0)
