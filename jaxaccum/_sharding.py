@@ -27,9 +27,15 @@ divides the summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weig
 sums numerator gradients and denominators over all shards and micro-batches before
 dividing; ``"sum"`` sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"`` reduce over shards
 the same way; ``"stack"`` entries are averaged over shards (summed under ``reduce="sum"``
-and for integer leaves). Mutable state is threaded per shard and its floating leaves are
-averaged over shards at the end (integer leaves, e.g. counters, take the maximum). A PRNG
-key is folded with the shard index and then the micro-batch index.
+and for integer leaves; OR-ed for booleans; keys are shard 0's): stacked scalars, such as a
+per-micro-batch loss, come out right, while stacked per-row arrays keep one shard's
+micro-batch shape and are combined element-wise, not gathered. Under ``reduce="weighted"``
+stacked entries are averaged over shards without weights. Mutable state is threaded per
+shard; at the end its floating leaves are averaged over shards, integer leaves (counters)
+take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``) is
+folded with the shard index and then the micro-batch index; keys carried in the state
+(e.g. ``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass
+keys through ``rng_argnums`` when shards must draw independently.
 """
 
 from __future__ import annotations
@@ -299,6 +305,14 @@ def _gather(x: jax.Array, gathers: tuple) -> jax.Array:
   return x
 
 
+def _from_first_shard(x: jax.Array, axes: tuple[AxisName, ...]) -> jax.Array:
+  """Shard 0's value of ``x`` on every shard (for keys, which cannot be averaged)."""
+  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(x) if is_key else x
+  data = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, jnp.zeros_like(data)), axes)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)) if is_key else data
+
+
 def _combine(carry, stacked, kinds, n, *, axes, grad_axes, shards, reduce):
   """Reduces the scan's accumulators over the data axes, once, after the loop.
 
@@ -325,6 +339,8 @@ def _combine(carry, stacked, kinds, n, *, axes, grad_axes, shards, reduce):
   def stack_leaf(kind, s):
     if kind != "stack":
       return s
+    if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+      return _from_first_shard(s, axes)
     if s.dtype == jnp.bool_:
       return lax.pmax(s.astype(jnp.int32), axes).astype(jnp.bool_)
     if reduce == "sum" or not jnp.issubdtype(s.dtype, jnp.inexact):
@@ -332,6 +348,8 @@ def _combine(carry, stacked, kinds, n, *, axes, grad_axes, shards, reduce):
     return lax.pmean(s, axes)
 
   def state_leaf(s):
+    if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+      return _from_first_shard(s, axes)
     if jnp.issubdtype(s.dtype, jnp.inexact):
       return lax.pmean(s, axes)
     if s.dtype == jnp.bool_:
