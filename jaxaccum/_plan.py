@@ -15,6 +15,7 @@ and does not rely on that order.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import time
@@ -199,7 +200,7 @@ def _memory(compiled: Any, platform: str) -> dict[str, int]:
 
 
 def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget: Any,
-            search: str) -> Plan:
+            search: str, shards: int = 1) -> Plan:
   budget = _check_budget(budget)
   if search not in _SEARCHES:
     raise ValueError(
@@ -211,7 +212,15 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
   if budget is None:
     budget = _default_budget(devices)
   platform = devices[0].platform
-  counts = _split.divisors(size)  # increasing N: decreasing memory
+  # Increasing N: decreasing memory. A batch sharded over D devices (or split over D data
+  # shards by data_axis) only splits in place into micro-batches of a multiple of D rows.
+  shards = max(shards, _batch_shards({j: args[j] for j in argnums}))
+  counts = [n for n in _split.divisors(size) if (size // n) % shards == 0]
+  if not counts:
+    raise ValueError(
+        f"the batch of {size} rows is sharded over {shards} devices, which does not divide "
+        "it: no micro-batch count splits it in place. Use a batch size that is a multiple of "
+        f"{shards}.")
   cache: dict[int, tuple[PlanCandidate, Any, Any]] = {}
 
   def fits(i: int) -> bool:
@@ -248,9 +257,12 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
   rows = tuple(sorted(entry[0] for entry in cache.values()))
   if found == len(counts):
     least = min(rows, key=lambda r: r.peak_bytes)
+    last = counts[-1]  # the most micro-batches allowed; always compiled when none fits
+    rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
     at = (f"num_micro_batches={least.num_micro_batches}" + (
-        " (micro-batches of 1 row)" if least.num_micro_batches == size else
-        f"; even num_micro_batches={size} needs {cache[size][0].peak_bytes:,} bytes"))
+        f" ({rows_of})" if least.num_micro_batches == last else
+        f"; even num_micro_batches={last} ({rows_of}) needs {cache[last][0].peak_bytes:,} "
+        "bytes"))
     raise ValueError(
         f"memory_budget_bytes={budget:,} ({_fmt_bytes(budget)}) is too small: the smallest "
         f"figure reached is {least.peak_bytes:,} bytes ({_fmt_bytes(least.peak_bytes)}) at "
@@ -347,13 +359,30 @@ def plan(
   def make(n: int) -> Any:
     return jax.jit(value_and_grad(fun, num_micro_batches=n, **options))
 
-  return _search(make, args, options.get("batch_argnums", 1), memory_budget_bytes, search)
+  shards = 1
+  if options.get("data_axis") is not None:
+    axes = options["data_axis"]
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    mesh = options.get("mesh") or jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # otherwise the transform's own error says a mesh is needed
+      shards = math.prod(mesh.shape[a] for a in axes)
+  return _search(make, args, options.get("batch_argnums", 1), memory_budget_bytes, search,
+                 shards=shards)
 
 
-_VALUE_AND_GRAD_OPTIONS = (
-    "argnums", "batch_argnums", "has_aux", "reduce", "aux_reduce", "rng_argnums",
-    "state_argnums", "accumulator_dtype", "grads_dtype", "remat", "remat_policy", "unroll",
-)
+_VALUE_AND_GRAD_OPTIONS = tuple(
+    name for name, p in inspect.signature(value_and_grad).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _FIXED_BY_PLAN)
+
+
+def _batch_shards(batches: dict[int, Any]) -> int:
+  """Into how many pieces the batch axis is sharded (1 when nothing says)."""
+  shards = 1
+  for leaf in jax.tree.leaves(batches):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and hasattr(sharding, "shard_shape") and leaf.shape:
+      shards = max(shards, leaf.shape[0] // sharding.shard_shape(leaf.shape)[0])
+  return shards
 
 
 def plan_step(

@@ -333,3 +333,23 @@ def test_example_script_prints_the_plan(capsys):
   assert isinstance(p, jaxaccum.Plan)
   assert p.peak_bytes <= p.memory_budget_bytes == 2**20
   assert f"chosen: num_micro_batches={p.num_micro_batches} " in out
+
+
+@pytest.mark.parametrize("axis_type", ["explicit_batch", "data_axis"])
+def test_sharded_batch_only_plans_counts_that_split_in_place(axis_type):
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  params, batch = make_mlp()
+  options = {}
+  if axis_type == "data_axis":
+    options = dict(data_axis="data", mesh=mesh)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+  else:
+    split = NamedSharding(mesh, P("data"))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split), batch)
+  p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, search="all", **options)
+  counts = [c.num_micro_batches for c in p.candidates]
+  # Every micro-batch holds a multiple of 8 rows: N divides BATCH / 8, and no other N is tried.
+  assert counts == [n for n in range(1, BATCH + 1) if BATCH % n == 0 and (BATCH // n) % 8 == 0]
+  with pytest.raises(ValueError, match=rf"even num_micro_batches={BATCH // 8} \(micro-batches "
+                     r"of 8 rows\) needs|num_micro_batches=\d+ \(micro-batches of 8 rows\)"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=1000, **options)
