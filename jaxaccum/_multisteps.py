@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _reduce
+from jaxaccum import _reduce, _split
 
 PyTree = Any
 
@@ -87,12 +87,6 @@ def _fail(pred: jax.Array, message: str, *values: Any) -> None:
   lax.cond(pred, lambda: jax.debug.callback(callback, pred, *values), lambda: None)
 
 
-def _describe(x: Any) -> str:
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  return f"{type(x).__name__} {x!r}"
-
-
 def _check_weight(weight: Any, dtype: Any) -> jax.Array:
   """Validates ``weight`` (a non-negative real scalar) and returns it in ``dtype``.
 
@@ -111,12 +105,12 @@ def _check_weight(weight: Any, dtype: Any) -> jax.Array:
                      else (weight.shape, weight.dtype))
   if shape != ():
     raise TypeError(
-        f"weight must be a scalar, {what}; got weight as {_describe(weight)} (shape "
+        f"weight must be a scalar, {what}; got weight as {_split.describe(weight)} (shape "
         f"{tuple(shape)}). Reduce it first, e.g. weight=jnp.sum(mask)."
     )
   if not (jnp.issubdtype(dtype_in, jnp.integer) or jnp.issubdtype(dtype_in, jnp.floating)):
     raise TypeError(
-        f"weight must have an integer or floating dtype, {what}; got {_describe(weight)}.")
+        f"weight must have an integer or floating dtype, {what}; got {_split.describe(weight)}.")
   if concrete is not None:
     if not concrete >= 0:
       raise ValueError(
@@ -212,7 +206,7 @@ class MultiSteps:
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise TypeError(
           f"opt must be an optax.GradientTransformation (with init and update), got "
-          f"{_describe(opt)}.")
+          f"{_split.describe(opt)}.")
     self._opt = optax.with_extra_args_support(opt)
     if isinstance(every_k_schedule, numbers.Integral) and not isinstance(
         every_k_schedule, (bool, np.bool_)):
@@ -268,7 +262,7 @@ class MultiSteps:
   def _every_k(self, gradient_step: jax.Array) -> jax.Array:
     k = jnp.asarray(self._every_k_schedule(gradient_step))
     if k.shape != ():
-      raise TypeError(f"every_k_schedule must return a scalar, got {_describe(k)}.")
+      raise TypeError(f"every_k_schedule must return a scalar, got {_split.describe(k)}.")
     if not jnp.issubdtype(k.dtype, jnp.integer):
       k = jnp.round(k)
     k = k.astype(jnp.int32)
@@ -323,9 +317,9 @@ class MultiSteps:
     skip, skip_state = self._should_skip_update_fn(updates, state.gradient_step, params)
     skip = jnp.asarray(skip)
     if (skip.dtype, skip.shape) != (jnp.bool_, ()):
-      raise TypeError(
+      raise ValueError(  # optax.MultiSteps raises ValueError here too
           "should_skip_update_fn must return a boolean scalar array as its first output, "
-          f"got {_describe(skip)}.")
+          f"got {_split.describe(skip)}.")
 
     first = mini_step == 0
     if weighted:

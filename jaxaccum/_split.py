@@ -24,6 +24,14 @@ from jax import lax
 PyTree = Any
 
 
+def describe(x: Any) -> str:
+  """A short description of a value for error messages."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  text = repr(x)
+  return f"{type(x).__name__} {text}" if len(text) < 80 else type(x).__name__
+
+
 def check_count(name: str, value: Any) -> int | None:
   """Returns ``value`` as an int, or raises if it is not a positive integer."""
   if value is None:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum import _reduce, _sharding, _split
+from jaxaccum._split import describe as _describe
 
 PyTree = Any
 
@@ -78,12 +79,6 @@ class _Options:
     }
     _split.check_disjoint(roles)
     return roles
-
-
-def _describe(x: Any) -> str:
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  return f"{type(x).__name__} {x!r}"
 
 
 def _check_scalar(name: str, value: Any, what: str) -> jax.Array:

@@ -53,11 +53,9 @@ def _check_fun(fun: Any) -> None:
 def _check_rngs(rngs: PyTree) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(rngs):
     if not _split.is_key(leaf):
-      what = (f"an array of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
-              if hasattr(leaf, "dtype") else repr(leaf))
       raise TypeError(
           f"rngs must be a dict of PRNG keys such as {{'dropout': jax.random.key(0)}}, but "
-          f"rngs{jax.tree_util.keystr(path)} is {what}.")
+          f"rngs{jax.tree_util.keystr(path)} is {_split.describe(leaf)}.")
 
 
 def value_and_grad(

@@ -44,12 +44,6 @@ PyTree = Any
 __all__ = ("grad", "value_and_grad")
 
 
-def _describe(x: Any) -> str:
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  return f"{type(x).__name__} {x!r}" if len(repr(x)) < 80 else type(x).__name__
-
-
 def _check_fun(fun: Any) -> None:
   """``fun`` must be callable with ``(model, batch)`` positionally."""
   if not callable(fun):
@@ -203,7 +197,7 @@ def value_and_grad(
     if not isinstance(model, nnx.Pytree):
       raise TypeError(
           f"the first argument (model) must be an NNX object such as an nnx.Module, got "
-          f"{_describe(model)}. For plain pytrees of parameters use jaxaccum.value_and_grad.")
+          f"{_split.describe(model)}. For plain pytrees of parameters use jaxaccum.value_and_grad.")
     if isinstance(batch, nnx.Pytree):
       raise TypeError(
           f"the second argument (batch) must be a pytree of arrays, got the NNX object "
@@ -220,6 +214,13 @@ def value_and_grad(
             f"({type(args[j]).__name__}); NNX objects are threaded through the "
             "micro-batches already. Drop it from rng_argnums.")
 
+    for name, value in kwargs.items():
+      if any(isinstance(x, nnx.Pytree) for x in jax.tree.leaves(
+          value, is_leaf=lambda x: isinstance(x, nnx.Pytree))):
+        raise TypeError(
+            f"keyword argument {name}={type(value).__name__}(...) holds an NNX object; "
+            "NNX objects (nnx.Rngs, modules) are threaded through the micro-batches only when "
+            f"passed positionally after the batch: call it as fun(model, batch, {name}).")
     node_pos = tuple(j for j in range(2, len(args)) if isinstance(args[j], nnx.Pytree))
     nodes = (model, *(args[j] for j in node_pos))
     graphdef, diff, rest = nnx.split(nodes, model_filter, ...)
@@ -242,7 +243,7 @@ def value_and_grad(
       if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
           raise TypeError(
-              f"fun must return (value, aux) because has_aux=True, got {_describe(out)}.")
+              f"fun must return (value, aux) because has_aux=True, got {_split.describe(out)}.")
         value, aux = out
       else:
         value, aux = out, None

@@ -676,5 +676,5 @@ def test_other_bad_options_are_rejected():
     jaxaccum.MultiSteps(optax.sgd(0.1), 2, use_grad_mean="yes")
   ms = jaxaccum.MultiSteps(optax.sgd(0.1), 2,
                            should_skip_update_fn=lambda u, step, p: (jnp.int32(0), ()))
-  with pytest.raises(TypeError, match=r"should_skip_update_fn must return a boolean scalar"):
+  with pytest.raises(ValueError, match=r"should_skip_update_fn must return a boolean scalar"):
     ms.update(jnp.ones(2), ms.init(jnp.zeros(2)))
