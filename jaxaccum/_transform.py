@@ -345,7 +345,8 @@ def value_and_grad(
     micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
     argnums: which positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: which positional argument(s) carry the batch: pytrees whose leaves share
-      a leading batch axis. Other arguments are passed unchanged to every micro-batch.
+      a leading batch axis. Other arguments, keyword arguments included, are passed
+      unchanged to every micro-batch (a keyword argument is never split).
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
       (see ``aux_reduce``).
     reduce: how ``fun``'s value combines across micro-batches.
