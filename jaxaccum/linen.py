@@ -71,6 +71,8 @@ def value_and_grad(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
+    data_axis: str | Sequence[str] | None = None,
+    mesh: Any = None,
 ) -> Callable[..., Any]:
   """Accumulated value and gradients of a Linen loss with mutable collections and RNGs.
 
@@ -88,8 +90,8 @@ def value_and_grad(
     has_aux: ``fun`` returns ``(loss, (new_model_state, aux))``; aux is reduced over the
       micro-batches as ``aux_reduce`` says (the mean by default).
     reduce: ``"mean"``, ``"sum"`` or ``"weighted"``; see :func:`jaxaccum.value_and_grad`.
-    aux_reduce, accumulator_dtype, grads_dtype, remat, remat_policy, unroll: as in
-      :func:`jaxaccum.value_and_grad`.
+    aux_reduce, accumulator_dtype, grads_dtype, remat, remat_policy, unroll, data_axis,
+      mesh: as in :func:`jaxaccum.value_and_grad`.
 
   Returns:
     A function ``(params, batch, model_state, rngs) -> ((loss, new_model_state), grads)``,
@@ -129,7 +131,8 @@ def value_and_grad(
       fun, num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
       argnums=0, batch_argnums=1, state_argnums=2, rng_argnums=3, has_aux=has_aux,
       reduce=reduce, aux_reduce=aux_reduce, accumulator_dtype=accumulator_dtype,
-      grads_dtype=grads_dtype, remat=remat, remat_policy=remat_policy, unroll=unroll)
+      grads_dtype=grads_dtype, remat=remat, remat_policy=remat_policy, unroll=unroll,
+      data_axis=data_axis, mesh=mesh)
 
   @functools.wraps(fun)
   def value_and_grad_fn(params, batch, model_state, rngs, *args, **kwargs):

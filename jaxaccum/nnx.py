@@ -94,6 +94,8 @@ def value_and_grad(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
+    data_axis: str | Sequence[str] | None = None,
+    mesh: Any = None,
 ) -> Callable[..., Any]:
   """Like :func:`flax.nnx.value_and_grad`, accumulated over micro-batches in one scan.
 
@@ -135,6 +137,11 @@ def value_and_grad(
       (:func:`jax.checkpoint`).
     remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
     unroll: passed to :func:`jax.lax.scan`.
+    data_axis, mesh: the data-parallel mode of :func:`jaxaccum.value_and_grad`: each device
+      accumulates its own rows and the gradients are reduced once per step. The model's
+      other state is threaded per shard and combined at the end (floating leaves averaged,
+      counters the maximum, keys shard 0's), so ``nnx.Rngs`` streams draw the same masks
+      on every shard.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
@@ -174,7 +181,7 @@ def value_and_grad(
       num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
       has_aux=has_aux, reduce=reduce, aux_reduce=aux_reduce,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
-      remat_policy=remat_policy, unroll=unroll)
+      remat_policy=remat_policy, unroll=unroll, data_axis=data_axis, mesh=mesh)
   # Validate every option now, not at the first call.
   _transform.value_and_grad(fun, argnums=0, batch_argnums=1, state_argnums=2,
                             rng_argnums=tuple(j + 1 for j in rng_argnums_t), **core_options)

@@ -372,3 +372,48 @@ def test_sum_reduction_eager_numpy_inputs_and_keyword_arguments():
   loss, grads = step(params, batch, scale=0.5)
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_nnx_model_under_data_axis_equals_full_batch(axis_type):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(6, 16, rngs=rngs)
+      self.norm = nnx.LayerNorm(16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.norm(self.l1(x))))
+
+  def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  model = Net(nnx.Rngs(0))
+  kx, ky = jax.random.split(jax.random.key(1))
+  batch = {"x": jax.random.normal(kx, (64, 6)), "y": jax.random.normal(ky, (64, 3))}
+  ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, batch)
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+  nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+  @nnx.jit
+  def step(model, batch):
+    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4, data_axis="data",
+                                       mesh=mesh)(model, batch)
+
+  loss, grads = step(model, batch)
+  assert_close(loss, ref_loss)
+  assert_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def pure_step(state, batch):  # the same step, split by hand, to read its compiled HLO
+    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4, data_axis="data",
+                                       mesh=mesh)(nnx.merge(graphdef, state), batch)
+
+  colls = _compile(pure_step, state, batch)
+  assert not [c for c in colls if c.in_loop and c.kind == "all-reduce"], colls
+  assert 0 < sum(c.kind == "all-reduce" for c in colls) <= len(jax.tree.leaves(state)) + 1
