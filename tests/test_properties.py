@@ -107,3 +107,49 @@ def test_weighted_with_random_token_counts(lengths, n):
       w, (x, mask))
   assert_close(out, jax.value_and_grad(token_mean)(w, (x, mask)))
   assert np.isfinite(np.asarray(out[0]))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([1, 2, 3, 6]),
+       st.fixed_dictionaries({k: st.sampled_from([None, "mean", "sum", "max", "min", "stack"])
+                              for k in ("f", "i", "v")}),
+       st.booleans(), st.integers(0, 2**16))
+def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k1, (6, 3))
+  m = (jax.random.uniform(k2, (6,)) > 0.3).astype(jnp.float32)
+
+  def fun(w, batch, count):
+    x, m = batch
+    num, den = jnp.sum(jnp.tanh(x @ w) * m), jnp.sum(m)
+    aux = {"f": jnp.sum(x), "i": jnp.sum(m).astype(jnp.int32), "v": jnp.max(x, axis=0)}
+    value = (num, den) if weighted else num / x.shape[0]
+    return value, (count + 1, aux)
+
+  w = jnp.linspace(-1.0, 1.0, 3)
+  reduce = "weighted" if weighted else "mean"
+  (value, (count, aux)), g = jax.jit(jaxaccum.value_and_grad(
+      fun, num_micro_batches=n, reduce=reduce, has_aux=True, state_argnums=2,
+      aux_reduce=spec))(w, (x, m), jnp.int32(0))
+
+  # The reference: a Python loop over the same micro-batches.
+  mbs = jaxaccum.split_micro_batches((x, m), num_micro_batches=n)
+  auxes = [fun(w, jax.tree.map(lambda a, i=i: a[i], mbs), 0)[1][1] for i in range(n)]
+  dens = [jnp.sum(mbs[1][i]) for i in range(n)] if weighted else [1.0] * n
+  total = sum(dens)
+  for key, kind in spec.items():
+    vals = jnp.stack([a[key] for a in auxes])
+    if kind in (None, "mean"):
+      wts = jnp.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
+      expected = jnp.where(total > 0, jnp.sum(vals * wts, 0) / jnp.maximum(total, 1e-30), 0.0)
+    else:
+      expected = {"sum": lambda v: jnp.sum(v, 0), "max": lambda v: jnp.max(v, 0),
+                  "min": lambda v: jnp.min(v, 0), "stack": lambda v: v}[kind](vals)
+    assert_close(jnp.asarray(aux[key], jnp.float32), jnp.asarray(expected, jnp.float32),
+                 err_msg=f"aux {key!r} reduced with {kind!r}")
+  assert int(count) == n
+  full_value, full_g = jax.value_and_grad(
+      lambda w: (fun(w, (x, m), 0)[0][0] / jnp.sum(m)) if weighted else fun(w, (x, m), 0)[0])(w)
+  if not weighted or float(jnp.sum(m)) > 0:
+    assert_close((value, g), (full_value, full_g))
