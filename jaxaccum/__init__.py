@@ -5,6 +5,7 @@ full-batch loss and gradients (mean, sum and token-weighted losses), with float3
 accumulation, per-micro-batch RNG keys and mutable state threaded through.
 """
 
+from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._plan import Plan as Plan
@@ -31,6 +32,7 @@ def __getattr__(name: str):
 
 
 __all__ = (
+    "AccumInfo",
     "MultiSteps",
     "MultiStepsState",
     "Plan",
