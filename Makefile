@@ -5,12 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test lint bench bench-quick clean docs typecheck test-min dist dist-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[test,dev,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,7 +28,47 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxaccum tests benchmarks examples
+	$(BIN)/ruff check jaxaccum tests benchmarks examples tools
+
+# Pyright (basic mode, configured in pyproject.toml) on the package.
+typecheck: $(STAMP)
+	$(BIN)/pyright --pythonpath $(BIN)/python
+
+# The documentation site (docs/, mkdocs.yml) into site/; any warning is an error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The suite against the lowest versions pyproject.toml allows for the core dependencies, in its
+# own environment (.venv-min). MIN_JOBS sets pytest's worker count.
+MIN_VENV := .venv-min
+MIN_JOBS ?= 2
+test-min:
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PYTHON) tools/min_constraints.py > $(MIN_VENV)/constraints.txt
+	cat $(MIN_VENV)/constraints.txt
+	$(MIN_VENV)/bin/python -m pip install --quiet -c $(MIN_VENV)/constraints.txt -e '.[test]'
+	$(MIN_VENV)/bin/python -m pip list 2>/dev/null | grep -E -i '^(jax|jaxlib|optax|flax|chex|numpy|equinox) '
+	$(MIN_VENV)/bin/python -m pytest -n $(MIN_JOBS) -q
+
+# A wheel and an sdist in dist/, checked by twine.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build
+	$(BIN)/twine check --strict dist/*
+
+# Installs the wheel, then the sdist, in a fresh environment (no flax, no equinox) and imports
+# jaxaccum from each.
+DIST_IMPORT := import importlib.util as u, jaxaccum; \
+  assert u.find_spec("flax") is None and u.find_spec("equinox") is None; \
+  print("imported jaxaccum", jaxaccum.__version__, "from", jaxaccum.__file__)
+dist-check: dist
+	rm -rf .venv-dist
+	$(PYTHON) -m venv .venv-dist
+	.venv-dist/bin/python -m pip install --quiet dist/*.whl
+	cd /tmp && $(CURDIR)/.venv-dist/bin/python -c '$(DIST_IMPORT)'
+	.venv-dist/bin/python -m pip install --quiet --force-reinstall --no-deps dist/*.tar.gz
+	cd /tmp && $(CURDIR)/.venv-dist/bin/python -c '$(DIST_IMPORT)'
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(MIN_VENV) .venv-dist .pytest_cache .ruff_cache .hypothesis site dist

@@ -5,6 +5,8 @@ full-batch loss and gradients (mean, sum and token-weighted losses), with float3
 accumulation, per-micro-batch RNG keys and mutable state threaded through.
 """
 
+from typing import TYPE_CHECKING
+
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
@@ -19,6 +21,10 @@ from jaxaccum._transform import value_and_grad as value_and_grad
 __version__ = "0.1.0"
 
 _SUBMODULES = ("nnx", "linen")
+
+if TYPE_CHECKING:  # what `__getattr__` returns, for type checkers and editors
+  from jaxaccum import linen as linen
+  from jaxaccum import nnx as nnx
 
 
 def __getattr__(name: str):
