@@ -1,0 +1,41 @@
+"""The documentation site covers the public API and every page is in the navigation."""
+
+import re
+from pathlib import Path
+
+import jaxaccum
+
+ROOT = Path(__file__).resolve().parent.parent
+ADAPTERS = ("nnx", "linen", "eqx")
+
+
+def _documented() -> set[str]:
+  text = (ROOT / "docs" / "api.md").read_text()
+  return set(re.findall(r"^::: jaxaccum\.([\w.]+)\s*$", text, flags=re.MULTILINE))
+
+
+def test_api_reference_lists_every_public_name():
+  missing = sorted(set(jaxaccum.__all__) - _documented())
+  assert not missing, f"docs/api.md has no '::: jaxaccum.NAME' entry for {missing}"
+
+
+def test_api_reference_lists_every_adapter():
+  present = [name for name in ADAPTERS if (ROOT / "jaxaccum" / f"{name}.py").exists()]
+  assert {"nnx", "linen"} <= set(present)
+  missing = sorted(set(present) - _documented())
+  assert not missing, f"docs/api.md has no '::: jaxaccum.NAME' entry for the adapters {missing}"
+
+
+def test_every_page_is_in_the_navigation():
+  nav = (ROOT / "mkdocs.yml").read_text()
+  pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+  missing = [page for page in pages if not re.search(rf":\s*{re.escape(page)}\s*$", nav, re.M)]
+  assert not missing, f"mkdocs.yml's nav does not list {missing}"
+
+
+def test_readme_links_resolve():
+  readme = (ROOT / "README.md").read_text()
+  targets = re.findall(r"\]\((docs/[^)#]*)", readme)
+  assert targets, "the README links into docs/"
+  broken = [t for t in targets if not (ROOT / t).exists()]
+  assert not broken, f"README.md links to missing files: {broken}"
