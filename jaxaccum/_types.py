@@ -1,23 +1,18 @@
 """Type aliases shared by jaxaccum's modules (private: import them from here, not from jaxaccum).
 
-These follow what optax (``optax.Params``) and chex (``chex.ArrayTree``) do: a pytree is typed
-with a small alias rather than a structural type that a checker could not follow through
-``jax.tree.map``.
+As optax (``optax.Params``) and chex (``chex.ArrayTree``) do, a pytree is typed with a small
+alias rather than a structural type that a checker could not follow through ``jax.tree.map``.
 """
+
+from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, TypeAlias
 
-import jax
+from jax.typing import ArrayLike, DTypeLike
 
 PyTree: TypeAlias = Any
-"""A pytree of arrays (nested tuples, lists, dicts, dataclasses, ``None`` leaves...)."""
-
-DTypeLike: TypeAlias = jax.typing.DTypeLike
-"""Anything ``jnp.dtype`` accepts: ``jnp.float32``, ``"bfloat16"``, ``np.dtype(...)``."""
-
-ArrayLike: TypeAlias = jax.typing.ArrayLike
-"""A jax or numpy array, or a Python / numpy scalar."""
+"""A pytree of arrays (as ``optax.Params`` / ``chex.ArrayTree``)."""
 
 ArgNums: TypeAlias = int | Sequence[int]
 """One positional argument index, or several (as ``jax.value_and_grad``'s ``argnums``)."""
@@ -28,8 +23,7 @@ ArgNames: TypeAlias = str | Sequence[str]
 AxisName: TypeAlias = Hashable
 """A mesh axis name (usually a ``str``)."""
 
-AxisNames: TypeAlias = AxisName | Sequence[AxisName]
-"""One mesh axis name, or a tuple of them (``data_axis=("data", "fsdp")``)."""
+AxisNames: TypeAlias = Any  # an axis name or a tuple of them, as jax.lax collectives take
 
 
 class LossFn(Protocol):
