@@ -46,7 +46,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -445,7 +444,8 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       # Concatenated aux rows stay on their shard: the output spec gathers them in order.
       rows_mask = jax.tree.map(lambda k: k == "concat", kinds)
       if problem.state0:
-        mask = (jax.tree.map(lambda _: False, extra[0]), rows_mask) if opts.has_aux             else jax.tree.map(lambda _: False, extra)
+        no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
+        mask = (no_rows, rows_mask) if opts.has_aux else no_rows
       else:
         mask = rows_mask
       leaves, treedef = jax.tree.flatten(extra)
