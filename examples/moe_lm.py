@@ -232,7 +232,7 @@ def plot(logs: dict[str, dict[str, np.ndarray]], bad: list[list[int]], cfg: Conf
       ax.plot(logs[run][key], label=run, **style)
     for s in poisoned:
       ax.axvline(s, color="C3", alpha=0.12, lw=1)
-    ax.set(title=title)
+    ax.set(title=title, yscale="log" if key == "z" else "linear")
     ax.grid(alpha=0.3)
   axes[0, 0].legend(title="(shaded: steps with NaN micro-batches)", fontsize=8,
                     title_fontsize=8)
@@ -241,7 +241,7 @@ def plot(logs: dict[str, dict[str, np.ndarray]], bad: list[list[int]], cfg: Conf
   skipped = int(logs["poisoned"]["skipped"].sum())
   fig.suptitle(f"MoE char LM, {cfg.experts} experts top-1, batch {cfg.batch_size} = "
                f"{cfg.num_micro_batches} micro-batches; loss = ce + {cfg.lb_weight} lb + "
-               f"{cfg.z_weight} z; {skipped} bad micro-batches skipped")
+               f"{cfg.z_weight} z; {skipped} bad micro-batches skipped", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -271,3 +271,32 @@ def test_moe_lm_terms_match_a_hand_reference_and_bad_micro_batches_are_skipped(t
   np.testing.assert_allclose(
       bad["loss"][0], ref_bad["ce"] + cfg.lb_weight * ref_bad["lb"] + cfg.z_weight * ref_bad["z"],
       rtol=1e-5)
+
+
+def test_bench_features_variants_compute_the_right_losses_and_write_results(tmp_path):
+  bench = _load("benchmarks/bench_features.py")
+  acc = sys.modules["bench_accumulation"]
+  cfg = acc.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)
+  results = bench.run(quick=True, repeats=1, warmup=1, cfg=cfg, out_dir=tmp_path)
+  saved = json.loads((tmp_path / "features.json").read_text())
+  assert set(saved["mlp"]["rows"]) == set(bench.VARIANTS)
+  assert "| k = 2 / k = 8 |" in (tmp_path / "features.md").read_text()
+  assert [r["variant"] for r in results["mlp"]["ratios"]] == [r[0] for r in bench.RATIOS]
+  # Each variant's first loss, from the initial parameters, against a hand reference.
+  loss_fn, params, batch = acc.mlp_problem(cfg)
+  n = bench.N
+  micro = [jax.tree.map(lambda a, i=i: a[i::n], batch) for i in range(n)]
+  full = float(loss_fn(params, batch))
+  first = {name: row["first_loss"] for name, row in saved["mlp"]["rows"].items()}
+  for name in ("plain", "with_info", "skip_nonfinite", "k = 8"):
+    np.testing.assert_allclose(first[name], full, rtol=1e-5, err_msg=name)
+  k_rows = jax.tree.map(lambda *a: jnp.concatenate(a), *micro[: bench.K_SMALL])
+  np.testing.assert_allclose(first["k = 2"], float(loss_fn(params, k_rows)), rtol=1e-5)
+  t = [bench.terms_loss(params, m) for m in micro]
+  w = bench.WEIGHTS
+  whole = bench.terms_loss(params, batch)
+  three = (whole["ce"][0] / whole["ce"][1] + w["lb"] * np.mean([p["lb"] for p in t])
+           + w["z"] * whole["z"])
+  np.testing.assert_allclose(first["3 terms"], float(three), rtol=1e-5)
+  one = sum(bench.single_loss(params, m)[0] for m in micro) / cfg.batch
+  np.testing.assert_allclose(first["1 term (weighted)"], float(one), rtol=1e-5)
