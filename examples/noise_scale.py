@@ -198,10 +198,11 @@ def plot(logs: dict[str, dict[str, np.ndarray]], cfg: Config, path: pathlib.Path
     ax_loss.plot(steps, lg["loss"], color=color, label=run)
     ax_b.plot(steps, lg["b_simple"], color=color, label=f"{run}: B_simple (EMA)")
     ax_b.plot(steps, lg["tokens"], color=color, ls=":", label=f"{run}: tokens in the batch")
-  ax_loss.set(ylabel="token-mean cross-entropy",
-              title=f"char LM, up to {cfg.batch_size} sequences = {cfg.num_micro_batches} "
-                    f"micro-batches of {cfg.batch_size // cfg.num_micro_batches}; ramp "
-                    f"{cfg.ramp_from} -> {cfg.num_micro_batches} micro-batches")
+  ax_loss.set(ylabel="token-mean cross-entropy")
+  ax_loss.set_title(f"char LM, up to {cfg.batch_size} sequences = {cfg.num_micro_batches} "
+                    f"micro-batches of {cfg.batch_size // cfg.num_micro_batches}\nramp run: "
+                    f"{cfg.ramp_from} -> {cfg.num_micro_batches} micro-batches over "
+                    f"{cfg.ramp_steps} steps, one compiled step", fontsize=10)
   ax_b.set(yscale="log", xlabel="optimizer step", ylabel="tokens")
   for ax in (ax_loss, ax_b):
     ax.grid(alpha=0.3)
@@ -265,6 +266,10 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
             f"{lg['b_simple'][-1]:,.0f} tokens; last batch {lg['tokens'][-1]:,.0f} tokens "
             f"in {int(lg['k'][-1])} of {n} micro-batches; tokens seen "
             f"{lg['tokens'].sum():,.0f}")
+      ratio = lg["b_simple"][-1] / lg["tokens"][-1]
+      print(f"{'':>10}B_simple / batch = {ratio:.2f}: "
+            + ("a larger batch would still cut the steps needed almost in proportion"
+               if ratio > 1 else "a larger batch would mostly spend more tokens per step"))
     print(f"micro-batches per step in the ramp run: {ks['ramp'][0]} -> {ks['ramp'][-1]}, "
           f"compiled programs of the train step: {compiled} (NoiseScale: {source})")
     print(f"plot: {plot_path}")
