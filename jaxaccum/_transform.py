@@ -278,11 +278,11 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   role_pos = tuple(dict.fromkeys(roles.diff + roles.batch + roles.rng + roles.state))
   nd = len(roles.diff)
 
-  def inner(count, kw, *role_vals):
+  def inner(count, kw_batch, *role_vals):
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
-    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **kw))
+    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**kwargs, **kw_batch}))
     objectives = []
     for g in groups:
       total = 0.0
@@ -306,9 +306,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
       call_args[j] = jax.tree.map(lambda k: jax.random.fold_in(k, i), args[j])
     for j, s in zip(roles.state, state, strict=True):
       call_args[j] = s
-    kw = dict(kwargs)
-    for k in roles.batch_names:
-      kw[k] = _split.take(split_kw[k], i)
+    kw = {k: _split.take(split_kw[k], i) for k in roles.batch_names}
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
     objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
