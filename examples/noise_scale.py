@@ -158,13 +158,15 @@ def make_step(cfg: Config, loss_fn: Callable, tx: optax.GradientTransformation, 
   """The jitted train step ``(params, opt_state, noise_state, batch, k) -> (..., logs)``.
 
   ``k`` (int32) is ``active_micro_batches``: only micro-batches ``0..k-1`` run, and the
-  step is compiled once for every ``k``.
+  step is compiled once for every ``k``. ``step.traces`` counts its traces (each one a
+  compiled program).
   """
   vg = jaxaccum.value_and_grad(loss_fn, num_micro_batches=cfg.num_micro_batches,
                                reduce="weighted", with_info=True)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, noise_state, batch, k):
+    traces.append(None)  # Python runs here once per trace, not once per call
     loss, grads, info = vg(params, batch, active_micro_batches=k)
     updates, opt_state = tx.update(grads, opt_state, params)
     noise_state = noise.update(noise_state, info)
@@ -174,6 +176,8 @@ def make_step(cfg: Config, loss_fn: Callable, tx: optax.GradientTransformation, 
             "trace_cov": info.trace_cov_estimate()}
     return optax.apply_updates(params, updates), opt_state, noise_state, logs
 
+  traces = []
+  step.traces = traces
   return step
 
 
@@ -251,7 +255,7 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
         bar.set_postfix(loss=f"{float(lg['loss']):.3f}", k=int(k),
                         B_simple=f"{float(lg['b_simple']):.0f}")
     logs[run] = {key: np.asarray([float(lg[key]) for lg in per_step]) for key in per_step[0]}
-  compiled = step._cache_size()
+  compiled = len(step.traces)
   if compiled != 1:
     raise RuntimeError(f"the train step compiled {compiled} programs; expected one for all k")
 
