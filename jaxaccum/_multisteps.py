@@ -30,8 +30,7 @@ import optax
 from jax import lax
 
 from jaxaccum import _info, _reduce, _split
-
-PyTree = Any
+from jaxaccum._types import PyTree
 
 
 class MultiStepsState(NamedTuple):

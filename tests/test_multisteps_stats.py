@@ -86,6 +86,10 @@ def test_statistics_of_an_mlp_window_equal_the_micro_batch_gradients_by_hand():
                                info.b_simple()), (g2, tr, tr / g2), rtol=1e-4)
   chex.assert_trees_all_close(outs[-1], jax.tree.map(lambda g: -0.1 * g, full), rtol=1e-5,
                               atol=1e-8)
+  # The same statistics as accumulation inside one step.
+  _, _, core = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=K,
+                                               with_info=True))(params, batch)
+  chex.assert_trees_all_close(info._replace(terms=None), core._replace(terms=None), rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_grad_mean", [True, False])

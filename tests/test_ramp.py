@@ -98,3 +98,28 @@ def test_a_non_scalar_step_is_rejected():
   ramp = jaxaccum.batch_size_ramp(1, 4, 10)
   with pytest.raises(TypeError, match=r"takes a scalar step, got an array of shape \(3,\)"):
     ramp(jnp.arange(3))
+
+
+def test_ramp_as_active_micro_batches_runs_the_rows_of_the_first_k_in_one_program():
+  n = 4
+  ramp = jaxaccum.batch_size_ramp(init_value=1, end_value=n, transition_steps=3)
+  kx, ky = jax.random.split(jax.random.key(0))
+  batch = {"x": jax.random.normal(kx, (16, 3)), "y": jax.random.normal(ky, (16,))}
+  w = jnp.array([0.5, -1.0, 2.0])
+
+  def loss(w, batch):
+    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+  vg = jaxaccum.value_and_grad(loss, num_micro_batches=n)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(w, batch, step):
+    return vg(w, batch, active_micro_batches=ramp(step))
+
+  for s in range(5):
+    k = reference_linear(1, n, 3, 0, s)
+    # Micro-batch i holds rows i, i + n, ...: the first k hold these rows.
+    rows = jax.tree.map(lambda x, k=k: jnp.concatenate([x[i::n] for i in range(k)]), batch)
+    chex.assert_trees_all_close(step(w, batch, jnp.int32(s)),
+                                jax.value_and_grad(loss)(w, rows), rtol=1e-5)
