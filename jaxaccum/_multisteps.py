@@ -54,12 +54,16 @@ class MultiStepsState(NamedTuple):
     weighted: whether the open window's calls pass ``weight`` (bool).
     skipped: calls dropped by ``skip_nonfinite=True`` since :meth:`MultiSteps.init`
       (int32, saturating).
-    acc_grad_sq_norm: the sum of ``|g_i|^2`` over the open window's samples (float32).
-    acc_inv_size: the sum of ``1 / b_i`` over the open window's samples (float32).
-    num_samples: the open window's samples (int32): its calls, less those of weight 0.
+    acc_grad_sq_norm: with ``with_info=True``, the sum of ``|g_i|^2`` over the open
+      window's samples (float32); 0 otherwise.
+    acc_inv_size: with ``with_info=True``, the sum of ``1 / b_i`` over the open window's
+      samples (float32); 0 otherwise.
+    num_samples: with ``with_info=True``, the open window's samples (int32): its calls,
+      less those of weight 0; 0 otherwise.
     window_skipped: the open window's calls dropped by ``skip_nonfinite=True`` (int32).
-    info: the :class:`jaxaccum.AccumInfo` of the window that this call completed; on a
-      call that completes none, an empty one (``num_micro_batches == 0``, NaN estimates).
+    info: with ``with_info=True``, the :class:`jaxaccum.AccumInfo` of the window that
+      this call completed; on a call that completes none, and without ``with_info``, an
+      empty one (``num_micro_batches == 0``, NaN estimates).
   """
 
   mini_step: jax.Array
@@ -190,28 +194,31 @@ class MultiSteps:
       ``skip_state``) and returns zero updates, as if it never happened.
     accumulator_dtype: dtype of ``acc_grads``; float32 by default, ``None`` for the
       parameters' dtypes.
+    with_info: if ``True``, keep the window's gradient-noise statistics and store them
+      in ``state.info`` (below). It costs one squared-norm reduction over each call's
+      gradients; without it ``state.info`` stays empty.
     micro_batch_size: the size ``b`` behind each unweighted call's gradient (rows, say),
-      used only by the statistics below; ``None`` (the default) counts sizes in calls.
-      Weighted calls use their ``weight`` instead.
+      used only by the statistics (``with_info=True``); ``None`` (the default) counts
+      sizes in calls. Weighted calls use their ``weight`` instead.
     skip_nonfinite: if ``True``, a call whose gradients hold a NaN or an infinity (only
       counted when its ``weight`` is positive), or whose ``weight`` is NaN or infinite, is
       dropped: it returns zero updates, leaves the open window as it was (the next good
-      call continues it) and adds 1 to ``state.skipped`` and to the window's
-      ``info.skipped``. It costs one ``isfinite`` reduction per call.
+      call continues it) and adds 1 to ``state.skipped`` (and, with ``with_info=True``,
+      to the window's ``info.skipped``). It costs one ``isfinite`` reduction per call.
 
   Raises:
     ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable,
       ``accumulator_dtype`` is not a floating dtype, or ``micro_batch_size`` or
       ``skip_nonfinite`` is of the wrong type or value.
 
-  Statistics: each call's gradient ``g_i`` is one sample of its window, of size ``b_i``
-  (its ``weight``, else ``micro_batch_size``); the emitted (weighted) mean is ``G_B`` over
-  ``B = sum_i b_i``. The call that completes a window stores in ``state.info`` a
-  :class:`jaxaccum.AccumInfo` with the mean of ``|g_i|^2``, ``|G_B|^2``, ``B`` and ``b``
-  (the harmonic mean of the ``b_i``), from which ``info.grad_sq_norm_estimate()``,
-  ``info.trace_cov_estimate()`` and ``info.b_simple()`` follow, exactly as for
-  :func:`jaxaccum.value_and_grad` with ``with_info=True``; feed it to
-  :class:`jaxaccum.NoiseScale`. Other calls store an empty one (no samples, NaN
+  Statistics (``with_info=True``): each call's gradient ``g_i`` is one sample of its
+  window, of size ``b_i`` (its ``weight``, else ``micro_batch_size``); the emitted
+  (weighted) mean is ``G_B`` over ``B = sum_i b_i``. The call that completes a window
+  stores in ``state.info`` a :class:`jaxaccum.AccumInfo` with the mean of ``|g_i|^2``,
+  ``|G_B|^2``, ``B`` and ``b`` (the harmonic mean of the ``b_i``), from which
+  ``info.grad_sq_norm_estimate()``, ``info.trace_cov_estimate()`` and ``info.b_simple()``
+  follow, exactly as for :func:`jaxaccum.value_and_grad` with ``with_info=True``; feed it
+  to :class:`jaxaccum.NoiseScale`. Other calls store an empty one (no samples, NaN
   estimates). ``|g_i|^2`` is taken on ``updates`` as passed, so pass the gradient of a
   *mean* loss; gradients of sums scale both estimates by ``b**2`` and leave their ratio
   unchanged. ``info.num_micro_batches`` counts the window's calls, skipped ones included.
@@ -245,6 +252,7 @@ class MultiSteps:
       should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
       accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
       *,
+      with_info: bool = False,
       micro_batch_size: float | None = None,
       skip_nonfinite: bool = False,
   ):
@@ -294,6 +302,13 @@ class MultiSteps:
       raise ValueError(
           f"micro_batch_size must be {what}; got micro_batch_size={micro_batch_size}.")
     self._micro_batch_size = float(micro_batch_size)
+    if not isinstance(with_info, (bool, np.bool_)):
+      raise TypeError(f"with_info must be a bool, got with_info={with_info!r}.")
+    self._with_info = bool(with_info)
+    if not self._with_info and self._micro_batch_size != 1:
+      raise ValueError(
+          f"micro_batch_size={micro_batch_size} is used only by the statistics; pass "
+          "with_info=True as well, or leave micro_batch_size unset.")
     if not isinstance(skip_nonfinite, (bool, np.bool_)):
       raise TypeError(f"skip_nonfinite must be a bool, got skip_nonfinite={skip_nonfinite!r}.")
     self._skip_nonfinite = bool(skip_nonfinite)
@@ -392,9 +407,6 @@ class MultiSteps:
     # its size b_i for the statistics.
     use = (w > 0) if weighted else jnp.ones([], jnp.bool_)
     size = w if weighted else jnp.asarray(self._micro_batch_size, self._weight_dtype)
-    # One pass over the gradients: the squared norm (statistics) and, with
-    # skip_nonfinite, whether every entry is finite.
-    sq_norm = _sq_norm(updates)
     nonfinite = jnp.zeros([], jnp.bool_)
     if self._skip_nonfinite:
       nonfinite = use & ~_all_finite(updates)
@@ -419,11 +431,14 @@ class MultiSteps:
     emit = jnp.logical_and(~skip, mini_step >= k - 1)
 
     # The window's statistics after this call (used if it emits).
-    num_samples = jnp.where(first, 0, jnp.asarray(state.num_samples, jnp.int32)) + use
-    acc_sq = jnp.where(first, 0, jnp.asarray(state.acc_grad_sq_norm, jnp.float32)) + (
-        jnp.where(use, sq_norm, 0))
-    acc_inv = jnp.where(first, 0, jnp.asarray(state.acc_inv_size, jnp.float32)) + jnp.where(
-        use, 1 / jnp.where(use, size, 1), 0).astype(jnp.float32)
+    num_samples = jnp.asarray(state.num_samples, jnp.int32)
+    acc_sq = jnp.asarray(state.acc_grad_sq_norm, jnp.float32)
+    acc_inv = jnp.asarray(state.acc_inv_size, jnp.float32)
+    if self._with_info:  # one more pass over the gradients: their squared norm
+      num_samples = jnp.where(first, 0, num_samples) + use
+      acc_sq = jnp.where(first, 0, acc_sq) + jnp.where(use, _sq_norm(updates), 0)
+      acc_inv = jnp.where(first, 0, acc_inv) + jnp.where(
+          use, 1 / jnp.where(use, size, 1), 0).astype(jnp.float32)
     window_skipped = jnp.asarray(state.window_skipped, jnp.int32)
 
     def window_info():
@@ -449,7 +464,7 @@ class MultiSteps:
           **extra_args)
       new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
                                new_inner, state.inner_opt_state)
-      return new_updates, new_inner, window_info()
+      return new_updates, new_inner, window_info() if self._with_info else _empty_info()
 
     update_shapes = jax.eval_shape(apply_inner)[0]
 

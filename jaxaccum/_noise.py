@@ -39,7 +39,8 @@ class NoiseScale:
   """Tracks the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` across steps.
 
   Each :meth:`update` takes one step's :class:`jaxaccum.AccumInfo` (from
-  ``jaxaccum.value_and_grad(..., with_info=True)`` or from ``MultiStepsState.info``) and
+  ``jaxaccum.value_and_grad(..., with_info=True)`` or ``MultiStepsState.info`` of a
+  ``MultiSteps(..., with_info=True)``) and
   folds its two unbiased estimates, ``info.grad_sq_norm_estimate()`` and
   ``info.trace_cov_estimate()``, into exponential moving averages::
 

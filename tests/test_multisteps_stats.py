@@ -67,7 +67,7 @@ def test_statistics_of_an_mlp_window_equal_the_micro_batch_gradients_by_hand():
   micro = [jax.tree.map(lambda x, i=i: x[i::K], batch) for i in range(K)]  # 8 rows each
   grad_fn = jax.jit(jax.grad(mlp_loss))
   grads = [grad_fn(params, mb) for mb in micro]
-  ms = jaxaccum.MultiSteps(optax.sgd(0.1), K, micro_batch_size=8)
+  ms = jaxaccum.MultiSteps(optax.sgd(0.1), K, with_info=True, micro_batch_size=8)
   outs, states = run(ms, [(g, {}) for g in grads], params)
   for s in states[:-1]:  # no window completed: an empty info, NaN estimates
     assert int(s.info.num_micro_batches) == 0 and int(s.info.num_samples) == 0
@@ -92,6 +92,19 @@ def test_statistics_of_an_mlp_window_equal_the_micro_batch_gradients_by_hand():
   chex.assert_trees_all_close(info._replace(terms=None), core._replace(terms=None), rtol=1e-5)
 
 
+def test_without_with_info_the_statistics_stay_empty_and_updates_are_unchanged():
+  g = [jnp.array([float(i), 2.0 - i]) for i in range(4)]
+  outs = {}
+  for with_info in (False, True):
+    ms = jaxaccum.MultiSteps(optax.adam(0.1), 2, with_info=with_info)
+    outs[with_info], states = run(ms, [(gi, {}) for gi in g])
+    if not with_info:
+      for s in states:
+        chex.assert_trees_all_equal(s.info, ms.init(g[0]).info)
+        assert (int(s.num_samples), float(s.acc_grad_sq_norm)) == (0, 0.0)
+  chex.assert_trees_all_equal(outs[False], outs[True])
+
+
 @pytest.mark.parametrize("use_grad_mean", [True, False])
 def test_weighted_statistics_use_the_weights_as_sizes(use_grad_mean):
   # Weights 2, 0, 5, 1: the weight-0 call (NaN gradient: a mean over no tokens) is no
@@ -101,7 +114,7 @@ def test_weighted_statistics_use_the_weights_as_sizes(use_grad_mean):
        {"a": jnp.array([3.0, 0.5]), "b": jnp.float32(-1.0)},
        {"a": jnp.array([-4.0, 8.0]), "b": jnp.float32(2.0)}]
   weights = [2, 0, 5.0, jnp.int32(1)]
-  ms = jaxaccum.MultiSteps(optax.identity(), 4, use_grad_mean=use_grad_mean)
+  ms = jaxaccum.MultiSteps(optax.identity(), 4, use_grad_mean=use_grad_mean, with_info=True)
   outs, states = run(ms, [(gi, {"weight": w}) for gi, w in zip(g, weights, strict=True)])
   info = states[-1].info
   used = [0, 2, 3]
@@ -123,7 +136,8 @@ def test_weighted_statistics_use_the_weights_as_sizes(use_grad_mean):
 
 def test_statistics_follow_each_window_of_a_schedule():
   # Windows of 1, 2 and 3 calls: a window of one call has one sample (NaN estimates).
-  ms = jaxaccum.MultiSteps(optax.identity(), lambda step: step + 1, micro_batch_size=4)
+  ms = jaxaccum.MultiSteps(optax.identity(), lambda step: step + 1, with_info=True,
+                           micro_batch_size=4)
   g = [jnp.array([float(i), 1.0 - i]) for i in range(6)]
   _, states = run(ms, [(gi, {}) for gi in g])
   emitted = [i for i, s in enumerate(states) if int(s.info.num_micro_batches) > 0]
@@ -175,7 +189,8 @@ def test_estimates_are_unbiased_on_gaussian_linear_regression(weighted):
   windows, k, rows, dim, noise = 2000, 4, 8, 3, 0.5
   grads, n, g2, tr = _linear_regression_calls(jax.random.key(7), windows, k, rows, dim,
                                               noise, weighted)
-  ms = jaxaccum.MultiSteps(optax.identity(), k, micro_batch_size=None if weighted else rows)
+  ms = jaxaccum.MultiSteps(optax.identity(), k, with_info=True,
+                           micro_batch_size=None if weighted else rows)
 
   @jax.jit
   def all_windows(grads, n):
@@ -198,7 +213,7 @@ def test_estimates_are_unbiased_on_gaussian_linear_regression(weighted):
 
 def test_noise_scale_tracks_multisteps_windows():
   # NoiseScale.update on every call counts only the calls that complete a window.
-  ms = jaxaccum.MultiSteps(optax.identity(), 3, micro_batch_size=2)
+  ms = jaxaccum.MultiSteps(optax.identity(), 3, with_info=True, micro_batch_size=2)
   ns = jaxaccum.NoiseScale(decay=0.5)
   g = [jnp.array([np.sin(i), np.cos(3 * i)]) for i in range(9)]
   @jax.jit
@@ -246,7 +261,8 @@ def test_a_window_with_a_nonfinite_call_equals_the_window_without_it(weighted):
   with_bad = [bad_grads[0], *good[:2], bad_grads[1], good[2], good[3], good[4],
               bad_grads[2], good[5]]
   params = _grads(0)
-  make = lambda: jaxaccum.MultiSteps(optax.adam(0.1), 3, skip_nonfinite=True)  # noqa: E731
+  make = lambda: jaxaccum.MultiSteps(optax.adam(0.1), 3, skip_nonfinite=True,  # noqa: E731
+                                    with_info=True)
   ref_outs, ref_states = run(make(), good, params)
   outs, states = run(make(), with_bad, params)
   is_bad = [any(c is b for b in bad_grads) for c in with_bad]
@@ -275,7 +291,7 @@ def test_a_window_with_a_nonfinite_call_equals_the_window_without_it(weighted):
 
 
 def test_weight_zero_call_with_nan_gradient_is_not_counted_as_skipped():
-  ms = jaxaccum.MultiSteps(optax.identity(), 2, skip_nonfinite=True)
+  ms = jaxaccum.MultiSteps(optax.identity(), 2, skip_nonfinite=True, with_info=True)
   outs, states = run(ms, [(jnp.array([2.0]), {"weight": 1}),
                           (jnp.array([jnp.nan]), {"weight": 0})])
   chex.assert_trees_all_equal(outs[-1], jnp.array([2.0]))
@@ -305,9 +321,13 @@ def test_an_all_bad_stream_never_emits_and_never_crashes():
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"skip_nonfinite": 1}, TypeError, r"skip_nonfinite must be a bool, got skip_nonfinite=1"),
-    ({"micro_batch_size": 0}, ValueError, r"micro_batch_size must be a positive number.*"
-                                          r"got micro_batch_size=0"),
-    ({"micro_batch_size": float("inf")}, ValueError, r"got micro_batch_size=inf"),
+    ({"with_info": "yes"}, TypeError, r"with_info must be a bool, got with_info='yes'"),
+    ({"micro_batch_size": 8}, ValueError, r"micro_batch_size=8 is used only by the "
+                                          r"statistics; pass with_info=True"),
+    ({"micro_batch_size": 0, "with_info": True}, ValueError,
+     r"micro_batch_size must be a positive number.*got micro_batch_size=0"),
+    ({"micro_batch_size": float("inf"), "with_info": True}, ValueError,
+     r"got micro_batch_size=inf"),
     ({"micro_batch_size": "8"}, TypeError, r"micro_batch_size must be a positive number"),
     ({"micro_batch_size": True}, TypeError, r"micro_batch_size must be a positive number"),
 ])
@@ -326,7 +346,8 @@ def test_ramp_drives_windows_of_changing_length_equal_to_full_batches():
   ramp = jaxaccum.batch_size_ramp(init_value=1, boundaries_and_values={1: 2, 3: 4})
   ks = [1, 2, 2, 4]
   params = mlp_init(jax.random.key(0))
-  ms = jaxaccum.MultiSteps(optax.sgd(0.5), every_k_schedule=ramp, micro_batch_size=4)
+  ms = jaxaccum.MultiSteps(optax.sgd(0.5), every_k_schedule=ramp, with_info=True,
+                           micro_batch_size=4)
 
   @jax.jit
   @chex.assert_max_traces(n=1)
