@@ -39,10 +39,10 @@ class NoiseScale:
   """Tracks the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` across steps.
 
   Each :meth:`update` takes one step's :class:`jaxaccum.AccumInfo` (from
-  ``jaxaccum.value_and_grad(..., with_info=True)`` or ``MultiStepsState.info`` of a
-  ``MultiSteps(..., with_info=True)``) and
-  folds its two unbiased estimates, ``info.grad_sq_norm_estimate()`` and
-  ``info.trace_cov_estimate()``, into exponential moving averages::
+  ``jaxaccum.value_and_grad(..., with_info=True)``, or ``state.info`` of a
+  ``MultiSteps(..., with_info=True)``) and folds its two unbiased estimates,
+  ``info.grad_sq_norm_estimate()`` and ``info.trace_cov_estimate()``, into exponential
+  moving averages::
 
       ema <- decay * ema + (1 - decay) * estimate
 
@@ -114,7 +114,7 @@ class NoiseScale:
     if not isinstance(info, AccumInfo):
       raise TypeError(
           "NoiseScale.update takes the step's jaxaccum.AccumInfo (from "
-          "value_and_grad(..., with_info=True) or MultiStepsState.info), got "
+          "value_and_grad(..., with_info=True) or a MultiStepsState's info), got "
           f"{type(info).__name__}.")
     g2 = jnp.asarray(info.grad_sq_norm_estimate(), jnp.float32)
     tr = jnp.asarray(info.trace_cov_estimate(), jnp.float32)
