@@ -8,6 +8,8 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
+from jaxaccum._pipeline import pipeline as pipeline
+from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
@@ -38,6 +40,8 @@ __all__ = (
     "Plan",
     "PlanCandidate",
     "grad",
+    "pipeline",
+    "pipeline_schedule",
     "plan",
     "plan_step",
     "split_micro_batches",
