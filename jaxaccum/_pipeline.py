@@ -168,11 +168,10 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, axis: str, remat: bool):
   def body(p_leaves, micro):
     params = jax.tree.unflatten(p_def, [p[0] for p in p_leaves])  # this stage's slice
     stage = lax.axis_index(axis)
-    first = jax.tree.unflatten(x_def, [u[0] for u in micro])
-    _check_stage_output(stage_fn, params, first)
     # Marked stage-varying here, once: the transpose (a psum of their cotangent over the
     # stage axis) then runs once after the backward loop, not at every tick.
     micro = tuple(_vary(u, axis) for u in micro)
+    _check_stage_output(stage_fn, params, jax.tree.unflatten(x_def, [u[0] for u in micro]))
 
     def tick(state, t):
       # Stage 0 always reads the pipeline's input; a stage in a bubble reads a real

@@ -334,3 +334,27 @@ def test_trace_time_errors():
   with pytest.raises(ValueError, match="'stage' is already manual here"):
     jax.shard_map(lambda p, x: pipe(p, x), mesh=mesh, in_specs=(P("stage"), P()),
                   out_specs=P())(*_put(mesh, params, x))
+
+
+# --------------------------------------------------------------------------- example
+
+
+def test_pipeline_lm_example_matches_the_unpipelined_run(tmp_path):
+  import dataclasses
+  import importlib.util
+  import pathlib
+  import sys
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pipeline_lm.py"
+  spec = importlib.util.spec_from_file_location("_example_pipeline_lm", path)
+  example = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = example  # dataclasses look their module up there
+  spec.loader.exec_module(example)
+  cfg = dataclasses.replace(example.TINY, steps=3, seq_len=8, d_model=8)
+  out = example.main(cfg, out_dir=tmp_path, verbose=False)
+  assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  ref, got = np.asarray(out["curves"]["unpipelined"]), np.asarray(out["curves"]["pipelined"])
+  assert ref.shape == got.shape == (3,) and np.all(np.isfinite(ref))
+  # Same gradients up to float32 round-off, so the same Adam trajectory over 3 steps.
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  assert ref[-1] < ref[0]
