@@ -18,6 +18,11 @@ and its result is discarded. A stage that is finite on real inputs but NaN on, s
 zeros therefore never produces a NaN whose zero cotangent could turn into ``0 * NaN`` in
 the backward pass.
 
+A circular schedule (``num_repeats=R``) runs ``R`` rounds through the stages in the same
+scan: device ``s`` holds model chunks ``s, S + s, ...``, the ``ppermute`` closes the ring,
+and stage 0 keeps the last stage's outputs in a buffer of ``max(M, S)`` micro-batches
+until their next round.
+
 Outside the loop: the input micro-batches, replicated over the stage axis, are marked
 stage-varying once before the scan (so their cotangent is summed over the stage axis
 once, after the backward loop), and the last stage's outputs reach every stage with one
@@ -39,22 +44,27 @@ from jax.sharding import PartitionSpec
 PyTree = Any
 
 
-def pipeline_schedule(num_stages: int, num_micro_batches: int) -> tuple[tuple[int | None, ...],
-                                                                        ...]:
-  """The forward GPipe schedule that :func:`pipeline` runs, as a table.
+def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
+                      num_repeats: int = 1) -> tuple[tuple[int | None, ...], ...]:
+  """The forward schedule that :func:`pipeline` runs, as a table.
 
-  Row ``t`` is tick ``t`` of ``T = M + S - 1``; entry ``s`` is the micro-batch stage ``s``
-  works on at that tick, or ``None`` in a bubble (the stage then computes on a real
-  micro-batch and the result is discarded). ``S * M`` of the ``S * T`` slots are busy,
-  so the bubble fraction is ``(S - 1) / (M + S - 1)``. The backward pass runs the same
-  table from the last tick to the first.
+  Row ``t`` is tick ``t``; entry ``s`` is the micro-batch stage ``s`` works on at that
+  tick, or ``None`` in a bubble (the stage then computes on a real micro-batch and the
+  result is discarded). With one repeat (GPipe) there are ``T = M + S - 1`` ticks and
+  ``S * M`` of the ``S * T`` slots are busy: the bubble fraction is
+  ``(S - 1) / (M + S - 1)``. With ``R`` repeats (circular schedule) micro-batch ``i``
+  enters stage 0 for round ``r`` at tick ``i + r * max(M, S)``, stage ``s`` then runs
+  model chunk ``r * S + s``, and there are ``T = (R - 1) max(M, S) + M + S - 1`` ticks, so
+  for ``M >= S`` the bubble fraction is ``(S - 1) / (R * M + S - 1)``. The backward pass
+  runs the same table from the last tick to the first.
 
   Args:
     num_stages: ``S``, the size of the stage mesh axis.
     num_micro_batches: ``M``, the number of micro-batches.
+    num_repeats: ``R``, the number of rounds through the stages.
 
   Returns:
-    A tuple of ``M + S - 1`` rows, each a tuple of ``S`` entries (``int`` or ``None``).
+    A tuple of ``T`` rows, each a tuple of ``S`` entries (``int`` or ``None``).
 
   Raises:
     TypeError, ValueError: if a count is not a positive Python int.
@@ -69,12 +79,18 @@ def pipeline_schedule(num_stages: int, num_micro_batches: int) -> tuple[tuple[in
   """
   s = _check_count("num_stages", num_stages)
   m = _check_count("num_micro_batches", num_micro_batches)
-  return tuple(tuple(t - j if 0 <= t - j < m else None for j in range(s))
-               for t in range(m + s - 1))
+  r = _check_count("num_repeats", num_repeats)
+  period = max(m, s) if r > 1 else m
+  ticks = (r - 1) * period + m + s - 1
+
+  def entry(u):
+    return u % period if 0 <= u and u % period < m and u // period < r else None
+
+  return tuple(tuple(entry(t - j) for j in range(s)) for t in range(ticks))
 
 
 def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches: int,
-             stage_axis: str = "stage", mesh: Any = None,
+             stage_axis: str = "stage", num_repeats: int = 1, mesh: Any = None,
              remat: bool = True) -> Callable[[PyTree, PyTree], PyTree]:
   """Runs ``stage_fn`` as a GPipe pipeline over the devices of a stage mesh axis.
 
@@ -97,18 +113,24 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
     num_micro_batches: ``M``, a positive Python int dividing the batch size. The bubble
       fraction is ``(S - 1) / (M + S - 1)``.
     stage_axis: the name of the mesh axis the stages are laid out along.
+    num_repeats: ``R``, for a circular (interleaved) schedule: the model is cut into
+      ``R * S`` chunks, device ``s`` holds chunks ``s, S + s, 2S + s, ...``, and every
+      micro-batch goes round the stage axis ``R`` times. The leaves of ``stage_params``
+      then have leading axes ``(R, S)`` (entry ``[r, s]`` is chunk ``r * S + s``). For
+      ``M >= S`` the bubble fraction drops to ``(S - 1) / (R * M + S - 1)``; with
+      ``M < S`` each round waits for ``S`` ticks.
     mesh: a :class:`jax.sharding.Mesh` (or ``AbstractMesh``) with ``stage_axis``; by
       default the mesh set with :func:`jax.set_mesh`.
     remat: recompute each tick's stage internals in the backward pass
-      (:func:`jax.checkpoint`), so the loop stores only the ``M + S - 1`` stage inputs
-      per device instead of every stage's activations for every tick.
+      (:func:`jax.checkpoint`), so the loop stores only the stage inputs of each tick
+      instead of every stage's activations for every tick.
 
   Returns:
     ``pipe(stage_params, x)``: ``stage_params`` is a pytree whose array leaves have a
-    leading axis of size ``S`` (ideally sharded ``P(stage_axis)``; gradients come back
-    that way); ``x`` is a pytree of arrays with a common leading batch axis. Returns the
-    last stage's output for the whole batch, in the original row order, replicated
-    over the stage axis.
+    leading axis of size ``S`` (``(R, S)`` with repeats), ideally sharded over
+    ``stage_axis`` there; gradients come back that way. ``x`` is a pytree of arrays with
+    a common leading batch axis. Returns the last stage's output for the whole batch, in
+    the original row order, replicated over the stage axis.
 
   Raises:
     TypeError, ValueError: at construction for bad options, and at trace time for a
@@ -127,6 +149,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
   if not callable(stage_fn):
     raise TypeError(f"stage_fn must be callable, got {stage_fn!r}.")
   m = _check_count("num_micro_batches", num_micro_batches)
+  r = _check_count("num_repeats", num_repeats)
   if not isinstance(stage_axis, str):
     raise TypeError(
         f"stage_axis must be a mesh axis name (a str), got stage_axis={stage_axis!r}.")
@@ -139,64 +162,103 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
   def pipe(stage_params: PyTree, x: PyTree) -> PyTree:
     the_mesh = _resolve_mesh(mesh, stage_axis)
     s = the_mesh.shape[stage_axis]
-    _check_stage_params(stage_params, s, stage_axis)
+    _check_stage_params(stage_params, s, r, stage_axis)
     x_leaves, x_def = jax.tree.flatten(x)
     b = _check_batch(x_leaves, m)
-    micro = [_retype(_split(leaf, m), the_mesh, stage_axis, lead=False) for leaf in x_leaves]
+    micro = [_retype(_split(leaf, m), the_mesh, stage_axis, lead=None) for leaf in x_leaves]
     p_leaves, p_def = jax.tree.flatten(stage_params)
-    p_leaves = [_retype(leaf, the_mesh, stage_axis, lead=True) for leaf in p_leaves]
-    body = _make_body(stage_fn, p_def, x_def, m, s, stage_axis, remat)
+    lead = 0 if r == 1 else 1  # the dimension of the stage parameters sharded over stages
+    p_leaves = [_retype(leaf, the_mesh, stage_axis, lead=lead) for leaf in p_leaves]
+    body = _make_body(stage_fn, p_def, x_def, m, s, r, stage_axis, remat)
+    p_spec = PartitionSpec(*([None] * lead), stage_axis)
     mapped = jax.shard_map(
         body, mesh=the_mesh, axis_names=frozenset({stage_axis}),
-        in_specs=(tuple(PartitionSpec(stage_axis) for _ in p_leaves),
-                  tuple(PartitionSpec() for _ in micro)),
+        in_specs=(tuple(p_spec for _ in p_leaves), tuple(PartitionSpec() for _ in micro)),
         out_specs=tuple(PartitionSpec() for _ in micro))
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
-      mapped = _recompute_in_backward(mapped, body, the_mesh, stage_axis, len(p_leaves),
-                                      len(micro))
+      mapped = _recompute_in_backward(mapped, body, the_mesh, stage_axis, p_spec,
+                                      len(p_leaves), len(micro))
     out = mapped(tuple(p_leaves), tuple(micro))
     return jax.tree.unflatten(x_def, [_merge(y, b) for y in out])
 
   return pipe
 
 
-def _make_body(stage_fn, p_def, x_def, m: int, s: int, axis: str, remat: bool):
-  """The per-device program: one scan over ``M + S - 1`` ticks, one ppermute each."""
-  fn = jax.checkpoint(stage_fn) if remat else stage_fn
-  perm = [(j, j + 1) for j in range(s - 1)]
+def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat: bool):
+  """The per-device program: one scan over the ticks, one ppermute each."""
+  def chunk_fn(local, rnd, x):
+    # The round's chunk is selected inside the (checkpointed) function: the selected
+    # parameters are then recomputed in the backward pass, not stored at every tick.
+    return stage_fn(jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, rnd, keepdims=False),
+                                 local), x)
+
+  if r == 1:
+    fn = jax.checkpoint(stage_fn) if remat else stage_fn
+  else:
+    fn = jax.checkpoint(chunk_fn) if remat else chunk_fn
+  period = max(m, s) if r > 1 else m
+  ticks = (r - 1) * period + m + s - 1
+  # One round: an open chain; several: a ring, the last stage feeding the first.
+  perm = [(j, (j + 1) % s) for j in range(s if r > 1 else s - 1)]
 
   def body(p_leaves, micro):
-    params = jax.tree.unflatten(p_def, [p[0] for p in p_leaves])  # this stage's slice
     stage = lax.axis_index(axis)
+    if r == 1:
+      local = [p[0] for p in p_leaves]  # this stage's slice
+    else:
+      local = [p[:, 0] for p in p_leaves]  # this stage's R chunks
     # Marked stage-varying here, once: the transpose (a psum of their cotangent over the
     # stage axis) then runs once after the backward loop, not at every tick.
     micro = tuple(_vary(u, axis) for u in micro)
-    _check_stage_output(stage_fn, params, jax.tree.unflatten(x_def, [u[0] for u in micro]))
+    first_params = jax.tree.unflatten(p_def, local if r == 1 else [p[0] for p in local])
+    _check_stage_output(stage_fn, first_params,
+                        jax.tree.unflatten(x_def, [u[0] for u in micro]))
 
-    def tick(state, t):
-      # Stage 0 always reads the pipeline's input; a stage in a bubble reads a real
+    def tick(carry, t):
+      state, buffer = carry
+      u = t - stage  # this stage's position in the schedule
+      rnd = jnp.clip(u // period, 0, r - 1)
+      busy = (u >= 0) & (u % period < m) & (u // period < r)
+      fresh = [lax.dynamic_index_in_dim(v, t % m, keepdims=False) for v in micro]
+      if r == 1:
+        received = state
+      else:
+        # Stage 0 keeps what the last stage sent until its next round (M > S) in a
+        # buffer indexed by micro-batch; it is written before it is read.
+        buffer = tuple(lax.dynamic_update_index_in_dim(buf, v, (t - s) % period, 0)
+                       for buf, v in zip(buffer, state, strict=True))
+        stored = [lax.dynamic_index_in_dim(buf, t % period, keepdims=False) for buf in buffer]
+        received = [jnp.where(stage == 0, a, b) for a, b in zip(stored, state, strict=True)]
+      # Round 0 of stage 0 reads the pipeline's input; a stage in a bubble reads a real
       # micro-batch too (never zeros or a previous bubble's output) and its result is
       # thrown away, so no NaN can reach the gradients.
-      busy = (t >= stage) & (t - stage < m)
-      own = (stage == 0) | ~busy
-      fresh = [lax.dynamic_index_in_dim(u, t % m, keepdims=False) for u in micro]
-      inp = [jnp.where(own, a, b) for a, b in zip(fresh, state, strict=True)]
-      out = fn(params, jax.tree.unflatten(x_def, inp))
+      own = ~busy | ((stage == 0) & (u < period))
+      inp = [jnp.where(own, a, b) for a, b in zip(fresh, received, strict=True)]
+      x_in = jax.tree.unflatten(x_def, inp)
+      if r == 1:
+        out = fn(jax.tree.unflatten(p_def, local), x_in)
+      else:
+        out = fn(jax.tree.unflatten(p_def, local), rnd, x_in)
       out = jax.tree.leaves(out)
-      nxt = tuple(lax.ppermute(y, axis, perm) for y in out) if s > 1 else tuple(out)
-      return nxt, tuple(out)
+      nxt = tuple(lax.ppermute(y, axis, perm) for y in out) if perm else tuple(out)
+      return (nxt, buffer), tuple(out)
 
     init = tuple(jnp.zeros_like(u[0]) for u in micro)
-    _, ys = lax.scan(tick, init, jnp.arange(m + s - 1, dtype=jnp.int32))
-    # The last stage's outputs for micro-batches 0..M-1 are its ticks S-1..T-1.
+    buffer = () if r == 1 else tuple(jnp.zeros((period, *u.shape[1:]), u.dtype)
+                                     for u in micro)
+    buffer = tuple(_vary(b, axis) for b in buffer)
+    _, ys = lax.scan(tick, (init, buffer), jnp.arange(ticks, dtype=jnp.int32))
+    # The last stage's outputs for micro-batches 0..M-1 in the last round.
+    done = (r - 1) * period + s - 1
     last = stage == s - 1
-    return tuple(lax.psum(jnp.where(last, y[s - 1:], jnp.zeros_like(y[s - 1:])), axis)
-                 for y in ys)
+    return tuple(lax.psum(jnp.where(last, y[done:done + m], jnp.zeros_like(y[done:done + m])),
+                          axis) for y in ys)
 
   return body
 
 
-def _recompute_in_backward(mapped, body, mesh, axis: str, num_params: int, num_x: int):
+def _recompute_in_backward(mapped, body, mesh, axis: str, p_spec: PartitionSpec,
+                           num_params: int, num_x: int):
   """``mapped`` with a backward pass that differentiates the scan inside one shard_map.
 
   Used when the pipeline is nested in another ``shard_map`` (such as
@@ -207,7 +269,7 @@ def _recompute_in_backward(mapped, body, mesh, axis: str, num_params: int, num_x
   runs the forward scan again and differentiates it where it runs, which costs one more
   forward pass of the pipeline.
   """
-  p_specs = tuple(PartitionSpec(axis) for _ in range(num_params))
+  p_specs = tuple(p_spec for _ in range(num_params))
   x_specs = tuple(PartitionSpec() for _ in range(num_x))
 
   def backward_body(p_leaves, micro, g):
@@ -273,7 +335,10 @@ def _resolve_mesh(mesh: Any, axis: str) -> Any:
   return mesh
 
 
-def _check_stage_params(stage_params: PyTree, s: int, axis: str) -> None:
+def _check_stage_params(stage_params: PyTree, s: int, r: int, axis: str) -> None:
+  want = (s,) if r == 1 else (r, s)
+  what = (f"a leading axis of size {s}, one slice per stage" if r == 1 else
+          f"leading axes (num_repeats, stages) = {want}, entry [r, s] for chunk r * {s} + s")
   leaves = jax.tree_util.tree_leaves_with_path(stage_params)
   if not leaves:
     raise ValueError("stage_params has no array leaves; pass the stacked stage parameters.")
@@ -282,14 +347,15 @@ def _check_stage_params(stage_params: PyTree, s: int, axis: str) -> None:
     if shape is None:
       raise TypeError(
           f"stage_params{jax.tree_util.keystr(path)} is {type(leaf).__name__} {leaf!r}, not "
-          f"an array: every leaf needs a leading axis of size {s} (one slice per stage).")
-    if not shape or shape[0] != s:
+          f"an array: every leaf needs {what}.")
+    if tuple(shape[:len(want)]) != want:
       raise ValueError(
           f"stage_params{jax.tree_util.keystr(path)} has shape {tuple(shape)}, but the "
-          f"stage axis {axis!r} has size {s}: every leaf needs a leading axis of size {s}, "
-          "one slice per stage (stack the stages' parameters, e.g. with "
-          "jax.tree.map(lambda *a: jnp.stack(a), *per_stage)). With several layers per "
-          "stage, reshape to (stages, layers_per_stage, ...) and scan inside stage_fn.")
+          f"stage axis {axis!r} has size {s}"
+          + (f" and num_repeats={r}" if r > 1 else "") + f": every leaf needs {what} "
+          "(stack the stages' parameters, e.g. with jax.tree.map(lambda *a: jnp.stack(a), "
+          "*per_stage)). With several layers per stage, add a layers axis after it and "
+          "scan over it inside stage_fn.")
 
 
 def _check_batch(leaves: list, m: int) -> int:
@@ -327,11 +393,11 @@ def _check_stage_output(stage_fn, params, first) -> None:
         "shape (embedding, head) outside the pipeline, or pad the boundary activations.")
 
 
-def _retype(x: Any, mesh: Any, axis: str, *, lead: bool) -> Any:
+def _retype(x: Any, mesh: Any, axis: str, *, lead: int | None) -> Any:
   """Under an ``Explicit`` stage axis, types ``x`` as ``shard_map`` will map it.
 
-  Stage parameters get their leading axis sharded over the stage axis (and nothing else
-  over it); micro-batches are made replicated over it. Other mesh axes keep their
+  Stage parameters get dimension ``lead`` sharded over the stage axis (and nothing else
+  over it); micro-batches (``lead=None``) are made replicated over it. Other mesh axes keep their
   sharding. Under ``Auto`` axes the compiler moves data as needed and ``x`` is returned.
   """
   if axis not in getattr(mesh, "explicit_axes", ()):
@@ -347,9 +413,9 @@ def _retype(x: Any, mesh: Any, axis: str, *, lead: bool) -> Any:
     return None if not names else names[0] if len(names) == 1 else names
 
   want = [strip(e) for e in entries]
-  if lead:
-    rest = want[0]
-    want[0] = axis if rest is None else (axis, *(rest if isinstance(rest, tuple) else (rest,)))
+  if lead is not None:
+    rest = want[lead]
+    want[lead] = axis if rest is None else (axis, *(rest if isinstance(rest, tuple) else (rest,)))
   if want == entries:
     return x
   spec = PartitionSpec(*want)

@@ -39,14 +39,20 @@ def rms_stage(w, x):
   return x + jnp.tanh(y @ w["w1"]) @ w["w2"]
 
 
-def _stage_params(s, seed=0):
+def _stage_params(s, seed=0, repeats=1):
   rng = np.random.default_rng(seed)
-  return {"w1": (rng.normal(size=(s, D, H)) / np.sqrt(D)).astype(np.float32),
-          "w2": (rng.normal(size=(s, H, D)) / np.sqrt(H)).astype(np.float32)}
+  lead = (s,) if repeats == 1 else (repeats, s)
+  return {"w1": (rng.normal(size=(*lead, D, H)) / np.sqrt(D)).astype(np.float32),
+          "w2": (rng.normal(size=(*lead, H, D)) / np.sqrt(H)).astype(np.float32)}
 
 
-def sequential(stage_fn, params, x):
-  """The unpipelined model: the stages one after the other on the whole batch."""
+def sequential(stage_fn, params, x, repeats=1):
+  """The unpipelined model: the stages one after the other on the whole batch.
+
+  With repeats, leaves are ``(R, S, ...)`` and entry ``[r, s]`` is chunk ``r * S + s``.
+  """
+  if repeats > 1:
+    params = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), params)
   for s in range(jax.tree.leaves(params)[0].shape[0]):
     x = stage_fn(jax.tree.map(lambda a, s=s: a[s], params), x)
   return x
@@ -63,29 +69,32 @@ def _square_loss(body):
   return loss
 
 
-def _put(mesh, params, x):
+def _put(mesh, params, x, repeats=1):
   batch_spec = P("data") if "data" in mesh.axis_names else P()
-  return (jax.device_put(params, NamedSharding(mesh, P("stage"))),
+  stage_spec = P("stage") if repeats == 1 else P(None, "stage")
+  return (jax.device_put(params, NamedSharding(mesh, stage_spec)),
           jax.device_put(x, NamedSharding(mesh, batch_spec)))
 
 
 @functools.cache
-def _compiled(shape, m, *, remat=True, axis_type=AxisType.Explicit, stage=mlp_stage, rows=2):
+def _compiled(shape, m, *, remat=True, axis_type=AxisType.Explicit, stage=mlp_stage, rows=2,
+              repeats=1):
   """The value and gradients of a pipelined loss, compiled once per configuration."""
   mesh = _mesh(shape, axis_type)
   s = mesh.shape["stage"]
   rng = np.random.default_rng(m)
-  params = _stage_params(s)
+  params = _stage_params(s, repeats=repeats)
   x = rng.normal(size=(m * rows * (2 if len(shape) == 2 else 1), D)).astype(np.float32)
-  pipe = jaxaccum.pipeline(stage, num_micro_batches=m, mesh=mesh, remat=remat)
+  pipe = jaxaccum.pipeline(stage, num_micro_batches=m, mesh=mesh, remat=remat,
+                           num_repeats=repeats)
   step = jax.jit(jax.value_and_grad(_square_loss(pipe), argnums=(0, 1)))
-  args = _put(mesh, params, x)
+  args = _put(mesh, params, x, repeats)
   return step.lower(*args).compile(), args, (params, x)
 
 
-def _reference(stage, params, x):
-  return jax.jit(jax.value_and_grad(_square_loss(functools.partial(sequential, stage)),
-                                    argnums=(0, 1)))(params, x)
+def _reference(stage, params, x, repeats=1):
+  body = functools.partial(sequential, stage, repeats=repeats)
+  return jax.jit(jax.value_and_grad(_square_loss(body), argnums=(0, 1)))(params, x)
 
 
 def _assert_same_shardings(grads, params):
@@ -112,6 +121,25 @@ def test_schedule_has_s_times_m_busy_slots_out_of_s_times_m_plus_s_minus_1(s, m)
     assert table[t][j] == t - j
 
 
+@pytest.mark.parametrize("s, m, r", [(4, 4, 2), (4, 6, 3), (4, 2, 2), (8, 8, 2)])
+def test_circular_schedule_runs_every_chunk_on_every_micro_batch_once(s, m, r):
+  table = jaxaccum.pipeline_schedule(s, m, num_repeats=r)
+  period = max(m, s)
+  assert len(table) == (r - 1) * period + m + s - 1
+  busy = sum(e is not None for row in table for e in row)
+  assert busy == s * m * r
+  if m >= s:  # the interleaved bubble
+    assert 1 - busy / (s * len(table)) == pytest.approx((s - 1) / (r * m + s - 1))
+  # Micro-batch i runs chunk k = round * S + stage at tick i + k: in model order, and
+  # stage 0 starts a round only after the last stage finished the previous one.
+  for i in range(m):
+    ticks = [t for t, row in enumerate(table) for j, e in enumerate(row) if e == i]
+    assert ticks == sorted(ticks) and len(ticks) == s * r
+    for k, t in enumerate(ticks):
+      assert table[t].index(i) == k % s
+      assert t == i + (k // s) * period + k % s
+
+
 # ------------------------------------------------------------ equal to the sequential model
 
 
@@ -134,6 +162,28 @@ def test_matches_the_sequential_model(shape, m):
   assert_close(value, ref_value, rtol=1e-5)
   assert_close(grads, ref_grads, rtol=1e-5)
   _assert_same_shardings(grads[0], args[0])
+
+
+CIRCULAR = [
+    pytest.param((8,), 8, 2, mlp_stage, id="stage8-R2-M=S"),
+    pytest.param((8,), 12, 2, mlp_stage, id="stage8-R2-M12>S-buffered"),
+    pytest.param((8,), 3, 2, rms_stage, id="stage8-R2-M3<S-nan-on-zeros"),
+    pytest.param((2, 4), 6, 3, mlp_stage, id="data2xstage4-R3-M6"),
+]
+
+
+@pytest.mark.parametrize("shape, m, r, stage", CIRCULAR)
+def test_circular_schedule_matches_the_sequential_model(shape, m, r, stage):
+  axis_type = AxisType.Auto if len(shape) == 2 else AxisType.Explicit
+  compiled, args, (params, x) = _compiled(shape, m, axis_type=axis_type, repeats=r, stage=stage)
+  value, grads = compiled(*args)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  ref_value, ref_grads = _reference(stage, params, x, repeats=r)
+  assert_close(value, ref_value, rtol=1e-5)
+  assert_close(grads, ref_grads, rtol=1e-5)
+  _assert_same_shardings(grads[0], args[0])
+  permutes = [c for c in _hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
+  assert len(permutes) == 2 and all(c.in_loop for c in permutes), permutes
 
 
 def test_forward_under_set_mesh_equals_sequential_in_row_order():
@@ -307,6 +357,8 @@ def test_options_are_checked_when_the_pipeline_is_built():
     jaxaccum.pipeline(mlp_stage, num_micro_batches=2, mesh="stage")
   with pytest.raises(TypeError, match="stage_fn must be callable"):
     jaxaccum.pipeline(None, num_micro_batches=2)
+  with pytest.raises(TypeError, match="num_repeats must be a positive Python int"):
+    jaxaccum.pipeline(mlp_stage, num_micro_batches=2, num_repeats=None)
   with pytest.raises(ValueError, match="num_stages=0"):
     jaxaccum.pipeline_schedule(0, 2)
 
@@ -319,6 +371,10 @@ def test_trace_time_errors():
   with pytest.raises(ValueError, match=r"stage_params\['w1'\] has shape \(4, 8, 16\), but "
                                        r"the stage axis 'stage' has size 8"):
     pipe(_stage_params(4), x)
+  with pytest.raises(ValueError, match=r"has shape \(8, 8, 16\), but the stage axis 'stage' "
+                                       r"has size 8 and num_repeats=2: every leaf needs "
+                                       r"leading axes \(num_repeats, stages\) = \(2, 8\)"):
+    jaxaccum.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh, num_repeats=2)(params, x)
   with pytest.raises(ValueError, match="batch of 18 rows, which num_micro_batches=4 does "
                                        r"not divide.*\[1, 2, 3, 6, 9, 18\]"):
     pipe(params, np.ones((18, D), np.float32))
