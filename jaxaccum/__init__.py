@@ -10,6 +10,8 @@ from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._noise import NoiseScale as NoiseScale
 from jaxaccum._noise import NoiseScaleState as NoiseScaleState
+from jaxaccum._pipeline import pipeline as pipeline
+from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
@@ -46,6 +48,8 @@ __all__ = (
     "batch_size_ramp",
     "grad",
     "merge_micro_batches",
+    "pipeline",
+    "pipeline_schedule",
     "plan",
     "plan_step",
     "split_micro_batches",
