@@ -33,7 +33,7 @@ import functools
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,61 +78,6 @@ class Config:
 TINY = Config(steps=12, batch_size=16, num_micro_batches=8, ramp_from=2, ramp_steps=8,
               seq_len=16, min_len=8, d_model=16, heads=2, layers=1, learning_rate=1e-2,
               decay=0.8, max_chars=50_000)
-
-
-# ---------------------------------------------------------------------------------------
-# jaxaccum.NoiseScale and jaxaccum.batch_size_ramp are used when this jaxaccum has them.
-# FALLBACK for releases without them: a local EMA tracker and linear ramp with the same
-# interface (NoiseScale(decay).init/update/b_simple; batch_size_ramp(init_value,
-# end_value, transition_steps)). Delete both once every supported jaxaccum has them.
-
-
-class _EmaState(NamedTuple):
-  count: jax.Array
-  grad_sq_norm_ema: jax.Array
-  trace_cov_ema: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class _FallbackNoiseScale:
-  """EMAs of the two unbiased estimates (bias-corrected); B_simple is their ratio."""
-
-  decay: float = 0.99
-
-  def init(self) -> _EmaState:
-    zero = jnp.zeros((), jnp.float32)
-    return _EmaState(jnp.zeros((), jnp.int32), zero, zero)
-
-  def update(self, state: _EmaState, info: jaxaccum.AccumInfo) -> _EmaState:
-    g2, tr = info.grad_sq_norm_estimate(), info.trace_cov_estimate()
-    ok = jnp.isfinite(g2) & jnp.isfinite(tr)  # a single sample gives NaN: leave it out
-    d = jnp.float32(self.decay)
-
-    def ema(old, x):
-      return jnp.where(ok, d * old + (1 - d) * jnp.where(ok, x, 0.0), old)
-
-    return _EmaState(state.count + ok.astype(jnp.int32), ema(state.grad_sq_norm_ema, g2),
-                     ema(state.trace_cov_ema, tr))
-
-  def b_simple(self, state: _EmaState) -> jax.Array:
-    # The bias corrections 1 - decay**count of the two averages cancel in the ratio.
-    return jnp.where(state.count > 0, state.trace_cov_ema / state.grad_sq_norm_ema, jnp.nan)
-
-
-def _fallback_batch_size_ramp(init_value: int, end_value: int, transition_steps: int,
-                              transition_begin: int = 0) -> Callable[[Any], jax.Array]:
-  """``step -> k``: ``init_value`` rising linearly (floored) to ``end_value``, int32."""
-
-  def schedule(step):
-    t = jnp.clip(jnp.asarray(step, jnp.int32) - transition_begin, 0, transition_steps)
-    return (init_value + (end_value - init_value) * t // transition_steps).astype(jnp.int32)
-
-  return schedule
-
-
-NoiseScale = getattr(jaxaccum, "NoiseScale", None) or _FallbackNoiseScale
-batch_size_ramp = getattr(jaxaccum, "batch_size_ramp", None) or _fallback_batch_size_ramp
-# ---------------------------------------------------------------------------------------
 
 
 @functools.partial(nnx.jit, static_argnums=0)
@@ -234,9 +179,9 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   batches = make_batches(cfg)
   loss_fn, params0 = init_model(cfg)
   tx = optax.adam(cfg.learning_rate)
-  noise = NoiseScale(decay=cfg.decay)
+  noise = jaxaccum.NoiseScale(decay=cfg.decay)
   step = make_step(cfg, loss_fn, tx, noise)
-  ramp = batch_size_ramp(init_value=cfg.ramp_from, end_value=n,
+  ramp = jaxaccum.batch_size_ramp(init_value=cfg.ramp_from, end_value=n,
                          transition_steps=cfg.ramp_steps)
   schedules = {"constant": lambda s: jnp.int32(n), "ramp": ramp}
 
@@ -263,7 +208,6 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   plot(logs, cfg, plot_path)
   result = {"logs": logs, "ks": ks, "compiled_programs": compiled, "plot": plot_path}
   if verbose:
-    source = "jaxaccum" if NoiseScale is not _FallbackNoiseScale else "local fallback"
     for run in RUNS:
       lg = logs[run]
       print(f"{run:>8}: final loss {lg['loss'][-1]:.4f}, B_simple (EMA, decay {cfg.decay}) "
@@ -275,7 +219,7 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
             + ("a larger batch would still cut the steps needed almost in proportion"
                if ratio > 1 else "a larger batch would mostly spend more tokens per step"))
     print(f"micro-batches per step in the ramp run: {ks['ramp'][0]} -> {ks['ramp'][-1]}, "
-          f"compiled programs of the train step: {compiled} (NoiseScale: {source})")
+          f"compiled programs of the train step: {compiled}")
     print(f"plot: {plot_path}")
   return result
 
