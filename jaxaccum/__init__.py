@@ -5,6 +5,8 @@ full-batch loss and gradients (mean, sum and token-weighted losses), with float3
 accumulation, per-micro-batch RNG keys and mutable state threaded through.
 """
 
+from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
+from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
@@ -37,10 +39,12 @@ __all__ = (
     "MultiStepsState",
     "Plan",
     "PlanCandidate",
+    "capture_gpu_target",
     "grad",
     "plan",
     "plan_step",
     "split_micro_batches",
+    "target_mesh",
     "value_and_grad",
 )
 
