@@ -38,8 +38,6 @@ import jax
 from jaxaccum import _gpu_target, _sharding, _split
 from jaxaccum._transform import value_and_grad
 
-PyTree = Any
-
 # The default budget keeps this fraction of the device's `bytes_limit` free for what the
 # compiled program's own figure does not count: allocator fragmentation, buffers alive outside
 # the program (a prefetched next batch, metrics, a second copy of the parameters for eval) and
