@@ -18,7 +18,7 @@ from jaxaccum._transform import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("nnx", "linen")
+_SUBMODULES = ("nnx", "linen", "eqx")
 
 
 def __getattr__(name: str):
