@@ -186,8 +186,23 @@ def value_and_grad(
   return value_and_grad_fn
 
 
-def _cross_replica(axis_name: Any, reduce: Any, loss: Any, grads: PyTree, aux: PyTree,
-                   new_model_state: PyTree, den: Any):
+def _aux_kinds(spec: Any, aux: PyTree) -> PyTree:
+  """The reduction of each aux leaf: ``aux_reduce`` expanded, defaults by dtype."""
+
+  def kind(name, x):
+    if name is not None:
+      return name
+    dtype = jnp.asarray(x).dtype
+    return "sum" if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_ else "mean"
+
+  if spec is None or isinstance(spec, str):
+    return jax.tree.map(lambda x: kind(spec, x), aux)
+  return jax.tree.map(lambda name, sub: jax.tree.map(lambda x: kind(name, x), sub), spec, aux,
+                      is_leaf=lambda x: x is None or isinstance(x, str))
+
+
+def _cross_replica(axis_name: Any, reduce: Any, aux_reduce: Any, loss: Any, grads: PyTree,
+                   aux: PyTree, new_model_state: PyTree, den: Any):
   """Combines one replica's accumulated results with the others' over ``axis_name``."""
   if reduce == "sum":
     combine = functools.partial(lax.psum, axis_name=axis_name)
@@ -201,13 +216,17 @@ def _cross_replica(axis_name: Any, reduce: Any, loss: Any, grads: PyTree, aux: P
   else:
     combine = functools.partial(lax.pmean, axis_name=axis_name)
 
-  def aux_leaf(x):
+  def aux_leaf(kind, x):
     x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.bool_):
-      return lax.pmax(x.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-      return lax.psum(x, axis_name)
-    return combine(x) if reduce == "weighted" else lax.pmean(x, axis_name)
+    is_bool = x.dtype == jnp.bool_
+    if kind in ("max", "min"):
+      op = lax.pmax if kind == "max" else lax.pmin
+      return op(x.astype(jnp.int32), axis_name).astype(x.dtype) if is_bool else op(x, axis_name)
+    if kind == "sum" or jnp.issubdtype(x.dtype, jnp.integer) or is_bool:
+      return lax.psum(x.astype(jnp.int32) if is_bool else x, axis_name)
+    if kind == "mean":
+      return combine(x) if reduce == "weighted" else lax.pmean(x, axis_name)
+    return x  # "stack" and "concat" keep the replica's own entries
 
   def state_leaf(x):
     x = jnp.asarray(x)
@@ -215,7 +234,8 @@ def _cross_replica(axis_name: Any, reduce: Any, loss: Any, grads: PyTree, aux: P
       return lax.pmean(x, axis_name)
     return x
 
-  return (combine(loss), jax.tree.map(combine, grads), jax.tree.map(aux_leaf, aux),
+  aux = jax.tree.map(aux_leaf, _aux_kinds(aux_reduce, aux), aux)
+  return (combine(loss), jax.tree.map(combine, grads), aux,
           jax.tree.map(state_leaf, new_model_state))
 
 
@@ -262,13 +282,14 @@ def make_train_step(
   With ``axis_name`` set, the replicas' results are combined over that axis once per step,
   after the micro-batch loop, as the Flax ImageNet example does: the gradients and the loss
   (``pmean`` for ``reduce="mean"``, ``psum`` for ``"sum"``, and for ``"weighted"`` each
-  replica weighted by its denominator, the exact global token mean), the floating aux
-  leaves (averaged; weighted by the denominators under ``"weighted"``), integer aux leaves
-  (counts, summed) and boolean ones (OR-ed), and the floating leaves of the collections
-  (``batch_stats`` averaged; integer leaves kept). Every replica then applies the same
-  update and the replicas stay identical. Without ``axis_name`` nothing is exchanged:
-  under ``pmap`` each replica applies the gradient of its own rows only, and the replicas
-  drift apart.
+  replica weighted by its denominator, the exact global token mean); each aux leaf as its
+  ``aux_reduce`` says (``"mean"`` averaged, weighted by the denominators under
+  ``"weighted"``; ``"sum"`` and integer leaves summed; ``"max"``/``"min"`` the maximum or
+  minimum; ``"stack"``/``"concat"`` left as the replica's own); and the floating leaves of
+  the collections (``batch_stats`` averaged; integer leaves kept). Every replica then
+  applies the same update and the replicas stay identical. Without ``axis_name`` nothing
+  is exchanged: under ``pmap`` each replica applies the gradient of its own rows only, and
+  the replicas drift apart.
 
   Args:
     fun: the loss, ``fun(params, batch, model_state, rngs)``.
@@ -322,9 +343,9 @@ def make_train_step(
         f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
         "use one of those reductions.")
   weighted_replicas = axis_name is not None and reduce == "weighted"
+  user_aux_reduce = options.get("aux_reduce")
   if weighted_replicas:
     # Each replica's denominator rides along as a summed aux leaf.
-    user_aux_reduce = options.pop("aux_reduce", None)
     options["aux_reduce"] = (user_aux_reduce, "sum") if has_aux else "sum"
     vg = value_and_grad(_with_denominator(fun, has_aux), has_aux=True, **options)
   else:
@@ -348,7 +369,7 @@ def make_train_step(
       new_model_state, aux = extra if has_aux else (extra, None)
     if axis_name is not None:
       loss, grads, aux, new_model_state = _cross_replica(
-          axis_name, reduce, loss, grads, aux, new_model_state, den)
+          axis_name, reduce, user_aux_reduce, loss, grads, aux, new_model_state, den)
     state = state.apply_gradients(grads=grads, **new_model_state)
     return (state, ((loss, aux) if has_aux else loss), *info)
 
