@@ -12,6 +12,7 @@ from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
+from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import grad as grad
 from jaxaccum._transform import value_and_grad as value_and_grad
@@ -38,6 +39,7 @@ __all__ = (
     "Plan",
     "PlanCandidate",
     "grad",
+    "merge_micro_batches",
     "plan",
     "plan_step",
     "split_micro_batches",
