@@ -89,27 +89,28 @@ def _attr_path(path: Sequence[Any]) -> str:
 
 
 def _inner_signature(fun: Any) -> inspect.Signature | None:
-  """``fun``'s signature with the threaded variables inserted after the model.
+  """``fun``'s signature with the threaded variables added after its positional parameters.
 
-  The core names arguments in its messages by the parameter names of the function it
-  transforms; this keeps them the names of ``fun`` (``batch``, ``x``...).
+  The core names arguments in its messages by position and by the parameter names of the
+  function it transforms; the threaded variables are passed last, so both stay ``fun``'s
+  (``argument 1 ('batch')``).
   """
   try:
     sig = inspect.signature(fun)
   except (TypeError, ValueError):
     return None
   params = list(sig.parameters.values())
-  if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
-                                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
+  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  k = sum(p.kind in positional for p in params)
+  if k == 0:
     return None
   names = {p.name for p in params}
-  extra = f"{params[0].name}_variables"
+  extra = "nnx_variables"
   while extra in names:
     extra += "_"
-  kind = params[0].kind
-  threaded = inspect.Parameter(extra, kind)
+  threaded = inspect.Parameter(extra, params[k - 1].kind)
   try:
-    return sig.replace(parameters=[params[0], threaded, *params[1:]])
+    return sig.replace(parameters=[*params[:k], threaded, *params[k:]])
   except ValueError:
     return None
 
@@ -345,13 +346,14 @@ def value_and_grad(
     # Node 0 is the model; the user's filter sees paths from the model's root.
     return bool(path) and path[0] == 0 and wrt_pred(tuple(path[1:]), value)
 
-  def inner(diff, rest, *args, **kwargs):
+  def inner(diff, *args, **kwargs):
     call = _CALL.get()
+    args, rest = args[:-1], args[-1]
     # Fresh Variable objects, owned by this trace, so that fun may write to them.
     diff, rest = jax.tree.map(lambda x: x, (diff, rest))
     nodes = nnx.merge(call.graphdef, diff, rest)
-    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(k + 2), nodes)
-                              for k, a in enumerate(args)]
+    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(j), nodes)
+                              for j, a in enumerate(args, start=1)]
     call_kwargs = {name: _fill(v, call.kw_slots.get(name), nodes)
                    for name, v in kwargs.items()}
     out = fun(*call_args, **call_kwargs)
@@ -372,10 +374,10 @@ def value_and_grad(
   inner.__name__ = getattr(fun, "__name__", "fun")
   inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
 
-  def shift(argnums):  # fun's positions -> the core's (the threaded state is inserted at 1)
-    return tuple(j + 1 if j >= 0 else j for j in argnums)
+  def shift(argnums):  # fun's positions -> the core's (the threaded state comes last)
+    return tuple(j if j >= 0 else j - 1 for j in argnums)
 
-  core_options = dict(options, argnums=0, state_argnums=1, has_aux=has_aux)
+  core_options = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
   if user_rng:
     core_options["rng_argnums"] = shift(user_rng)
   if batch_argnums is not None or batch_argnames is None:
@@ -429,7 +431,7 @@ def value_and_grad(
       stripped, slots, found = _strip(a, len(nodes))
       core_args.append(stripped)
       if slots is not None:
-        arg_slots[j + 1] = slots
+        arg_slots[j] = slots
         labels += _labels(_arg_label(names, j), a)
         nodes += found
     core_kwargs: dict[str, Any] = {}
@@ -451,7 +453,7 @@ def value_and_grad(
     call = _Call(graphdef, nnx.to_flat_state(rest), arg_slots, kw_slots, tuple(labels))
     token = _CALL.set(call)
     try:
-      out = core(diff, rest, *core_args, **core_kwargs)
+      out = core(diff, *core_args, rest, **core_kwargs)
     finally:
       _CALL.reset(token)
     (value, extra), grads, *info = out

@@ -213,7 +213,8 @@ def test_bad_input():
                                       r"int32"):
     vg(state.params, data(0), stats, {"dropout": jnp.int32(0)})
   x, y = data(0)
-  with pytest.raises(ValueError, match=r"8 at batch\[0\]; 6 at batch\[1\]"):
+  with pytest.raises(ValueError,
+                     match=r"8 at argument 1 \('batch'\)\[0\]; 6 at argument 1 \('batch'\)\[1\]"):
     vg(state.params, (x, y[:6]), stats, {"dropout": jax.random.key(0)})
   with pytest.raises(TypeError, match=r"TrainState has no field 'batch_stats'"):
     plain = train_state.TrainState.create(apply_fn=model.apply, params=state.params,

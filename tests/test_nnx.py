@@ -466,9 +466,10 @@ def test_fun_not_shaped_model_batch():
 def test_mismatched_batch_leaves():
   vg = jaxaccum.nnx.value_and_grad(classify_loss, num_micro_batches=2)
   x, y = data("mlp", 0)
-  with pytest.raises(ValueError, match=r"8 at batch\[0\]; 6 at batch\[1\]"):
+  with pytest.raises(ValueError,
+                     match=r"8 at argument 1 \('batch'\)\[0\]; 6 at argument 1 \('batch'\)\[1\]"):
     vg(MLP(nnx.Rngs(0)), (x, y[:6]))
-  with pytest.raises(ValueError, match=r"batch leaf batch\[1\] is a scalar"):
+  with pytest.raises(ValueError, match=r"batch leaf argument 1 \('batch'\)\[1\] is a scalar"):
     vg(MLP(nnx.Rngs(0)), (x, y[0]))
   with pytest.raises(ValueError, match=r"not divisible by num_micro_batches=3"):
     jaxaccum.nnx.value_and_grad(classify_loss, num_micro_batches=3)(MLP(nnx.Rngs(0)), (x, y))

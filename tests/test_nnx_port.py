@@ -71,7 +71,9 @@ def test_batch_argnames_split_keyword_arrays():
     return jnp.mean((model(x) * scale - labels) ** 2)
 
   scale = jnp.array([1.0, 2.0, 3.0])
-  ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, x, labels=y, scale=scale)
+  ref_loss, ref_grads = nnx.value_and_grad(
+      lambda m, x, y: loss_fn(m, x, labels=y, scale=scale))(model, x, y)
+  seen.clear()
   vg = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=N, batch_argnums=1,
                                    batch_argnames="labels")
   loss, grads = vg(model, x, labels=y, scale=scale)
@@ -85,7 +87,7 @@ def test_batch_argnames_split_keyword_arrays():
 
   vg = jaxaccum.nnx.value_and_grad(kw_only, micro_batch_size=2, batch_argnames=("batch",))
   loss, grads = vg(model, batch=(x, y))
-  ref_loss, ref_grads = nnx.value_and_grad(kw_only)(model, batch=(x, y))
+  ref_loss, ref_grads = nnx.value_and_grad(lambda m, b: kw_only(m, batch=b))(model, (x, y))
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
 
@@ -273,7 +275,8 @@ def test_keyword_arrays_under_data_axis_replicated_unless_named():
   def loss_fn(model, x, *, labels, scale):
     return jnp.mean((model(x) * scale - labels) ** 2)
 
-  ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, x, labels=y, scale=scale)
+  ref_loss, ref_grads = nnx.value_and_grad(
+      lambda m, x, y: loss_fn(m, x, labels=y, scale=scale))(model, x, y)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
   x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
