@@ -4,11 +4,13 @@ Linen threads its mutable collections (``batch_stats``) and its RNG keys by hand
 maps directly onto the core's options: :func:`value_and_grad` fixes the argument layout
 ``fun(params, batch, model_state, rngs)`` and builds :func:`jaxaccum.value_and_grad` with
 ``argnums=0, batch_argnums=1, state_argnums=2, rng_argnums=3``; :func:`make_train_step`
-wraps it into a whole ``flax.training.train_state.TrainState`` step.
+wraps it into a whole ``flax.training.train_state.TrainState`` step (with ``axis_name``
+under ``jax.pmap``), and :func:`apply_gradients` drives a ``TrainState`` whose optimizer is
+a :class:`jaxaccum.MultiSteps`, passing ``weight=`` and counting optimizer steps.
 
-* ``model_state`` is a dict of the mutable collections, e.g. ``{"batch_stats": ...}``, the
-  form in which ``apply(..., mutable=[...])`` returns them. Micro-batch ``i + 1`` sees the
-  collections left by micro-batch ``i``; the final ones are returned.
+* ``model_state`` is a dict (or ``FrozenDict``) of the mutable collections, e.g.
+  ``{"batch_stats": ...}``. Micro-batch ``i + 1`` sees the collections left by micro-batch
+  ``i``; the final ones are returned in the containers passed in.
 * ``rngs`` is a dict of PRNG keys, e.g. ``{"dropout": key}``, as ``apply(..., rngs=...)``
   takes it. Micro-batch ``i`` receives ``jax.random.fold_in(key, i)`` for each key, so every
   micro-batch draws its own dropout mask; pass a new key each step (e.g.
@@ -54,14 +56,6 @@ def _check_fun(fun: Any) -> None:
         "BatchNorm) and rngs the dict of PRNG keys (e.g. {'dropout': key}, or {}).")
 
 
-def _check_rngs(rngs: PyTree) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(rngs):
-    if not _split.is_key(leaf):
-      raise TypeError(
-          f"rngs must be a dict of PRNG keys such as {{'dropout': jax.random.key(0)}}, but "
-          f"rngs{jax.tree_util.keystr(path)} is {_split.describe(leaf)}.")
-
-
 _RESERVED = ("argnums", "state_argnums", "rng_argnums")
 
 
@@ -76,7 +70,8 @@ def _like(template: Any, new: Any) -> Any:
   if set(template) != set(new):
     return new  # a structural change: the core reports it with both structures
   items = {k: _like(template[k], new[k]) for k in template}
-  return items if type(template) is dict else type(template)(items)
+  container: Any = type(template)
+  return items if container is dict else container(items)
 
 
 def _match_state(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -178,12 +173,7 @@ def value_and_grad(
       _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
       rng_argnums=3, has_aux=has_aux, **options)
 
-  @functools.wraps(fun)
-  def value_and_grad_fn(params, batch, model_state, rngs, *args, **kwargs):
-    _check_rngs(rngs)
-    return core(params, batch, model_state, rngs, *args, **kwargs)
-
-  return value_and_grad_fn
+  return core
 
 
 def _aux_kinds(spec: Any, aux: PyTree) -> PyTree:

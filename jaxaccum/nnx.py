@@ -119,7 +119,7 @@ class _Slots(NamedTuple):
   """Where the NNX objects of one argument were: the argument's treedef and node indices."""
 
   treedef: Any
-  index: tuple[int, ...]  # leaf positions that held NNX objects
+  where: tuple[int, ...]  # leaf positions that held NNX objects
   first: int  # index of the first of them among the threaded nodes
 
 
@@ -149,7 +149,7 @@ def _fill(stripped: Any, slots: _Slots | None, nodes: Sequence[Any]) -> Any:
   if slots is None:
     return stripped
   leaves = jax.tree.leaves(stripped)
-  for k, i in enumerate(slots.index):
+  for k, i in enumerate(slots.where):
     leaves[i] = nodes[slots.first + k]
   return jax.tree.unflatten(slots.treedef, leaves)
 
@@ -168,7 +168,7 @@ _CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("jaxaccum_nnx_call
 
 
 def _node_path(labels: Sequence[str], path: Sequence[Any]) -> str:
-  return labels[path[0]] + _attr_path(path[1:])
+  return str(labels[path[0]]) + _attr_path(path[1:])
 
 
 def _check_rest(call: _Call, new_graphdef: Any, new_rest: Any) -> None:
