@@ -285,11 +285,15 @@ def value_and_grad(
 
   Raises:
     TypeError: ``fun`` cannot take the model and its positional batch arguments, the
-      first argument is not an NNX object, ``fun`` changed the dtype of a variable, or an
-      option of :func:`jaxaccum.value_and_grad` is wrong.
-    ValueError: the model has no variables matching ``wrt``, a batch argument is out of
-      range or holds an NNX object, the batch cannot be split, or ``fun`` changed the
-      model's structure.
+      first argument is not an NNX object, a batch argument is missing from the call
+      (the message names the usual causes: a loss that closes over the batch, a batch
+      passed by keyword) or holds an NNX object, ``fun`` changed the shape or dtype of a
+      variable (named by its path, e.g. ``model.ema``), or ``argnums``/``state_argnums``
+      is given.
+    ValueError: the model has no variables matching ``wrt``, a batch argument is the
+      model, or ``fun`` changed the model's structure. Other options and batches are
+      checked by :func:`jaxaccum.value_and_grad`, whose messages name ``fun``'s
+      parameters.
 
   >>> import jax.numpy as jnp, optax
   >>> from flax import nnx

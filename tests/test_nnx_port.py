@@ -264,6 +264,29 @@ def test_core_options_are_forwarded():
   assert_close((loss_s, grads_s), (ref_loss_s, ref_grads_s))
 
 
+def test_loss_terms_are_forwarded():
+  model, (x, y) = Net(nnx.Rngs(0)), xy()
+  w = (jnp.arange(B) % 3 == 0).astype(jnp.float32)  # uneven across micro-batches
+
+  def terms(model, x, y, w):
+    err = jnp.sum((model(x) - y) ** 2, axis=-1)
+    return {"mse": jnp.mean(err), "masked": (jnp.sum(err * w), jnp.sum(w))}
+
+  def total(model, x, y, w):
+    t = terms(model, x, y, w)
+    return t["mse"] + 0.5 * t["masked"][0] / t["masked"][1]
+
+  ref_loss, ref_grads = nnx.value_and_grad(total)(model, x, y, w)
+  vg = jaxaccum.nnx.value_and_grad(
+      terms, num_micro_batches=N, batch_argnums=(1, 2, 3),
+      reduce={"mse": "mean", "masked": "weighted"}, loss_weights={"masked": 0.5},
+      with_info=True)
+  loss, grads, info = vg(model, x, y, w)
+  assert_close((loss, grads), (ref_loss, ref_grads))
+  ref_terms = terms(model, x, y, w)
+  assert_close(info.terms["masked"], ref_terms["masked"][0] / ref_terms["masked"][1])
+
+
 def optax_sq_norm(tree):
   return float(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
 
