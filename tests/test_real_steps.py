@@ -151,9 +151,9 @@ class LM(nn.Module):
     h = h + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, dropout_rate=0.2,
                              deterministic=self.deterministic)(
         nn.LayerNorm()(h), mask=nn.make_causal_mask(tokens))
-    ff = nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(h))))
+    ff = nn.Dense(16)(nn.gelu(nn.LayerNorm()(h)))
     h = h + nn.Dropout(0.2, deterministic=self.deterministic)(ff)
-    return nn.Dense(V)(nn.LayerNorm()(h))
+    return nn.Dense(V)(h)
 
 
 def compute_weighted_cross_entropy(logits, targets, weights):
