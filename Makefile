@@ -19,10 +19,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_accumulation.py
 	$(BIN)/python benchmarks/bench_sharding.py
+	$(BIN)/python benchmarks/bench_pipeline.py
 
 bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_sharding.py
+	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

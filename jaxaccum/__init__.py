@@ -8,10 +8,15 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
+from jaxaccum._noise import NoiseScale as NoiseScale
+from jaxaccum._noise import NoiseScaleState as NoiseScaleState
+from jaxaccum._pipeline import pipeline as pipeline
+from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
+from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import grad as grad
@@ -36,10 +41,15 @@ __all__ = (
     "AccumInfo",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseScale",
+    "NoiseScaleState",
     "Plan",
     "PlanCandidate",
+    "batch_size_ramp",
     "grad",
     "merge_micro_batches",
+    "pipeline",
+    "pipeline_schedule",
     "plan",
     "plan_step",
     "split_micro_batches",

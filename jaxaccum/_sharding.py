@@ -46,7 +46,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -215,11 +214,14 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
     raise ValueError(
         f"data_axis axes {sorted(manual & set(axes))} are already manual here (this is "
         "inside a shard_map over them), so jaxaccum cannot map over them again. Call the "
-        "transform outside your shard_map, or drop data_axis: inside a shard_map each "
-        "device then accumulates its own rows, and the full-batch result is the pmean "
-        "(not the psum) of the loss and gradients over these axes for reduce='mean', "
-        "their psum for reduce='sum'; for reduce='weighted', weigh each device's loss "
-        "and gradients by its own total denominator d: psum(x * d) / psum(d).")
+        "transform outside your shard_map, or drop data_axis and do what it does: mark the "
+        f"differentiated arguments device-varying first, params = jax.lax.pcast(params, "
+        f"{tuple(sorted(manual & set(axes)))}, to='varying') (otherwise JAX sums their "
+        "gradients over the devices inside every micro-batch), so that each device "
+        "accumulates the gradients of its own rows; the full-batch result is then the pmean "
+        "(not the psum) of the loss and gradients over these axes for reduce='mean', their "
+        "psum for reduce='sum', and for reduce='weighted' each device's loss and gradients "
+        "weighed by its own total denominator d: psum(x * d) / psum(d).")
   return mesh
 
 
@@ -331,8 +333,9 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
   shard's size. Non-batch keyword arrays sharded over a data axis are all-gathered too.
   The sharding of a non-batch argument is read from its type, so FSDP needs ``Explicit``
   mesh axes; with ``Auto`` axes every non-batch argument is treated as replicated. Arrays
-  that ``fun`` closes over are made explicit inputs of the ``shard_map`` (replicated)
-  when the mesh has ``Explicit`` axes, which ``shard_map`` cannot close over.
+  that ``fun`` closes over are replicated when typed with ``Auto`` axes; ``shard_map``
+  cannot close over arrays typed with ``Explicit`` axes, so those raise an error that says
+  to pass them as arguments.
 
   Returns:
     ``(value, extra, grads, info)`` as the core's ``finalize`` returns them, reduced over
@@ -404,7 +407,7 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
                if k not in roles.batch and k not in roles.batch_names and any(g)}
   meta: dict[str, Any] = {}
 
-  def make_local(fun, consts_fn=None):
+  def make_local(fun):
     def fun_local(*call_args, **call_kwargs):
       # Inside the differentiated function: the all-gather's transpose reduce-scatters.
       call_args = list(call_args)
@@ -424,8 +427,6 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       for (leaves, treedef) in flat:
         values.append(jax.tree.unflatten(
             treedef, [next(it) if _is_array(x) else x for x in leaves]))
-      if consts_fn is not None:
-        consts_fn(list(it))
       largs = values[:len(args)]
       lkwargs = {k: v for (k, _), v in zip(named[len(args):], values[len(args):], strict=True)}
       for j in (*roles.diff, *roles.state):
@@ -445,7 +446,8 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       # Concatenated aux rows stay on their shard: the output spec gathers them in order.
       rows_mask = jax.tree.map(lambda k: k == "concat", kinds)
       if problem.state0:
-        mask = (jax.tree.map(lambda _: False, extra[0]), rows_mask) if opts.has_aux             else jax.tree.map(lambda _: False, extra)
+        no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
+        mask = (no_rows, rows_mask) if opts.has_aux else no_rows
       else:
         mask = rows_mask
       leaves, treedef = jax.tree.flatten(extra)
@@ -457,20 +459,26 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
 
     return local
 
-  def run(local, extra_arrays=(), extra_specs=()):
+  def run(local):
     out_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(axes), tuple(grad_specs),
                  PartitionSpec())
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(*in_specs, *extra_specs),
-                           out_specs=out_specs, axis_names=frozenset(axes))
-    return mapped(*arrays, *extra_arrays)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                           axis_names=frozenset(axes))
+    return mapped(*arrays)
 
   try:
     value, kept, rows, grads, info = run(make_local(opts.fun))
   except NotImplementedError as e:
     if "Closing over inputs to shard_map" not in str(e):
       raise
-    value, kept, rows, grads, info = _run_hoisted(opts, make_local, run, args, kwargs, roles,
-                                                  n, shards, mesh)
+    got = str(e).split("Got input with shape")[-1].strip()
+    raise ValueError(
+        f"fun closes over an array typed with Explicit mesh axes ({got}): an array placed "
+        "on the mesh, or an argument of the enclosing jax.jit. Under data_axis fun runs "
+        "inside jax.shard_map, which cannot close over such arrays. Pass it to the "
+        "accumulated function as an argument instead: a non-batch positional or keyword "
+        "argument is replicated over the data axes (e.g. def loss(params, batch, *, table) "
+        "called as step(params, batch, table=table)); or build it inside fun.") from None
   it_kept, it_rows = iter(kept), iter(rows)
   extra = jax.tree.unflatten(meta["treedef"], [
       next(it_rows) if m else next(it_kept) for m in meta["mask"]])
@@ -478,53 +486,3 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
   # them to their parameters' shardings (a local slice if those are sharded).
   grads = align(grads, tuple(args[j] for j in roles.diff))
   return value, extra, grads, info
-
-
-def _run_hoisted(opts, make_local, run, args, kwargs, roles, n, shards, mesh):
-  """Runs ``fun`` as a jaxpr whose closed-over arrays are explicit ``shard_map`` inputs.
-
-  ``shard_map`` cannot close over arrays typed with ``Explicit`` mesh axes (concrete arrays
-  placed on the mesh, or arguments of the enclosing ``jax.jit``). ``fun`` is traced once at
-  the shapes one micro-batch has on one shard; the values it closes over become inputs,
-  replicated over the data axes.
-  """
-  def local_shape(x, split_rows):
-    if not _is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
-      return x
-    shape = tuple(x.shape)
-    if split_rows:
-      shape = (shape[0] // (n * shards),) + shape[1:]
-    return jax.ShapeDtypeStruct(shape, x.dtype)
-
-  call_args = [jax.tree.map(lambda x, b=(j in roles.batch): local_shape(x, b), a)
-               for j, a in enumerate(args)]
-  call_kwargs = {k: jax.tree.map(lambda x, b=(k in roles.batch_names): local_shape(x, b), v)
-                 for k, v in kwargs.items()}
-  leaves, treedef = jax.tree.flatten((call_args, call_kwargs))
-  dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
-  out_tree: dict[str, Any] = {}
-
-  def flat_fun(*dyn_vals):
-    vals = list(leaves)
-    for i, v in zip(dyn, dyn_vals, strict=True):
-      vals[i] = v
-    a, kw = jax.tree.unflatten(treedef, vals)
-    out = opts.fun(*a, **kw)
-    out_leaves, out_tree["def"] = jax.tree.flatten(out)
-    return out_leaves
-
-  closed = jax.make_jaxpr(flat_fun)(*[leaves[i] for i in dyn])
-  consts = [jax.sharding.reshard(c, PartitionSpec()) if _explicit_spec(c) is not None else c
-            for c in closed.consts]
-  holder: dict[str, Any] = {}
-
-  def hoisted(*a, **kw):
-    vals, _ = jax.tree.flatten((list(a), kw))
-    out = jax.core.eval_jaxpr(closed.jaxpr, holder["consts"], *[vals[i] for i in dyn])
-    return jax.tree.unflatten(out_tree["def"], out)
-
-  def set_consts(cs):
-    holder["consts"] = cs
-
-  local = make_local(hoisted, set_consts)
-  return run(local, consts, [PartitionSpec()] * len(consts))

@@ -209,6 +209,10 @@ def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: in
   With ``shards > 1`` (data-parallel mode over ``where``) each of the ``shards`` data
   shards splits its own ``size // shards`` rows, so the count must divide those.
   """
+  if size == 0:
+    raise ValueError(
+        "batch size 0: the batch arguments have no rows to split into micro-batches. Pass "
+        "a non-empty batch.")
   if shards == 1:
     divs = divisors(size)
     if num_micro_batches is not None:

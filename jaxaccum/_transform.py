@@ -176,6 +176,14 @@ def unpack(opts: Options, out: Any):
       new_state, aux = extra, None
   else:
     new_state, aux = None, extra
+  for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
+        leaf, (int, float, complex, np.generic)):
+      raise TypeError(
+          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not an "
+          "array: every leaf of aux must be a JAX array (a string or other Python object "
+          "cannot leave the compiled loop). Return it outside the accumulated function, or "
+          "as an array.")
   return nums, dens, new_state, aux
 
 
@@ -270,11 +278,11 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   role_pos = tuple(dict.fromkeys(roles.diff + roles.batch + roles.rng + roles.state))
   nd = len(roles.diff)
 
-  def inner(count, kw, *role_vals):
+  def inner(count, kw_batch, *role_vals):
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
-    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **kw))
+    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**kwargs, **kw_batch}))
     objectives = []
     for g in groups:
       total = 0.0
@@ -298,9 +306,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
       call_args[j] = jax.tree.map(lambda k: jax.random.fold_in(k, i), args[j])
     for j, s in zip(roles.state, state, strict=True):
       call_args[j] = s
-    kw = dict(kwargs)
-    for k in roles.batch_names:
-      kw[k] = _split.take(split_kw[k], i)
+    kw = {k: _split.take(split_kw[k], i) for k in roles.batch_names}
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
     objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
@@ -353,7 +359,7 @@ def info_sizes(opts: Options):
 
 def scan(opts: Options, problem: Problem, active: jax.Array | None):
   """Step 1: one ``lax.scan`` over the micro-batches. Returns ``(carry, stacked, shapes)``."""
-  n, groups = problem.n, problem.groups
+  n = problem.n
   count = jnp.asarray(n if active is None else active, jnp.int32)
   shapes = jax.eval_shape(problem.micro, jnp.int32(0), problem.state0, count)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux)
@@ -367,7 +373,6 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None):
             else acc_dtype(s.dtype))
 
   weight_term = aux_weight_term(opts)
-  size_term = info_sizes(opts)
   zero_f = jnp.zeros((), jnp.float32)
   zero_i = jnp.zeros((), jnp.int32)
   carry0 = Carry(

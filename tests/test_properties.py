@@ -112,8 +112,10 @@ def test_weighted_with_random_token_counts(lengths, n):
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([1, 2, 3, 6]),
-       st.fixed_dictionaries({k: st.sampled_from([None, "mean", "sum", "max", "min", "stack"])
-                              for k in ("f", "i", "v")}),
+       st.fixed_dictionaries({
+           **{k: st.sampled_from([None, "mean", "sum", "max", "min", "stack"]) for k in "fi"},
+           # A non-scalar leaf has no default reduction: it must be named.
+           "v": st.sampled_from(["mean", "sum", "max", "min", "stack"])}),
        st.booleans(), st.integers(0, 2**16))
 def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   k1, k2 = jax.random.split(jax.random.key(seed))
@@ -140,7 +142,9 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   total = sum(dens)
   for key, kind in spec.items():
     vals = jnp.stack([a[key] for a in auxes])
-    if kind in (None, "mean"):
+    if kind is None:  # the default: integer counts sum, floating scalars average
+      kind = "sum" if key == "i" else "mean"
+    if kind == "mean":
       wts = jnp.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
       expected = jnp.where(total > 0, jnp.sum(vals * wts, 0) / jnp.maximum(total, 1e-30), 0.0)
     else:
