@@ -110,6 +110,8 @@ def test_dropout_key_folded_per_micro_batch_matches_sequential_equinox():
 
 
 def test_argnums_is_refused_and_import_jaxaccum_needs_no_equinox():
+  for name in jaxaccum.eqx.__all__:
+    assert getattr(jaxaccum.eqx, name).__doc__, name
   with pytest.raises(TypeError, match=r"takes no argnums= option.*first argument"):
     jaxaccum.eqx.filter_value_and_grad(mlp_loss, num_micro_batches=2, argnums=1)
   code = ("import sys; import jaxaccum, jaxaccum.nnx; "
