@@ -36,8 +36,7 @@ from jax import lax
 
 from jaxaccum import _split, _transform
 from jaxaccum._multisteps import MultiStepsState
-
-PyTree = Any
+from jaxaccum._types import AxisNames, PyTree
 
 __all__ = ("apply_gradients", "make_train_step", "value_and_grad")
 
@@ -191,7 +190,7 @@ def _aux_kinds(spec: Any, aux: PyTree) -> PyTree:
                       is_leaf=lambda x: x is None or isinstance(x, str))
 
 
-def _cross_replica(axis_name: Any, reduce: Any, aux_reduce: Any, loss: Any, grads: PyTree,
+def _cross_replica(axis_name: AxisNames, reduce: Any, aux_reduce: Any, loss: Any, grads: PyTree,
                    aux: PyTree, new_model_state: PyTree, den: Any):
   """Combines one replica's accumulated results with the others' over ``axis_name``."""
   if reduce == "sum":
@@ -254,7 +253,7 @@ def make_train_step(
     fun: Callable[..., Any],
     *,
     collections: Sequence[str] = ("batch_stats",),
-    axis_name: Any = None,
+    axis_name: AxisNames | None = None,
     has_aux: bool = False,
     **options: Any,
 ) -> Callable[..., Any]:

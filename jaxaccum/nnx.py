@@ -42,8 +42,6 @@ from flax import nnx
 
 from jaxaccum import _split, _transform
 
-PyTree = Any
-
 __all__ = ("grad", "value_and_grad")
 
 # Options that the adapter sets itself: the model's wrt variables are differentiated
