@@ -5,6 +5,8 @@ full-batch loss and gradients (mean, sum and token-weighted losses), with float3
 accumulation, per-micro-batch RNG keys and mutable state threaded through.
 """
 
+from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
+from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
@@ -46,6 +48,7 @@ __all__ = (
     "Plan",
     "PlanCandidate",
     "batch_size_ramp",
+    "capture_gpu_target",
     "grad",
     "merge_micro_batches",
     "pipeline",
@@ -53,6 +56,7 @@ __all__ = (
     "plan",
     "plan_step",
     "split_micro_batches",
+    "target_mesh",
     "value_and_grad",
 )
 

@@ -6,28 +6,37 @@ size), reads each program's memory from :meth:`jax.stages.Compiled.memory_analys
 returns the fewest micro-batches whose program fits the budget. Nothing is ever executed, and
 the arguments may be :class:`jax.ShapeDtypeStruct` s, so planning allocates nothing.
 
-Memory falls as the micro-batch count grows (each micro-batch holds fewer activations), so the
-search is a binary search over the divisors: ``ceil(log2(d + 1))`` compilations for ``d``
-divisors, e.g. 4 for a batch of 4096 (13 divisors). ``search="all"`` compiles every divisor
-and does not rely on that order.
+With ``target="h100"`` (or another described GPU) the programs are compiled for that GPU on a
+machine without one, see :mod:`jaxaccum._gpu_target`.
+
+The search: ``N = 1`` (the plain full-batch program, with no accumulator) is compiled first and
+chosen whenever it fits. Otherwise memory from ``N = 2`` on is expected to fall as ``N`` grows
+(each micro-batch holds fewer activations; the float32 accumulator is the same size for every
+``N > 1``), so a binary search over the other divisors follows: ``1 + ceil(log2(d))``
+compilations at most for ``d`` divisors, e.g. 5 for a batch of 4096 (13 divisors). Where the
+compiled figures show that memory does not fall with ``N`` (a larger count needing more than a
+smaller one), every count below the one found is compiled too, so the answer is still the
+fewest micro-batches that fit. ``search="all"`` compiles every divisor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
-from jaxaccum import _split
+from jaxaccum import _gpu_target, _sharding, _split
 from jaxaccum._transform import value_and_grad
-
-PyTree = Any
 
 # The default budget keeps this fraction of the device's `bytes_limit` free for what the
 # compiled program's own figure does not count: allocator fragmentation, buffers alive outside
@@ -80,6 +89,10 @@ class Plan:
     compiled: the chosen :class:`jax.stages.Compiled` program. Call it with arguments of the
       planned shapes, dtypes and shardings; it runs without compiling again.
     jitted: the jitted function that was lowered for the chosen count.
+    device: the device the plan was made for: the device kind (e.g. ``"cpu"``, or
+      ``"NVIDIA H100 80GB HBM3"``), followed by ``" (described)"`` when it was compiled for a
+      described GPU (``target=...``) rather than a device present on this machine.
+    num_devices: how many devices the program was compiled for.
 
   ``str(plan)`` (or :meth:`table`) is a readable table of the candidates.
   """
@@ -92,11 +105,13 @@ class Plan:
   memory_budget_bytes: int
   compiled: Any = dataclasses.field(repr=False, compare=False)
   jitted: Any = dataclasses.field(repr=False, compare=False)
+  device: str = ""
+  num_devices: int = 1
 
   def table(self) -> str:
     """The candidates as a text table, the chosen row marked."""
     return _table(self.candidates, self.batch_size, self.memory_budget_bytes,
-                  self.num_micro_batches)
+                  self.num_micro_batches, self.device, self.num_devices)
 
   def __str__(self) -> str:
     return self.table()
@@ -110,7 +125,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
-           chosen: int | None) -> str:
+           chosen: int | None, device: str = "", num_devices: int = 1) -> str:
   header = ("N", "micro-batch", "peak", "temp", "arguments", "outputs", "aliased",
             "compile s", "")
   rows = [header]
@@ -123,7 +138,8 @@ def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
                  _fmt_bytes(c.output_bytes), _fmt_bytes(c.alias_bytes),
                  f"{c.compile_seconds:.2f}", verdict))
   widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
-  lines = [f"memory plan: batch of {batch_size} rows, budget {_fmt_bytes(budget)} "
+  on = f" on {num_devices} x {device}" if device else ""
+  lines = [f"memory plan{on}: batch of {batch_size} rows, budget {_fmt_bytes(budget)} "
            f"({budget:,} bytes) per device"]
   for r in rows:
     cells = [r[0].rjust(widths[0])] + [r[k].rjust(widths[k]) for k in range(1, 8)] + [r[8]]
@@ -150,6 +166,12 @@ def _check_budget(budget: Any) -> int | None:
         f"memory_budget_bytes must be a positive number of bytes, got "
         f"memory_budget_bytes={budget!r}. Pass e.g. memory_budget_bytes=8 * 2**30 for 8 GiB, "
         "or None to use the device's limit where it reports one."
+    )
+  if budget < 1:
+    raise ValueError(
+        f"memory_budget_bytes is a number of bytes, got memory_budget_bytes={budget!r}, less "
+        "than one byte (it is not a fraction of the device's memory). Pass bytes, e.g. "
+        "memory_budget_bytes=0.5 * 80 * 2**30 for half of 80 GiB."
     )
   return int(budget)
 
@@ -199,21 +221,85 @@ def _memory(compiled: Any, platform: str) -> dict[str, int]:
               alias_bytes=alias)
 
 
+class _Progress:
+  """Reports compiled candidates once planning has run longer than ``_PROGRESS_AFTER_S``.
+
+  With tqdm installed a progress bar (on stderr), else one line per compiled candidate.
+  ``verbose=True`` reports from the first candidate, ``False`` never, ``None`` (default)
+  only once planning is slow enough for it to help.
+  """
+
+  def __init__(self, verbose: bool | None, total: int, device: str):
+    self.verbose, self.total, self.device = verbose, total, device
+    self.start = time.perf_counter()
+    self.rows: list[PlanCandidate] = []
+    self.bar: Any = None
+    self.active = False
+    if verbose is True:
+      self._activate()
+
+  def _line(self, row: PlanCandidate) -> str:
+    verdict = "fits" if row.fits else "too big"
+    return (f"jaxaccum.plan{self.device}: N={row.num_micro_batches} (micro-batch "
+            f"{row.micro_batch_size}): peak {_fmt_bytes(row.peak_bytes)}, compiled in "
+            f"{row.compile_seconds:.1f} s, {verdict}")
+
+  def _activate(self) -> None:
+    self.active = True
+    try:
+      import tqdm
+    except ImportError:
+      for row in self.rows:
+        print(self._line(row), file=sys.stderr, flush=True)
+      return
+    self.bar = tqdm.tqdm(total=max(self.total, len(self.rows)),
+                         desc=f"jaxaccum.plan{self.device}", unit="compile", file=sys.stderr,
+                         leave=False, initial=len(self.rows))
+
+  def add(self, row: PlanCandidate) -> None:
+    self.rows.append(row)
+    if self.verbose is False:
+      return
+    if not self.active:
+      if time.perf_counter() - self.start < _PROGRESS_AFTER_S:
+        return
+      self._activate()  # reports this row with the earlier ones
+    elif self.bar is None:
+      print(self._line(row), file=sys.stderr, flush=True)
+    else:
+      if self.bar.n >= self.bar.total:
+        self.bar.total = self.bar.n + 1
+      self.bar.update(1)
+    if self.bar is not None:
+      self.bar.set_postfix_str(f"N={row.num_micro_batches} peak {_fmt_bytes(row.peak_bytes)}")
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+_PROGRESS_AFTER_S = 5.0
+
+
 def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget: Any,
-            search: str, shards: int = 1) -> Plan:
+            search: str, shards: int = 1, *, target: _gpu_target.GpuTarget | None = None,
+            verbose: bool | None = None, context: Callable[[], Any] | None = None) -> Plan:
   budget = _check_budget(budget)
   if search not in _SEARCHES:
     raise ValueError(
         f"search must be one of {', '.join(map(repr, _SEARCHES))}, got search={search!r}.")
+  if verbose is not None and not isinstance(verbose, bool):
+    raise TypeError(f"verbose must be True, False or None, got verbose={verbose!r}.")
   argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
   argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
   size = _split.batch_size({j: args[j] for j in argnums})
   devices = _devices(args)
   if budget is None:
-    budget = _default_budget(devices)
+    budget = _target_budget(target) if target is not None else _default_budget(devices)
   platform = devices[0].platform
-  # Increasing N: decreasing memory. A batch sharded over D devices (or split over D data
-  # shards by data_axis) only splits in place into micro-batches of a multiple of D rows.
+  device = devices[0].device_kind + (" (described)" if target is not None else "")
+  # A batch sharded over D devices (or split over D data shards by data_axis) only splits in
+  # place into micro-batches of a multiple of D rows.
   shards = max(shards, _batch_shards({j: args[j] for j in argnums}))
   counts = [n for n in _split.divisors(size) if (size // n) % shards == 0]
   if not counts:
@@ -222,6 +308,8 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
         "it: no micro-batch count splits it in place. Use a batch size that is a multiple of "
         f"{shards}.")
   cache: dict[int, tuple[PlanCandidate, Any, Any]] = {}
+  expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
+  progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
 
   def fits(i: int) -> bool:
     n = counts[i]
@@ -233,56 +321,117 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
             f"make_step({n}) must return a jitted function (jax.jit(step, "
             f"donate_argnums=...)), got {jitted!r} of type {type(jitted).__name__}."
         )
-      compiled = jitted.lower(*args).compile()
+      with context() if context is not None else contextlib.nullcontext():
+        compiled = jitted.lower(*args).compile()
       seconds = time.perf_counter() - start
       mem = _memory(compiled, platform)
-      row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n, compile_seconds=seconds,
-                      fits=mem["peak_bytes"] <= budget, **mem)
+      row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n,
+                          compile_seconds=seconds, fits=mem["peak_bytes"] <= budget, **mem)
       cache[n] = (row, compiled, jitted)
+      progress.add(row)
     return cache[n][0].fits
 
-  if search == "all":
-    fitting = [i for i in range(len(counts)) if fits(i)]
-    found = fitting[0] if fitting else len(counts)
-  else:
-    # Invariant: the answer is in [lo, hi]; hi == len(counts) stands for "none fits".
-    lo, hi = 0, len(counts)
-    while lo < hi:
-      mid = (lo + hi) // 2
-      if fits(mid):
-        hi = mid
-      else:
-        lo = mid + 1
-    found = lo
+  try:
+    if search == "all":
+      fitting = [i for i in range(len(counts)) if fits(i)]
+      found = fitting[0] if fitting else len(counts)
+    elif fits(0):
+      found = 0  # the full batch fits: nothing to gain from micro-batches
+    else:
+      # Binary search over N >= 2. Invariant: the answer is in [lo, hi]; hi == len(counts)
+      # stands for "none fits".
+      lo, hi = 1, len(counts)
+      while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+          hi = mid
+        else:
+          lo = mid + 1
+      found = lo
+      if not _falls({n: c[0].peak_bytes for n, c in cache.items() if n > 1}):
+        # The figures do not fall with N: the binary search's premise does not hold, so try
+        # every smaller count it skipped, fewest first.
+        for i in range(1, found):
+          if counts[i] not in cache and fits(i):
+            found = i
+            break
+  finally:
+    progress.close()
   rows = tuple(sorted(entry[0] for entry in cache.values()))
   if found == len(counts):
+    if counts[-1] not in cache:
+      fits(len(counts) - 1)
+      rows = tuple(sorted(entry[0] for entry in cache.values()))
     least = min(rows, key=lambda r: r.peak_bytes)
-    last = counts[-1]  # the most micro-batches allowed; always compiled when none fits
+    last = counts[-1]  # the most micro-batches allowed
     rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
     at = (f"num_micro_batches={least.num_micro_batches}" + (
         f" ({rows_of})" if least.num_micro_batches == last else
         f"; even num_micro_batches={last} ({rows_of}) needs {cache[last][0].peak_bytes:,} "
         "bytes"))
     raise ValueError(
-        f"memory_budget_bytes={budget:,} ({_fmt_bytes(budget)}) is too small: the smallest "
+        f"memory_budget_bytes={budget:,} ({_fmt_bytes(budget)}) is too small"
+        f"{' on ' + device if target else ''}: the smallest "
         f"figure reached is {least.peak_bytes:,} bytes ({_fmt_bytes(least.peak_bytes)}) at "
         f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
         "over the budget. Raise the budget, shard the batch over more devices, shrink the "
         "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
-        f"\n{_table(rows, size, budget, None)}"
+        f"\n{_table(rows, size, budget, None, device, len(devices))}"
     )
   n = counts[found]
   row, compiled, jitted = cache[n]
   return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=row.peak_bytes,
               candidates=rows, batch_size=size, memory_budget_bytes=budget,
-              compiled=compiled, jitted=jitted)
+              compiled=compiled, jitted=jitted, device=device, num_devices=len(devices))
+
+
+def _falls(peaks: dict[int, int]) -> bool:
+  """Whether the compiled figures never rise as the micro-batch count grows."""
+  ordered = [peaks[n] for n in sorted(peaks)]
+  return all(a >= b for a, b in zip(ordered, ordered[1:], strict=False))
+
+
+def _target_budget(target: _gpu_target.GpuTarget) -> int:
+  """The default budget on a described GPU: its memory less the documented reserve."""
+  if not target.memory_bytes:
+    raise ValueError(
+        f"memory_budget_bytes is required here: the GPU description {target.name!r} has no "
+        "device_memory_size. Pass the budget per device, e.g. memory_budget_bytes=60 * 2**30.")
+  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                  _gpu_target.DEFAULT_MEM_FRACTION))
+  return int(target.memory_bytes * fraction * (1 - _gpu_target.SAFETY_MARGIN))
+
+
+def _place(args: tuple, batch_argnums: Any, mesh: Any, axis: str) -> tuple:
+  """``args`` as ShapeDtypeStructs on ``mesh``: batch leaves split over ``axis``, the rest
+  replicated; leaves already placed on the mesh's devices keep their sharding."""
+  argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
+  argnums = set(_split.resolve_argnums("batch_argnums", argnums, len(args)))
+  mesh_devices = set(mesh.devices.flat)
+  P = jax.sharding.PartitionSpec
+
+  def place(leaf: Any, batch: bool) -> Any:
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      return leaf
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and set(sharding.device_set) <= mesh_devices:
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    spec = P(axis) if batch and len(leaf.shape) else P()
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                sharding=jax.sharding.NamedSharding(mesh, spec))
+
+  return tuple(jax.tree.map(lambda x, b=i in argnums: place(x, b), a)
+               for i, a in enumerate(args))
 
 
 def plan(
     fun: Callable[..., Any],
     *args: Any,
+    target: str | None = None,
+    num_devices: int = 1,
     memory_budget_bytes: int | None = None,
     search: str = "binary",
+    verbose: bool | None = None,
     **options: Any,
 ) -> Plan:
   """Chooses the fewest micro-batches whose accumulated value-and-grad fits a memory budget.
@@ -290,9 +439,20 @@ def plan(
   Lowers and compiles (never runs) ``jax.jit(jaxaccum.value_and_grad(fun,
   num_micro_batches=N, **options))`` on ``args`` for candidate counts ``N`` (divisors of the
   batch size), measures each compiled program's memory, and returns the smallest ``N`` whose
-  memory is at most the budget. Memory falls as ``N`` grows, so a binary search needs
-  ``ceil(log2(d + 1))`` compilations for ``d`` divisors (4 for a batch of 4096); each count is
-  compiled at most once, and the chosen program comes back compiled, as ``plan.compiled``.
+  memory is at most the budget. ``N = 1`` is compiled first and chosen when it fits; then a
+  binary search over the other divisors (memory falls with ``N`` from ``N = 2`` on, where the
+  accumulator's size is fixed), at most ``1 + ceil(log2(d))`` compilations for ``d`` divisors
+  (5 for a batch of 4096). Where the figures show memory rising with ``N``, the smaller counts
+  the search skipped are compiled too. Each count is compiled at most once, and the chosen
+  program comes back compiled, as ``plan.compiled``.
+
+  With ``target`` (e.g. ``"h100"``) the programs are compiled for ``num_devices`` described
+  GPUs on this machine, which needs no GPU: ``pip install 'jaxaccum[gpu-plan]'`` and
+  ``JAX_PLATFORMS=cpu`` set before JAX initialises. Arguments without a sharding on the
+  described GPUs are placed on :func:`jaxaccum.target_mesh` ``(target, (num_devices,),
+  (axis,))``: the batch split over ``axis`` (``data_axis`` when given, else ``"data"``), the
+  rest replicated; with ``data_axis`` that mesh is passed as ``mesh=``. ShapeDtypeStructs
+  already sharded on a :func:`jaxaccum.target_mesh` (e.g. FSDP parameters) keep their sharding.
 
   The memory of a program is XLA's ``peak_memory_in_bytes`` on backends that count
   temporaries in it (GPU, TPU), and ``argument + output + temp - alias`` bytes from
@@ -306,12 +466,22 @@ def plan(
     fun: the loss, as for :func:`jaxaccum.value_and_grad`.
     *args: the arguments to plan for: arrays, or :class:`jax.ShapeDtypeStruct` s (with a
       ``sharding`` for sharded inputs) to plan without allocating anything.
+    target: ``None`` (default) plans for the devices the arguments are on. Else a GPU to
+      compile for without it: a shipped description (``"h100"``, ``"h200"``, ``"a100-80gb"``,
+      ``"b200"``), the text of a ``GpuTargetConfigProto`` (see
+      :func:`jaxaccum.capture_gpu_target`) or the path of a ``.txtpb`` file holding one.
+    num_devices: with ``target``, how many of those GPUs (more than 8 are described as hosts
+      of 8).
     memory_budget_bytes: the budget per device, in bytes. ``None`` uses the device's
       ``memory_stats()["bytes_limit"]`` less a 10% safety margin (for fragmentation, buffers
       alive outside the program and library workspaces); backends that do not report a limit
-      (CPU) require an explicit budget.
-    search: ``"binary"`` (default) or ``"all"``, which compiles every divisor and does not
-      assume that memory falls with ``N``.
+      (CPU) require an explicit budget. With ``target``, ``None`` uses the described memory
+      times JAX's allocator share (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set in this
+      process's environment), less the same 10%: e.g. 53.4 GiB for ``"h100"``.
+    search: ``"binary"`` (default) or ``"all"``, which compiles every divisor.
+    verbose: progress on stderr (a tqdm bar when tqdm is installed, else one line per
+      compiled candidate with its peak and compile time). ``None`` (default) shows it once
+      planning has run 5 s; ``True`` from the start; ``False`` never.
     **options: options of :func:`jaxaccum.value_and_grad` (``batch_argnums``, ``has_aux``,
       ``reduce``, ``remat``, ...), except ``num_micro_batches`` and ``micro_batch_size``,
       which the planner chooses.
@@ -322,9 +492,12 @@ def plan(
   Raises:
     ValueError: a non-positive budget, no budget on a backend that reports no limit, a budget
       that even ``N = batch size`` exceeds (with the smallest figure reached), batch leaves
-      whose leading sizes disagree.
+      whose leading sizes disagree, a ``data_axis`` that is not in the mesh, an unknown
+      ``target``.
     TypeError: a non-numeric budget, an unknown option, or ``num_micro_batches`` /
       ``micro_batch_size`` among the options.
+    ImportError: ``target`` without the ``gpu-plan`` extra installed.
+    RuntimeError: ``target`` when JAX was initialised without ``JAX_PLATFORMS=cpu``.
 
   >>> import jax, jax.numpy as jnp
   >>> import jaxaccum
@@ -356,18 +529,44 @@ def plan(
         f"of jaxaccum.value_and_grad: {', '.join(_VALUE_AND_GRAD_OPTIONS)}."
     ) from None
 
+  axes = _sharding.check_data_axis(options.get("data_axis"))
+  batch_argnums = options.get("batch_argnums", 1)
+  gpu = None
+  if target is not None:
+    gpu = _gpu_target.resolve(target)
+    if axes is not None and len(axes) != 1:
+      raise ValueError(
+          f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
+          f"name one axis, got data_axis={options['data_axis']!r}. For a mesh of several axes "
+          "build it with jaxaccum.target_mesh and pass it as mesh=..., with arguments "
+          "sharded on it.")
+    axis = axes[0] if axes else "data"
+    if axes is not None and options.get("mesh") is not None:
+      mesh = options["mesh"]
+    else:
+      mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
+      if axes is not None:
+        options = dict(options, mesh=mesh)
+    args = _place(args, batch_argnums, mesh, axis)
+  elif num_devices != 1:
+    raise ValueError(
+        f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
+        "devices the arguments are placed on.")
+
   def make(n: int) -> Any:
     return jax.jit(value_and_grad(fun, num_micro_batches=n, **options))
 
   shards = 1
-  if options.get("data_axis") is not None:
-    axes = options["data_axis"]
-    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-    mesh = options.get("mesh") or jax.sharding.get_abstract_mesh()
-    if not mesh.empty:  # otherwise the transform's own error says a mesh is needed
+  if axes is not None:
+    mesh = options.get("mesh")
+    if mesh is None:
+      mesh = jax.sharding.get_abstract_mesh()
+      mesh = None if mesh.empty else mesh  # then the transform's own error asks for a mesh
+    if mesh is not None:
+      _sharding.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
-  return _search(make, args, options.get("batch_argnums", 1), memory_budget_bytes, search,
-                 shards=shards)
+  return _search(make, args, batch_argnums, memory_budget_bytes, search, shards=shards,
+                 target=gpu, verbose=verbose)
 
 
 _VALUE_AND_GRAD_OPTIONS = tuple(
@@ -389,8 +588,11 @@ def plan_step(
     make_step: Callable[[int], Any],
     *args: Any,
     batch_argnums: int | Sequence[int],
+    target: str | None = None,
+    num_devices: int = 1,
     memory_budget_bytes: int | None = None,
     search: str = "binary",
+    verbose: bool | None = None,
 ) -> Plan:
   """Chooses the fewest micro-batches whose whole jitted train step fits a memory budget.
 
@@ -401,13 +603,23 @@ def plan_step(
   compiles it on ``args`` for candidate ``N`` exactly as :func:`plan` does, and returns the
   fewest micro-batches that fit. ``plan.compiled`` is the chosen step, ready to call.
 
+  With ``target``, arguments not already placed on described GPUs are placed on
+  :func:`jaxaccum.target_mesh` ``(target, (num_devices,), ("data",))`` (the batch split over
+  ``"data"``, the rest replicated), and each step is lowered inside ``jax.set_mesh`` of that
+  mesh, so a step using ``value_and_grad(..., data_axis="data")`` finds it. To shard
+  parameters too (FSDP), build the mesh with :func:`jaxaccum.target_mesh` and pass
+  ShapeDtypeStructs with their shardings.
+
   Args:
     make_step: ``make_step(num_micro_batches)`` returns a jitted train step.
     *args: the step's arguments (arrays or :class:`jax.ShapeDtypeStruct` s).
     batch_argnums: which of ``args`` carry the batch (their leaves share a leading batch
       axis, whose divisors are the candidate counts).
+    target: as for :func:`plan`.
+    num_devices: as for :func:`plan`.
     memory_budget_bytes: as for :func:`plan`.
     search: as for :func:`plan`.
+    verbose: as for :func:`plan`.
 
   Returns:
     A :class:`Plan`.
@@ -439,4 +651,24 @@ def plan_step(
         "make_step must be a function of the micro-batch count returning a jitted step, got "
         f"{make_step!r} of type {type(make_step).__name__}."
     )
-  return _search(make_step, args, batch_argnums, memory_budget_bytes, search)
+  if target is None:
+    if num_devices != 1:
+      raise ValueError(
+          f"num_devices={num_devices!r} needs target=...: without a target the plan is for "
+          "the devices the arguments are placed on.")
+    return _search(make_step, args, batch_argnums, memory_budget_bytes, search,
+                   verbose=verbose)
+  gpu = _gpu_target.resolve(target)
+  placed = _place(args, batch_argnums, _gpu_target.target_mesh(gpu, (num_devices,)), "data")
+  meshes = {s.mesh for s in _shardings(placed) if isinstance(s, jax.sharding.NamedSharding)}
+  context = None
+  if len(meshes) == 1:
+    mesh = meshes.pop()
+    context = functools.partial(jax.set_mesh, mesh)
+  return _search(make_step, placed, batch_argnums, memory_budget_bytes, search, target=gpu,
+                 verbose=verbose, context=context)
+
+
+def _shardings(tree: Any) -> list[Any]:
+  return [leaf.sharding for leaf in jax.tree.leaves(tree)
+          if getattr(leaf, "sharding", None) is not None]

@@ -501,6 +501,8 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
   for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
     d = term_div(t)
     values.append((c if d is None else _reduce.safe_divide(c, d)).astype(s.dtype))
+  if opts.skip_nonfinite:  # every micro-batch skipped: nothing to average
+    values = [jnp.where(carry.stats.kept > 0, v, jnp.nan).astype(v.dtype) for v in values]
   if opts.single_term:
     value = values[0]
     terms_out = None
@@ -508,8 +510,6 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
     value = functools.reduce(
         jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
     terms_out = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
-  if opts.skip_nonfinite:
-    value = jnp.where(carry.stats.kept > 0, value, jnp.nan).astype(value.dtype)
 
   def group_div(g):
     if g.divisor == "one":

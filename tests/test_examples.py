@@ -182,3 +182,121 @@ def test_benchmark_run_writes_json_markdown_and_plots(tmp_path):
   assert "| N | micro-batch |" in md and results["environment"]["device_kind"] in md
   for name in ("accumulation_step_time.png", "accumulation_memory.png"):
     assert _is_png(tmp_path / name)
+
+
+# ------------------------------------------------- noise scale and MoE examples (13, 14)
+
+
+def test_noise_scale_ramp_is_one_program_and_tracks_b_simple(tmp_path):
+  ns = _load("examples/noise_scale.py")
+  cfg = ns.TINY
+  n = cfg.num_micro_batches
+  out = ns.main(cfg, out_dir=tmp_path, progress=False, verbose=False)
+  assert _is_png(out["plot"])
+  # Both runs, every k, through one compiled train step.
+  assert out["compiled_programs"] == 1
+  ks = out["ks"]
+  assert ks["constant"] == [n] * cfg.steps
+  assert ks["ramp"][0] == cfg.ramp_from and ks["ramp"][-1] == n
+  assert ks["ramp"] == sorted(ks["ramp"]) and len(set(ks["ramp"])) > 2, ks["ramp"]
+  for run in ns.RUNS:
+    np.testing.assert_array_equal(out["logs"][run]["k"], ks[run])
+  # Step 0 (shared initialisation): the loss is the token mean over the rows of
+  # micro-batches 0..k-1 (rows i::N), and the batch size in info is their token count.
+  loss_fn, params = ns.init_model(cfg)
+  batch0 = ns.make_batches(cfg)[0]
+  for run in ns.RUNS:
+    k = ks[run][0]
+    rows = np.concatenate([np.arange(i, cfg.batch_size, n) for i in range(k)])
+    total, count = loss_fn(params, jax.tree.map(lambda a, rows=rows: a[rows], batch0))
+    assert out["logs"][run]["tokens"][0] == float(count)
+    np.testing.assert_allclose(out["logs"][run]["loss"][0], total / count, rtol=1e-5)
+  # B_simple: finite (k >= 2: at least two samples), positive after warm-up, and the
+  # ratio of the EMAs of the per-step estimates (the bias corrections cancel).
+  for run in ns.RUNS:
+    lg = out["logs"][run]
+    assert np.all(np.isfinite(lg["grad_sq_norm"])) and np.all(np.isfinite(lg["trace_cov"]))
+    assert np.all(np.isfinite(lg["b_simple"])), lg["b_simple"]
+    assert np.all(lg["b_simple"][cfg.steps // 2:] > 0), lg["b_simple"]
+    g = t = 0.0
+    for s in range(cfg.steps):
+      g = cfg.decay * g + (1 - cfg.decay) * lg["grad_sq_norm"][s]
+      t = cfg.decay * t + (1 - cfg.decay) * lg["trace_cov"][s]
+      np.testing.assert_allclose(lg["b_simple"][s], t / g, rtol=1e-4, err_msg=f"{run} {s}")
+
+
+def test_moe_lm_terms_match_a_hand_reference_and_bad_micro_batches_are_skipped(tmp_path):
+  from functools import partial
+
+  moe = _load("examples/moe_lm.py")
+  cfg = moe.TINY
+  n = cfg.num_micro_batches
+  out = moe.main(cfg, out_dir=tmp_path, progress=False, verbose=False)
+  assert _is_png(out["plot"])
+  assert out["compiled_programs"] == 1
+  clean, bad = out["logs"]["clean"], out["logs"]["poisoned"]
+  # Every injected micro-batch, and only those, is skipped; both runs stay finite.
+  assert out["injected"] >= 3 and any(len(m) == 2 for m in out["bad"]), out["bad"]
+  np.testing.assert_array_equal(bad["skipped"], [len(m) for m in out["bad"]])
+  assert int(bad["skipped"].sum()) == out["injected"]
+  np.testing.assert_array_equal(clean["skipped"], np.zeros(cfg.steps))
+  for lg in (clean, bad):
+    for key in ("loss", *moe.TERMS):
+      assert np.all(np.isfinite(lg[key])), (key, lg[key])
+  assert bad["loss"][-1] < bad["loss"][0]  # it trains through the bad micro-batches
+  # Step 0 by hand from the shared initialisation: ce the token mean and z the sum over
+  # the whole batch, lb the mean over micro-batches (rows i::N) of each one's statistic.
+  params = moe.init_params(cfg)
+  batch0 = moe.make_batches(cfg)[0]
+  terms = jax.jit(partial(moe.loss_terms, heads=cfg.heads))
+  parts = [terms(params, jax.tree.map(lambda a, i=i: a[i::n], batch0)) for i in range(n)]
+  whole = terms(params, batch0)
+  ref = {"ce": whole["ce"][0] / whole["ce"][1], "lb": np.mean([p["lb"] for p in parts]),
+         "z": whole["z"]}
+  total = ref["ce"] + cfg.lb_weight * ref["lb"] + cfg.z_weight * ref["z"]
+  np.testing.assert_allclose(clean["loss"][0], total, rtol=1e-5)
+  for key in moe.TERMS:
+    np.testing.assert_allclose(clean[key][0], ref[key], rtol=1e-5, err_msg=key)
+  # "mean" is per micro-batch: the whole batch's load-balancing loss is another number.
+  np.testing.assert_allclose(out["lb_full_batch"], whole["lb"], rtol=1e-5)
+  assert abs(out["lb_full_batch"] - clean["lb"][0]) > 1e-3
+  # The poisoned step 0 drops micro-batch 0: every term over the others only (the
+  # skipped tokens leave the denominator).
+  assert out["bad"][0] == [0]
+  kept = parts[1:]
+  ref_bad = {"ce": sum(p["ce"][0] for p in kept) / sum(p["ce"][1] for p in kept),
+             "lb": np.mean([p["lb"] for p in kept]), "z": sum(p["z"] for p in kept)}
+  for key in moe.TERMS:
+    np.testing.assert_allclose(bad[key][0], ref_bad[key], rtol=1e-5, err_msg=key)
+  np.testing.assert_allclose(
+      bad["loss"][0], ref_bad["ce"] + cfg.lb_weight * ref_bad["lb"] + cfg.z_weight * ref_bad["z"],
+      rtol=1e-5)
+
+
+def test_bench_features_variants_compute_the_right_losses_and_write_results(tmp_path):
+  bench = _load("benchmarks/bench_features.py")
+  acc = sys.modules["bench_accumulation"]
+  cfg = acc.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)
+  results = bench.run(quick=True, repeats=1, warmup=1, cfg=cfg, out_dir=tmp_path)
+  saved = json.loads((tmp_path / "features.json").read_text())
+  assert set(saved["mlp"]["rows"]) == set(bench.VARIANTS)
+  assert "| k = 2 / k = 8 |" in (tmp_path / "features.md").read_text()
+  assert [r["variant"] for r in results["mlp"]["ratios"]] == [r[0] for r in bench.RATIOS]
+  # Each variant's first loss, from the initial parameters, against a hand reference.
+  loss_fn, params, batch = acc.mlp_problem(cfg)
+  n = bench.N
+  micro = [jax.tree.map(lambda a, i=i: a[i::n], batch) for i in range(n)]
+  full = float(loss_fn(params, batch))
+  first = {name: row["first_loss"] for name, row in saved["mlp"]["rows"].items()}
+  for name in ("plain", "with_info", "skip_nonfinite", "k = 8"):
+    np.testing.assert_allclose(first[name], full, rtol=1e-5, err_msg=name)
+  k_rows = jax.tree.map(lambda *a: jnp.concatenate(a), *micro[: bench.K_SMALL])
+  np.testing.assert_allclose(first["k = 2"], float(loss_fn(params, k_rows)), rtol=1e-5)
+  t = [bench.terms_loss(params, m) for m in micro]
+  w = bench.WEIGHTS
+  whole = bench.terms_loss(params, batch)
+  three = (whole["ce"][0] / whole["ce"][1] + w["lb"] * np.mean([p["lb"] for p in t])
+           + w["z"] * whole["z"])
+  np.testing.assert_allclose(first["3 terms"], float(three), rtol=1e-5)
+  one = sum(bench.single_loss(params, m)[0] for m in micro) / cfg.batch
+  np.testing.assert_allclose(first["1 term (weighted)"], float(one), rtol=1e-5)

@@ -7,8 +7,8 @@ through plain ``jax.value_and_grad``.
 """
 
 import contextlib
+import importlib.metadata
 import importlib.util
-import math
 import pathlib
 import re
 import types
@@ -143,32 +143,75 @@ def linear_loss(w, batch):
   return jnp.mean((x @ w - y) ** 2)
 
 
-def test_batch_4096_needs_at_most_8_compilations():
-  # 4096 = 2**12 has 13 divisors; a binary search over them needs ceil(log2(14)) = 4.
+def test_batch_4096_needs_few_compilations():
+  # 4096 = 2**12 has 13 divisors: N = 1, then a binary search over the other 12 needs at
+  # most ceil(log2(12)) = 4 more.
   w = jax.ShapeDtypeStruct((4,), jnp.float32)
   batch = (jax.ShapeDtypeStruct((4096, 4), jnp.float32),
            jax.ShapeDtypeStruct((4096,), jnp.float32))
   with count_compiles() as compiles:
     loose = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=HUGE)
   assert loose.num_micro_batches == 1
-  assert len(compiles) == len(loose.candidates) <= math.ceil(math.log2(13 + 1)) <= 8
-  # A budget between two compiled figures, and one only N = 4096 meets.
-  rows = loose.candidates
-  budgets = [rows[-1].peak_bytes]
-  if len(rows) > 1:
-    budgets.append((rows[0].peak_bytes + rows[1].peak_bytes) // 2)
-  for budget in budgets:
+  assert len(compiles) == len(loose.candidates) == 1  # the full batch fits: nothing else
+  every = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=HUGE, search="all")
+  peaks = {c.num_micro_batches: c.peak_bytes for c in every.candidates}
+  assert len(peaks) == 13
+  # For each budget, the reference answer is read off the table of every divisor.
+  expected_n = lambda budget: min(n for n, peak in peaks.items() if peak <= budget)  # noqa: E731
+  budgets = sorted(set(peaks.values()))
+  for budget in (budgets[0], budgets[len(budgets) // 2], budgets[-1] - 1):
     with count_compiles() as compiles:
-      try:
-        p = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=budget)
-      except ValueError as e:  # too small: still a bounded search
-        assert "too small" in str(e)
-        assert 0 < len(compiles) <= 4
-        continue
-    assert len(compiles) == len(p.candidates) <= 4
+      p = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=budget, verbose=False)
+    assert p.num_micro_batches == expected_n(budget), (budget, p)
+    assert p.peak_bytes == peaks[p.num_micro_batches] <= budget
+    assert len(compiles) == len(p.candidates) <= 1 + 4
     assert len({c.num_micro_batches for c in p.candidates}) == len(p.candidates)
-    assert p.peak_bytes <= budget
     assert p.compiled is not None
+  # Here memory falls, then rises again past N = 256 (per-step overhead of a long loop), so
+  # "nothing fits" is only known after every count: the planner compiles them all.
+  assert peaks[4096] > peaks[256]
+  with pytest.raises(ValueError, match="is too small") as info:
+    jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=budgets[0] - 1, verbose=False)
+  assert f"smallest figure reached is {budgets[0]:,} bytes" in str(info.value)
+
+
+def test_parameters_dominate_full_batch_fits_and_is_chosen():
+  # A 1024 x 1024 layer and a batch of 64: the float32 accumulator of N > 1 costs more than
+  # the activations it saves, so memory rises from N = 1 to N = 2, then falls (not monotone).
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  batch = (jax.ShapeDtypeStruct((64, 1024), jnp.float32),
+           jax.ShapeDtypeStruct((64, 1024), jnp.float32))
+  full = xla_bytes(compile_vg(1, w, batch, loss=linear_loss))
+  assert xla_bytes(compile_vg(2, w, batch, loss=linear_loss)) > full
+  # One-row micro-batches fit this budget too; the fewest micro-batches that fit is 1.
+  assert xla_bytes(compile_vg(64, w, batch, loss=linear_loss)) <= full + 1024
+  p = jaxaccum.plan(linear_loss, w, batch, memory_budget_bytes=full + 1024)
+  assert (p.num_micro_batches, p.peak_bytes) == (1, full)
+  assert [c.num_micro_batches for c in p.candidates] == [1]
+
+
+def test_curve_that_rises_with_n_is_searched_below_the_binary_answer(monkeypatch):
+  # Made-up figures (bytes) for N = 1 .. 64 where N = 2 fits, N = 4 does not, N = 8 does: a
+  # binary search alone would stop at 8 or later; the planner sees N = 8 < N = 16 ... and
+  # compiles the smaller counts it skipped.
+  figures = {1: 900, 2: 450, 4: 700, 8: 400, 16: 420, 32: 430, 64: 440}
+  params, batch = make_mlp()
+  made = []
+
+  def make_step(n):  # the planner compiles and measures each step right after making it
+    made.append(n)
+    return jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n))
+
+  real_memory = _plan._memory
+  monkeypatch.setattr(_plan, "_memory", lambda compiled, platform: dict(
+      real_memory(compiled, platform), peak_bytes=figures[made[-1]]))
+  p = jaxaccum.plan_step(make_step, params, batch, batch_argnums=1, memory_budget_bytes=500)
+  # The reference: the fewest of all counts whose figure is within the budget.
+  assert min(n for n, f in figures.items() if f <= 500) == 2
+  assert (p.num_micro_batches, p.peak_bytes) == (2, 450)
+  assert made[0] == 1 and len(made) < len(figures)  # N = 1 first, and not every count
+  assert {c.num_micro_batches: c.peak_bytes for c in p.candidates} == {
+      n: figures[n] for n in made}
 
 
 def test_plan_step_with_donation_matches_a_full_batch_step():
@@ -189,7 +232,8 @@ def test_plan_step_with_donation_matches_a_full_batch_step():
     return jax.jit(step, donate_argnums=(0, 1))
 
   args = shapes((params, opt_state, batch))
-  loose = jaxaccum.plan_step(make_step, *args, batch_argnums=2, memory_budget_bytes=HUGE)
+  loose = jaxaccum.plan_step(make_step, *args, batch_argnums=2, memory_budget_bytes=HUGE,
+                             search="all")
   assert loose.num_micro_batches == 1
   assert sorted(made) == [c.num_micro_batches for c in loose.candidates]
   # Donation shows: the new parameters and momentum reuse the old buffers.
@@ -353,3 +397,73 @@ def test_sharded_batch_only_plans_counts_that_split_in_place(axis_type):
   with pytest.raises(ValueError, match=rf"even num_micro_batches={BATCH // 8} \(micro-batches "
                      r"of 8 rows\) needs|num_micro_batches=\d+ \(micro-batches of 8 rows\)"):
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=1000, **options)
+
+
+def test_data_axis_not_in_the_set_mesh_is_a_value_error():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params, batch = make_mlp()
+  with jax.set_mesh(mesh), pytest.raises(
+      ValueError, match=r"data_axis='dat' names mesh axis 'dat', which is not in the mesh; "
+      r"its axes are \{'data': 8\}"):
+    jaxaccum.plan(mlp_loss, *shapes((params, batch)), memory_budget_bytes=HUGE,
+                  data_axis="dat")
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.999])
+def test_budget_below_one_byte_is_not_truncated(budget):
+  params, batch = make_mlp()
+  with pytest.raises(ValueError, match=rf"memory_budget_bytes={budget}, less than one byte "
+                     r"\(it is not a fraction of the device's memory\)"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
+
+
+def test_progress_lines_without_tqdm(monkeypatch, capsys):
+  monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # `import tqdm` fails
+  params, batch = make_mlp(batch_size=8)
+  p = jaxaccum.plan(mlp_loss, *shapes((params, batch)), memory_budget_bytes=HUGE,
+                    search="all", verbose=True)
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == len(p.candidates) == 4
+  for line, c in zip(err, p.candidates, strict=True):
+    assert line.startswith(f"jaxaccum.plan: N={c.num_micro_batches} (micro-batch "
+                           f"{c.micro_batch_size}): peak {_plan._fmt_bytes(c.peak_bytes)}, "
+                           "compiled in ")
+    assert line.endswith(" s, fits")
+  jaxaccum.plan(mlp_loss, *shapes((params, batch)), memory_budget_bytes=HUGE, verbose=False)
+  assert capsys.readouterr().err == ""
+  with pytest.raises(TypeError, match="verbose must be True, False or None, got verbose=1"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, verbose=1)
+
+
+def test_gpu_target_errors_without_a_gpu_or_the_extra():
+  params, batch = make_mlp()
+  with pytest.raises(ValueError, match=r"target='h300' is not a GPU description jaxaccum "
+                     r"ships; those are 'h100', 'h200', 'a100-80gb', 'b200'"):
+    jaxaccum.plan(mlp_loss, params, batch, target="h300")
+  with pytest.raises(ValueError, match=r"num_devices=8 needs target=\.\.\."):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, num_devices=8)
+  with pytest.raises(ValueError, match="capture_gpu_target needs a CUDA GPU"):
+    jaxaccum.capture_gpu_target()
+  try:
+    importlib.metadata.version("jax-cuda12-plugin")
+  except importlib.metadata.PackageNotFoundError:  # the main test environment: not installed
+    with pytest.raises(ImportError,
+                       match=r"install them with `pip install 'jaxaccum\[gpu-plan\]'`"):
+      jaxaccum.plan(mlp_loss, params, batch, target="h100")
+    with pytest.raises(ImportError, match="jax-cuda12-plugin and jax-cuda12-pjrt not installed"):
+      jaxaccum.target_mesh("h100", (8,), ("data",))
+
+
+def test_shipped_descriptions_and_the_default_budget(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  from jaxaccum import _gpu_target
+  memory = {"h100": 84942979072, "h200": 150754820096, "a100-80gb": 85100068864,
+            "b200": 191514411008}
+  for name, size in memory.items():
+    gpu = _gpu_target.resolve(name)
+    assert gpu.memory_bytes == size
+    assert "collective_memory_granularity" not in gpu.text  # jaxlib 0.10.2 rejects it
+    assert _plan._target_budget(gpu) == int(size * 0.75 * 0.9)
+  assert _gpu_target.resolve("H100").device_name == "NVIDIA H100 80GB HBM3"
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")
+  assert _plan._target_budget(_gpu_target.resolve("h100")) == int(84942979072 * 0.95 * 0.9)

@@ -92,6 +92,11 @@ def test_all_skipped_gives_zero_gradients_and_nan_value():
   assert bool(jnp.isnan(loss))
   np.testing.assert_array_equal(grads, np.zeros(D))
   assert int(info.skipped) == N
+  _, grads, info = jaxaccum.value_and_grad(
+      multi, num_micro_batches=N, reduce=REDUCE, skip_nonfinite=True, with_info=True)(
+          W, (x.at[:, 0].set(jnp.nan), y, jnp.ones(B)))
+  assert all(bool(jnp.isnan(v)) for v in info.terms.values())
+  np.testing.assert_array_equal(grads, np.zeros(D))
 
 
 def test_skip_is_per_shard_under_data_axis():
