@@ -118,3 +118,37 @@ def test_argnums_is_refused_and_import_jaxaccum_needs_no_equinox():
           "assert 'equinox' not in sys.modules, 'equinox imported'; "
           "import jaxaccum.eqx; assert 'equinox' in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class WithBatchNorm(eqx.Module):
+  lin: eqx.nn.Linear
+  bn: eqx.nn.BatchNorm
+
+  def __init__(self, key):
+    self.lin = eqx.nn.Linear(4, 3, key=key)
+    self.bn = eqx.nn.BatchNorm(3, axis_name="batch", momentum=0.5, mode="batch")
+
+
+def bn_loss(model, x, state):
+  def one(xi, state):
+    return model.bn(model.lin(xi), state)
+  out, state = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+  return jnp.mean(out ** 2), state
+
+
+def test_eqx_state_is_threaded_through_the_micro_batches_in_order():
+  model, state = eqx.nn.make_with_state(WithBatchNorm)(jax.random.key(0))
+  x, _ = data(7)
+  ref_vg = eqx.filter_jit(eqx.filter_value_and_grad(bn_loss, has_aux=True))
+  ref_state, losses, grads = state, [], []
+  for i in range(N):
+    (loss, ref_state), g = ref_vg(model, x[i::N], ref_state)
+    losses.append(loss)
+    grads.append(g)
+  vg = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+      bn_loss, num_micro_batches=N, state_argnums=2))
+  (loss, new_state), grads_acc = vg(model, x, state)
+  assert_close(loss, sum(losses) / N)
+  assert_close(grads_acc, jax.tree.map(lambda *g: sum(g) / N, *grads))
+  assert_close(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), new_state),
+               jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref_state))
