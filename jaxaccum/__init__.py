@@ -28,9 +28,10 @@ from jaxaccum._transform import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("nnx", "linen")
+_SUBMODULES = ("nnx", "linen", "eqx")
 
 if TYPE_CHECKING:  # what `__getattr__` returns, for type checkers and editors
+  from jaxaccum import eqx as eqx
   from jaxaccum import linen as linen
   from jaxaccum import nnx as nnx
 

@@ -767,6 +767,7 @@ def transform(opts: Options) -> Callable[..., Any]:
     out = ((value, extra), grads) if opts.has_extra else (value, grads)
     return (*out, info) if opts.with_info else out
 
+  value_and_grad_fn._jaxaccum_options = opts  # type: ignore[attr-defined]
   return value_and_grad_fn
 
 
@@ -784,16 +785,14 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   Array(14., dtype=float32)
   """
   vg = value_and_grad(fun, **options)
-  opts_has_extra = bool(options.get("has_aux")) or bool(_split.normalize_argnums(
-      "state_argnums", options.get("state_argnums"), allow_empty=True))
-  with_info = bool(options.get("with_info"))
+  opts: Options = vg._jaxaccum_options  # type: ignore[attr-defined]
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):
     out = vg(*args, **kwargs)
     value, grads = out[0], out[1]
-    part = (grads, value[1]) if opts_has_extra else grads
-    return (part, out[2]) if with_info else part
+    part = (grads, value[1]) if opts.has_extra else grads
+    return (part, out[2]) if opts.with_info else part
 
   return grad_fn
 

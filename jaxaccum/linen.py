@@ -4,11 +4,13 @@ Linen threads its mutable collections (``batch_stats``) and its RNG keys by hand
 maps directly onto the core's options: :func:`value_and_grad` fixes the argument layout
 ``fun(params, batch, model_state, rngs)`` and builds :func:`jaxaccum.value_and_grad` with
 ``argnums=0, batch_argnums=1, state_argnums=2, rng_argnums=3``; :func:`make_train_step`
-wraps it into a whole ``flax.training.train_state.TrainState`` step.
+wraps it into a whole ``flax.training.train_state.TrainState`` step (with ``axis_name``
+under ``jax.pmap``), and :func:`apply_gradients` drives a ``TrainState`` whose optimizer is
+a :class:`jaxaccum.MultiSteps`, passing ``weight=`` and counting optimizer steps.
 
-* ``model_state`` is a dict of the mutable collections, e.g. ``{"batch_stats": ...}``, the
-  form in which ``apply(..., mutable=[...])`` returns them. Micro-batch ``i + 1`` sees the
-  collections left by micro-batch ``i``; the final ones are returned.
+* ``model_state`` is a dict (or ``FrozenDict``) of the mutable collections, e.g.
+  ``{"batch_stats": ...}``. Micro-batch ``i + 1`` sees the collections left by micro-batch
+  ``i``; the final ones are returned in the containers passed in.
 * ``rngs`` is a dict of PRNG keys, e.g. ``{"dropout": key}``, as ``apply(..., rngs=...)``
   takes it. Micro-batch ``i`` receives ``jax.random.fold_in(key, i)`` for each key, so every
   micro-batch draws its own dropout mask; pass a new key each step (e.g.
@@ -24,16 +26,19 @@ This module does not import flax itself: it works on any ``TrainState``-like obj
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
 
 from jaxaccum import _split, _transform
+from jaxaccum._multisteps import MultiStepsState
+from jaxaccum._types import AxisNames, PyTree
 
-PyTree = Any
-
-__all__ = ("make_train_step", "value_and_grad")
+__all__ = ("apply_gradients", "make_train_step", "value_and_grad")
 
 
 def _check_fun(fun: Any) -> None:
@@ -50,56 +55,86 @@ def _check_fun(fun: Any) -> None:
         "BatchNorm) and rngs the dict of PRNG keys (e.g. {'dropout': key}, or {}).")
 
 
-def _check_rngs(rngs: PyTree) -> None:
-  for path, leaf in jax.tree_util.tree_leaves_with_path(rngs):
-    if not _split.is_key(leaf):
-      raise TypeError(
-          f"rngs must be a dict of PRNG keys such as {{'dropout': jax.random.key(0)}}, but "
-          f"rngs{jax.tree_util.keystr(path)} is {_split.describe(leaf)}.")
+_RESERVED = ("argnums", "state_argnums", "rng_argnums")
+
+
+def _like(template: Any, new: Any) -> Any:
+  """``new`` with the mapping types of ``template`` (``FrozenDict`` stays ``FrozenDict``).
+
+  ``model.apply(..., mutable=[...])`` returns plain dicts whatever container the state came
+  in; the scan's carry must keep one type, and callers get back what they passed in.
+  """
+  if not (isinstance(template, Mapping) and isinstance(new, Mapping)):
+    return new
+  if set(template) != set(new):
+    return new  # a structural change: the core reports it with both structures
+  items = {k: _like(template[k], new[k]) for k in template}
+  container: Any = type(template)
+  return items if container is dict else container(items)
+
+
+def _match_state(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """Wraps ``fun`` so that the state it returns has ``model_state``'s container types."""
+
+  @functools.wraps(fun)
+  def wrapped(params, batch, model_state, rngs, *args, **kwargs):
+    out = fun(params, batch, model_state, rngs, *args, **kwargs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      return out  # the core explains what fun must return
+    value, extra = out
+    if has_aux:
+      if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
+        return out
+      return value, (_like(model_state, extra[0]), extra[1])
+    return value, _like(model_state, extra)
+
+  return wrapped
 
 
 def value_and_grad(
     fun: Callable[..., Any],
     *,
-    num_micro_batches: int | None = None,
-    micro_batch_size: int | None = None,
+    batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
-    reduce: str = "mean",
-    aux_reduce: Any = None,
-    accumulator_dtype: Any = None,
-    grads_dtype: Any = None,
-    remat: bool = False,
-    remat_policy: Callable[..., bool] | None = None,
-    unroll: int | bool = 1,
-    data_axis: str | Sequence[str] | None = None,
-    mesh: Any = None,
+    **options: Any,
 ) -> Callable[..., Any]:
   """Accumulated value and gradients of a Linen loss with mutable collections and RNGs.
 
-  ``fun(params, batch, model_state, rngs)`` computes the loss of one micro-batch, usually by
-  calling ``model.apply({"params": params, **model_state}, x, mutable=list(model_state),
-  rngs=rngs)``, and returns ``(loss, new_model_state)``, or ``(loss, (new_model_state,
-  aux))`` with ``has_aux=True``. The returned function takes the same arguments with the
-  full batch; ``new_model_state`` has been threaded through the micro-batches in order and
-  micro-batch ``i`` used ``jax.random.fold_in(key, i)`` for each key of ``rngs``.
+  ``fun(params, batch, model_state, rngs, ...)`` computes the loss of one micro-batch,
+  usually by calling ``model.apply({"params": params, **model_state}, x,
+  mutable=list(model_state), rngs=rngs)``, and returns ``(loss, new_model_state)``, or
+  ``(loss, (new_model_state, aux))`` with ``has_aux=True``. The returned function takes the
+  same arguments with the full batch; ``new_model_state`` has been threaded through the
+  micro-batches in order and micro-batch ``i`` used ``jax.random.fold_in(key, i)`` for each
+  key of ``rngs``. ``model_state`` may be a ``dict`` or a ``FrozenDict`` (at any depth):
+  the new state comes back in the same container types, whatever ``apply`` returns.
+
+  Which arguments are split: ``batch`` (argument 1), or the positions in
+  ``batch_argnums``, and the keyword arguments named in ``batch_argnames`` (e.g.
+  ``fun(params, batch, model_state, rngs, *, labels)`` with ``batch_argnames="labels"``).
+  Other arguments after ``rngs`` and other keyword arguments are passed unchanged.
 
   Args:
-    fun: the loss, ``fun(params, batch, model_state, rngs)``.
-    num_micro_batches: the number ``N`` of micro-batches; must divide the batch size.
-    micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
+    fun: the loss, ``fun(params, batch, model_state, rngs, ...)``.
+    batch_argnums: position(s) of the batch arguments; default ``1``. Positions 0, 2 and
+      3 are the parameters, the mutable collections and the keys.
     has_aux: ``fun`` returns ``(loss, (new_model_state, aux))``; aux is reduced over the
-      micro-batches as ``aux_reduce`` says (the mean by default).
-    reduce: ``"mean"``, ``"sum"`` or ``"weighted"``; see :func:`jaxaccum.value_and_grad`.
-    aux_reduce, accumulator_dtype, grads_dtype, remat, remat_policy, unroll, data_axis,
-      mesh: as in :func:`jaxaccum.value_and_grad`.
+      micro-batches as ``aux_reduce`` says.
+    **options: every other option of :func:`jaxaccum.value_and_grad`, passed to it
+      unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
+      ``batch_argnames``, ``reduce``, ``aux_reduce``, ``with_info``, ``skip_nonfinite``,
+      ``loss_weights``, ``accumulator_dtype``, ``grads_dtype``, ``remat``,
+      ``remat_policy``, ``unroll``, ``data_axis``, ``mesh``.
 
   Returns:
-    A function ``(params, batch, model_state, rngs) -> ((loss, new_model_state), grads)``,
-    or ``((loss, (new_model_state, aux)), grads)`` with ``has_aux=True``.
+    A function ``(params, batch, model_state, rngs, ...) -> ((loss, new_model_state),
+    grads)``, or ``((loss, (new_model_state, aux)), grads)`` with ``has_aux=True``; with
+    ``with_info=True`` a third element, the :class:`jaxaccum.AccumInfo`.
 
   Raises:
     TypeError: ``fun`` does not take four positional arguments, ``rngs`` holds something
-      other than PRNG keys, or ``fun`` returns the wrong structure.
+      other than PRNG keys, ``fun`` returns the wrong structure, or an option the adapter
+      sets itself (``argnums``, ``state_argnums``, ``rng_argnums``) is given.
     ValueError: bad options, or a batch that cannot be split.
 
   >>> import jax, jax.numpy as jnp, optax
@@ -126,29 +161,99 @@ def value_and_grad(
   >>> sorted(new_state), sorted(grads)
   (['batch_stats'], ['BatchNorm_0', 'Dense_0', 'Dense_1'])
   """
+  for name in _RESERVED:
+    if name in options:
+      raise TypeError(
+          f"jaxaccum.linen.value_and_grad takes no {name}= option: the argument layout is "
+          "fixed, fun(params, batch, model_state, rngs, ...), with params differentiated, "
+          "model_state threaded and the keys of rngs folded per micro-batch.")
   _check_fun(fun)
   core = _transform.value_and_grad(
-      fun, num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
-      argnums=0, batch_argnums=1, state_argnums=2, rng_argnums=3, has_aux=has_aux,
-      reduce=reduce, aux_reduce=aux_reduce, accumulator_dtype=accumulator_dtype,
-      grads_dtype=grads_dtype, remat=remat, remat_policy=remat_policy, unroll=unroll,
-      data_axis=data_axis, mesh=mesh)
+      _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
+      rng_argnums=3, has_aux=has_aux, **options)
+
+  return core
+
+
+def _aux_kinds(spec: Any, aux: PyTree) -> PyTree:
+  """The reduction of each aux leaf: ``aux_reduce`` expanded, defaults by dtype."""
+
+  def kind(name, x):
+    if name is not None:
+      return name
+    dtype = jnp.asarray(x).dtype
+    return "sum" if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_ else "mean"
+
+  if spec is None or isinstance(spec, str):
+    return jax.tree.map(lambda x: kind(spec, x), aux)
+  return jax.tree.map(lambda name, sub: jax.tree.map(lambda x: kind(name, x), sub), spec, aux,
+                      is_leaf=lambda x: x is None or isinstance(x, str))
+
+
+def _cross_replica(axis_name: AxisNames, reduce: Any, aux_reduce: Any, loss: Any, grads: PyTree,
+                   aux: PyTree, new_model_state: PyTree, den: Any):
+  """Combines one replica's accumulated results with the others' over ``axis_name``."""
+  if reduce == "sum":
+    combine = functools.partial(lax.psum, axis_name=axis_name)
+  elif reduce == "weighted":
+    den = jnp.asarray(den, jnp.float32)
+    total = lax.psum(den, axis_name)
+
+    def combine(x):
+      s = lax.psum(x * den.astype(x.dtype), axis_name)
+      return jnp.where(total > 0, s / jnp.where(total > 0, total, 1).astype(x.dtype), 0)
+  else:
+    combine = functools.partial(lax.pmean, axis_name=axis_name)
+
+  def aux_leaf(kind, x):
+    x = jnp.asarray(x)
+    is_bool = x.dtype == jnp.bool_
+    if kind in ("max", "min"):
+      op = lax.pmax if kind == "max" else lax.pmin
+      return op(x.astype(jnp.int32), axis_name).astype(x.dtype) if is_bool else op(x, axis_name)
+    if kind == "sum" or jnp.issubdtype(x.dtype, jnp.integer) or is_bool:
+      return lax.psum(x.astype(jnp.int32) if is_bool else x, axis_name)
+    if kind == "mean":
+      return combine(x) if reduce == "weighted" else lax.pmean(x, axis_name)
+    return x  # "stack" and "concat" keep the replica's own entries
+
+  def state_leaf(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return lax.pmean(x, axis_name)
+    return x
+
+  aux = jax.tree.map(aux_leaf, _aux_kinds(aux_reduce, aux), aux)
+  return (combine(loss), jax.tree.map(combine, grads), aux,
+          jax.tree.map(state_leaf, new_model_state))
+
+
+def _with_denominator(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """Adds the denominator of ``reduce="weighted"`` to aux, so replicas can be weighted."""
 
   @functools.wraps(fun)
-  def value_and_grad_fn(params, batch, model_state, rngs, *args, **kwargs):
-    _split.batch_size({"batch": batch})
-    _check_rngs(rngs)
-    return core(params, batch, model_state, rngs, *args, **kwargs)
+  def wrapped(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      return out
+    value, extra = out
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      return out
+    den = value[1]
+    if has_aux:
+      if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
+        return out
+      return value, (extra[0], (extra[1], den))
+    return value, (extra, den)
 
-  return value_and_grad_fn
+  return wrapped
 
 
 def make_train_step(
     fun: Callable[..., Any],
     *,
-    num_micro_batches: int | None = None,
-    micro_batch_size: int | None = None,
     collections: Sequence[str] = ("batch_stats",),
+    axis_name: AxisNames | None = None,
     has_aux: bool = False,
     **options: Any,
 ) -> Callable[..., Any]:
@@ -159,23 +264,42 @@ def make_train_step(
   ``flax.training.train_state.TrainState`` subclass with a field per collection, e.g.
   ``batch_stats``), accumulates the loss and gradients, and returns
   ``(state.apply_gradients(grads=grads, **new_collections), loss)``, or
-  ``(new_state, (loss, aux))`` with ``has_aux=True``. Wrap it in :func:`jax.jit`.
+  ``(new_state, (loss, aux))`` with ``has_aux=True``. Wrap it in :func:`jax.jit` (or
+  :func:`jax.pmap` with ``axis_name``).
+
+  Under :func:`jax.pmap` or :func:`jax.shard_map` each replica accumulates its own rows.
+  With ``axis_name`` set, the replicas' results are combined over that axis once per step,
+  after the micro-batch loop, as the Flax ImageNet example does: the gradients and the loss
+  (``pmean`` for ``reduce="mean"``, ``psum`` for ``"sum"``, and for ``"weighted"`` each
+  replica weighted by its denominator, the exact global token mean); each aux leaf as its
+  ``aux_reduce`` says (``"mean"`` averaged, weighted by the denominators under
+  ``"weighted"``; ``"sum"`` and integer leaves summed; ``"max"``/``"min"`` the maximum or
+  minimum; ``"stack"``/``"concat"`` left as the replica's own); and the floating leaves of
+  the collections (``batch_stats`` averaged; integer leaves kept). Every replica then
+  applies the same update and the replicas stay identical. Without ``axis_name`` nothing
+  is exchanged: under ``pmap`` each replica applies the gradient of its own rows only, and
+  the replicas drift apart.
 
   Args:
     fun: the loss, ``fun(params, batch, model_state, rngs)``.
-    num_micro_batches: the number ``N`` of micro-batches; must divide the batch size.
-    micro_batch_size: alternatively, the rows per micro-batch.
     collections: the mutable collections kept as fields of the train state and passed to
       ``fun`` as ``model_state``; ``()`` for a model without BatchNorm.
+    axis_name: the ``pmap``/``shard_map`` axis (or tuple of axes) to combine the replicas
+      over; ``None`` (default) exchanges nothing.
     has_aux: ``fun`` returns ``(loss, (new_model_state, aux))``.
-    **options: passed to :func:`value_and_grad` (``reduce``, ``aux_reduce``, ...).
+    **options: passed to :func:`value_and_grad` (``num_micro_batches``, ``reduce``,
+      ``aux_reduce``, ``with_info``, ...).
 
   Returns:
     ``train_step(state, batch, rngs) -> (new_state, loss)`` (``(loss, aux)`` with
-    ``has_aux=True``), where ``rngs`` is a dict of PRNG keys such as ``{"dropout": key}``.
+    ``has_aux=True``, and the replica's :class:`jaxaccum.AccumInfo` as a third element
+    with ``with_info=True``), where ``rngs`` is a dict of PRNG keys such as
+    ``{"dropout": key}``.
 
   Raises:
     TypeError: ``collections`` is not a sequence of names, or ``state`` lacks one of them.
+    ValueError: ``axis_name`` with a ``reduce`` other than ``"mean"``, ``"sum"`` or
+      ``"weighted"``.
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import flax.linen as nn
@@ -200,8 +324,21 @@ def make_train_step(
         f"collections must be a sequence of collection names such as ('batch_stats',), got "
         f"collections={collections!r}.")
   collections = tuple(collections)
-  vg = value_and_grad(fun, num_micro_batches=num_micro_batches,
-                      micro_batch_size=micro_batch_size, has_aux=has_aux, **options)
+  reduce = options.get("reduce", "mean")
+  if axis_name is not None and not (isinstance(reduce, str)
+                                    and reduce in ("mean", "sum", "weighted")):
+    raise ValueError(
+        f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
+        f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
+        "use one of those reductions.")
+  weighted_replicas = axis_name is not None and reduce == "weighted"
+  user_aux_reduce = options.get("aux_reduce")
+  if weighted_replicas:
+    # Each replica's denominator rides along as a summed aux leaf.
+    options["aux_reduce"] = (user_aux_reduce, "sum") if has_aux else "sum"
+    vg = value_and_grad(_with_denominator(fun, has_aux), has_aux=True, **options)
+  else:
+    vg = value_and_grad(fun, has_aux=has_aux, **options)
 
   def train_step(state, batch, rngs):
     missing = [c for c in collections if not hasattr(state, c)]
@@ -212,9 +349,79 @@ def make_train_step(
           "collection (class TrainState(train_state.TrainState): batch_stats: Any), or "
           "pass collections=() for a model without mutable collections.")
     model_state = {c: getattr(state, c) for c in collections}
-    (loss, extra), grads = vg(state.params, batch, model_state, rngs)
-    new_model_state, aux = extra if has_aux else (extra, None)
+    (loss, extra), grads, *info = vg(state.params, batch, model_state, rngs)
+    den = None
+    if weighted_replicas:
+      new_model_state, aux = extra
+      aux, den = aux if has_aux else (None, aux)
+    else:
+      new_model_state, aux = extra if has_aux else (extra, None)
+    if axis_name is not None:
+      loss, grads, aux, new_model_state = _cross_replica(
+          axis_name, reduce, user_aux_reduce, loss, grads, aux, new_model_state, den)
     state = state.apply_gradients(grads=grads, **new_model_state)
-    return state, ((loss, aux) if has_aux else loss)
+    return (state, ((loss, aux) if has_aux else loss), *info)
 
   return train_step
+
+
+def apply_gradients(state: Any, *, grads: PyTree, weight: Any = None, **kwargs: Any) -> Any:
+  """``state.apply_gradients`` for a ``TrainState`` whose ``tx`` is a :class:`jaxaccum.MultiSteps`.
+
+  ``TrainState.apply_gradients`` cannot pass ``weight=`` to the optimizer and adds 1 to
+  ``state.step`` on every call, so with :class:`jaxaccum.MultiSteps` its ``step`` counts
+  micro-steps. This function passes ``weight`` (the number of items, e.g. real tokens,
+  behind the micro-batch's mean gradient) to ``MultiSteps.update`` and advances
+  ``state.step`` only when a window completes: ``state.step`` counts optimizer steps,
+  equal to ``MultiStepsState.gradient_step`` and to the count that the inner optimizer's
+  schedules see (optax schedules inside ``MultiSteps`` are called once per window).
+
+  ``state.tx`` is a :class:`jaxaccum.MultiSteps` or its ``gradient_transformation()``
+  (possibly inside :func:`optax.chain`); its state must hold exactly one
+  :class:`jaxaccum.MultiStepsState`.
+
+  Args:
+    state: a ``flax.training.train_state.TrainState`` (or anything with ``step``,
+      ``params``, ``tx``, ``opt_state`` and ``replace``).
+    grads: the micro-batch's gradients.
+    weight: optional, passed to ``MultiSteps.update(weight=...)``.
+    **kwargs: other fields to replace, e.g. ``batch_stats=...``.
+
+  Returns:
+    The new state: parameters updated when the window completes (zero updates
+    otherwise), ``opt_state`` advanced, ``step`` advanced by one per optimizer step.
+
+  Raises:
+    TypeError: ``state.opt_state`` holds no ``MultiStepsState`` or more than one.
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from flax.training import train_state
+  >>> import jaxaccum
+  >>> tx = jaxaccum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+  >>> state = train_state.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+  >>> state = jaxaccum.linen.apply_gradients(state, grads=jnp.array([4.0, 0.0]), weight=1)
+  >>> int(state.step), state.params
+  (0, Array([0., 0.], dtype=float32))
+  >>> state = jaxaccum.linen.apply_gradients(state, grads=jnp.array([0.0, 4.0]), weight=3)
+  >>> int(state.step), state.params  # -(1 * g1 + 3 * g2) / 4
+  (1, Array([-1., -3.], dtype=float32))
+  """
+  old = _multisteps_state(state.opt_state)
+  extra = {} if weight is None else {"weight": weight}
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **extra)
+  new = _multisteps_state(opt_state)
+  params = optax.apply_updates(state.params, updates)
+  step = state.step + (new.gradient_step - old.gradient_step).astype(jnp.asarray(state.step).dtype)
+  return state.replace(step=step, params=params, opt_state=opt_state, **kwargs)
+
+
+def _multisteps_state(opt_state: PyTree) -> MultiStepsState:
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
+           if isinstance(x, MultiStepsState)]
+  if len(found) != 1:
+    raise TypeError(
+        "jaxaccum.linen.apply_gradients needs a train state whose tx is a jaxaccum.MultiSteps "
+        "(or its gradient_transformation(), possibly inside optax.chain), so that its "
+        f"opt_state holds exactly one MultiStepsState; found {len(found)}. For another "
+        "optimizer use state.apply_gradients(grads=grads).")
+  return found[0]

@@ -4,15 +4,16 @@ This module imports :mod:`flax.nnx`; ``import jaxaccum`` does not (the submodule
 first use of ``jaxaccum.nnx``).
 
 The transforms mirror :func:`flax.nnx.value_and_grad` for a loss ``fun(model, batch, ...)``
-and run on top of :func:`jaxaccum.value_and_grad`:
+and run on top of :func:`jaxaccum.value_and_grad`, built once when the transform is built:
 
-1. the model is split with ``nnx.split(model, wrt, ...)`` into the differentiated state and
-   everything else (BatchNorm ``BatchStat``, the keys and counters of ``nnx.Rngs``
-   streams, other ``Variable``\\ s);
-2. one ``lax.scan`` runs ``fun`` on each micro-batch, differentiating the ``wrt`` state
+1. the model (and every NNX object found in the other arguments, at any depth) is split
+   with ``nnx.split`` into the model's ``wrt`` variables and everything else (BatchNorm
+   ``BatchStat``, the keys and counters of ``nnx.Rngs`` streams, other ``Variable``\\ s, and
+   all variables of the NNX objects in other arguments);
+2. one ``lax.scan`` runs ``fun`` on each micro-batch, differentiating the ``wrt`` variables
    and threading the rest from micro-batch ``i`` into micro-batch ``i + 1``;
-3. the model is updated in place with ``nnx.update`` and the gradients come back as the
-   ``wrt`` state, ready for ``nnx.Optimizer(model, tx, wrt=...).update(model, grads)``.
+3. the NNX objects are updated in place with ``nnx.update`` and the gradients come back as
+   the ``wrt`` state, ready for ``nnx.Optimizer(model, tx, wrt=...).update(model, grads)``.
 
 What this means for common layers:
 
@@ -24,262 +25,464 @@ What this means for common layers:
   statistics (a "ghost batch" of the micro-batch size) and updates its running averages
   once per micro-batch, in micro-batch order (micro-batch ``i`` holds rows
   ``i, i + N, i + 2N, ...``). Its loss and gradients therefore differ from one full-batch
-  step; LayerNorm, GroupNorm and RMSNorm act per example and give exactly the full-batch
-  result.
+  step; in eval mode (``use_running_average=True``), and for LayerNorm, GroupNorm and
+  RMSNorm, which act per example, the result is exactly the full batch's.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
 
 from jaxaccum import _split, _transform
 
-PyTree = Any
-
 __all__ = ("grad", "value_and_grad")
 
-
-def _check_fun(fun: Any) -> None:
-  """``fun`` must be callable with ``(model, batch)`` positionally."""
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
-        f"{type(fun).__name__}.")
-  found = _split.short_signature(fun, 2)
-  if found:
-    raise TypeError(
-        "fun must take the model and the batch as its first two positional arguments, "
-        f"fun(model, batch, ...), but {found}. Pack the inputs and targets into one batch "
-        "pytree such as (x, y) and put other inputs after it.")
+# Options that the adapter sets itself: the model's wrt variables are differentiated
+# (argnums) and its other variables threaded (state_argnums).
+_RESERVED = {
+    "argnums": "the model's variables chosen by wrt= are differentiated; pass wrt=nnx.Param "
+               "(or another NNX filter) instead",
+    "state_argnums": "the model's other variables (and those of NNX objects in the other "
+                     "arguments) are threaded through the micro-batches already",
+}
 
 
-def _check_rng_argnums(rng_argnums: Any) -> tuple[int, ...]:
-  argnums = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
-  for j in argnums:
-    if j in (0, 1):
+def _is_node(x: Any) -> bool:
+  return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _has_node(tree: Any) -> bool:
+  return any(_is_node(x) for x in jax.tree.leaves(tree, is_leaf=_is_node))
+
+
+def _param_names(fun: Any) -> list[str]:
+  """Names of ``fun``'s positional parameters, for messages; empty if unreadable."""
+  try:
+    params = inspect.signature(fun).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def _ordinal(j: int) -> str:
+  words = ("first", "second", "third", "fourth", "fifth", "sixth")
+  return words[j] if j < len(words) else f"{j + 1}th"
+
+
+def _arg_label(names: list[str], j: int) -> str:
+  return names[j] if j < len(names) else f"args[{j}]"
+
+
+def _attr_path(path: Sequence[Any]) -> str:
+  """``('block', 0, 'ema')`` as ``.block[0].ema``."""
+  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def _inner_signature(fun: Any) -> inspect.Signature | None:
+  """``fun``'s signature with the threaded variables added after its positional parameters.
+
+  The core names arguments in its messages by position and by the parameter names of the
+  function it transforms; the threaded variables are passed last, so both stay ``fun``'s
+  (``argument 1 ('batch')``).
+  """
+  try:
+    sig = inspect.signature(fun)
+  except (TypeError, ValueError):
+    return None
+  params = list(sig.parameters.values())
+  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  k = sum(p.kind in positional for p in params)
+  if k == 0:
+    return None
+  names = {p.name for p in params}
+  extra = "nnx_variables"
+  while extra in names:
+    extra += "_"
+  threaded = inspect.Parameter(extra, params[k - 1].kind)
+  try:
+    return sig.replace(parameters=[*params[:k], threaded, *params[k:]])
+  except ValueError:
+    return None
+
+
+class _Slots(NamedTuple):
+  """Where the NNX objects of one argument were: the argument's treedef and node indices."""
+
+  treedef: Any
+  where: tuple[int, ...]  # leaf positions that held NNX objects
+  first: int  # index of the first of them among the threaded nodes
+
+
+class _Hole:
+  """Stands where an NNX object was in an argument handed to the core (a static leaf)."""
+
+  def __repr__(self) -> str:
+    return "<NNX object, threaded>"
+
+
+_HOLE = _Hole()
+
+
+def _strip(tree: Any, first: int) -> tuple[Any, _Slots | None, list[Any]]:
+  """Replaces the NNX objects in ``tree`` by holes; returns what :func:`_fill` needs."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_node)
+  index = tuple(k for k, x in enumerate(leaves) if _is_node(x))
+  if not index:
+    return tree, None, []
+  nodes = [leaves[k] for k in index]
+  leaves = [_HOLE if k in index else x for k, x in enumerate(leaves)]
+  return jax.tree.unflatten(treedef, leaves), _Slots(treedef, index, first), nodes
+
+
+def _fill(stripped: Any, slots: _Slots | None, nodes: Sequence[Any]) -> Any:
+  """Inverse of :func:`_strip`, with ``nodes`` the (merged) threaded objects."""
+  if slots is None:
+    return stripped
+  leaves = jax.tree.leaves(stripped)
+  for k, i in enumerate(slots.where):
+    leaves[i] = nodes[slots.first + k]
+  return jax.tree.unflatten(slots.treedef, leaves)
+
+
+class _Call(NamedTuple):
+  """What one call passes to the function traced inside the core (never traced itself)."""
+
+  graphdef: Any
+  rest_flat: Any  # nnx.to_flat_state of the threaded variables, for messages
+  arg_slots: dict[int, _Slots]  # core positional index -> slots
+  kw_slots: dict[str, _Slots]
+  labels: tuple[str, ...]  # a name for each threaded node, for messages
+
+
+_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("jaxaccum_nnx_call")
+
+
+def _node_path(labels: Sequence[str], path: Sequence[Any]) -> str:
+  return str(labels[path[0]]) + _attr_path(path[1:])
+
+
+def _check_rest(call: _Call, new_graphdef: Any, new_rest: Any) -> None:
+  """The threaded variables after ``fun`` must match those before, path by path."""
+  new_flat = nnx.to_flat_state(new_rest)
+  old = {tuple(p): v for p, v in call.rest_flat}
+  new = {tuple(p): v for p, v in new_flat}
+  added = [p for p in new if p not in old]
+  removed = [p for p in old if p not in new]
+  if added or removed or new_graphdef != call.graphdef:
+    what = (f"added {_node_path(call.labels, added[0])}" if added else
+            f"removed {_node_path(call.labels, removed[0])}" if removed else
+            "added, removed or replaced a Variable or submodule")
+    raise ValueError(
+        f"fun changed the structure of the model ({what}). Under accumulation fun runs once "
+        "per micro-batch and may only update existing Variables' values; create new state "
+        "before the step.")
+  for p, v_old in old.items():
+    v_new = new[p]
+    if type(v_new) is not type(v_old):
       raise ValueError(
-          f"rng_argnums={rng_argnums!r} names argument {j}, which is the "
-          f"{'model' if j == 0 else 'batch'}. rng_argnums must point at PRNG-key arguments "
-          "after the batch: fun(model, batch, key, ...) with rng_argnums=2. Keys inside "
-          "the model (nnx.Rngs) need no option: they are threaded and advance by themselves.")
-    if j < 0:
+          f"fun replaced {_node_path(call.labels, p)}, a {type(v_old).__name__}, by a "
+          f"{type(v_new).__name__}. Assign to its value instead (var[...] = new_value).")
+    for a, b in zip(jax.tree.leaves(v_old), jax.tree.leaves(v_new), strict=True):
+      if a.shape != b.shape or a.dtype != b.dtype:
+        raise TypeError(
+            f"fun changed {_node_path(call.labels, p)} ({type(v_old).__name__}) from "
+            f"{_split.describe(a)} to {_split.describe(b)}. Its value is carried from one "
+            "micro-batch into the next, so it must keep its shape and dtype: cast the new "
+            f"value back, e.g. var[...] = new_value.astype({a.dtype}).")
+
+
+def _positions(name: str, value: Any, nargs: int, fun_name: str, names: list[str]) -> tuple:
+  """Resolves the adapter's argnums (counted in fun's arguments) against this call."""
+  out = []
+  for j in value:
+    if not -nargs <= j < nargs:
+      raise TypeError(
+          f"{name}={j} is out of range: the accumulated {fun_name} must be called as "
+          "(model, batch, ...) with each batch argument positionally, got "
+          f"{nargs} positional argument(s). "
+          "The usual causes: the loss closes over the batch (make the batch an argument, "
+          "fun(model, batch), and call it with the full batch) or the batch is passed by "
+          "keyword (name it in batch_argnames=..., e.g. batch_argnames='batch').")
+    j %= nargs
+    if j == 0:
       raise ValueError(
-          f"rng_argnums={rng_argnums!r} holds a negative index {j}; count positional "
-          "arguments of fun(model, batch, ...) from 0 (the first key is usually 2).")
-  return argnums
-
-
-def _model_filter(wrt: Any):
-  """``wrt`` restricted to the model (element 0 of the split tuple)."""
-  return nnx.All(wrt, lambda path, _: bool(path) and path[0] == 0)
+          f"{name} names argument 0 ({_arg_label(names, 0)}), which is the model. Point it "
+          "at the arguments after the model.")
+    out.append(j)
+  return tuple(out)
 
 
 def value_and_grad(
     fun: Callable[..., Any],
     *,
-    num_micro_batches: int | None = None,
-    micro_batch_size: int | None = None,
-    has_aux: bool = False,
-    reduce: str = "mean",
     wrt: Any = nnx.Param,
-    aux_reduce: Any = None,
+    batch_argnums: int | Sequence[int] | None = None,
+    batch_argnames: str | Sequence[str] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
-    accumulator_dtype: Any = None,
-    grads_dtype: Any = None,
-    remat: bool = False,
-    remat_policy: Callable[..., bool] | None = None,
-    unroll: int | bool = 1,
-    data_axis: str | Sequence[str] | None = None,
-    mesh: Any = None,
+    has_aux: bool = False,
+    **options: Any,
 ) -> Callable[..., Any]:
   """Like :func:`flax.nnx.value_and_grad`, accumulated over micro-batches in one scan.
 
-  ``fun(model, batch, *args, **kwargs)`` takes an NNX model and one micro-batch. The
-  returned function takes the same arguments with the full batch, returns the full-batch
-  value and the gradients with respect to the model's ``wrt`` variables, and updates the
-  model's other state (BatchNorm statistics, RNG stream counters, any ``Variable`` that
-  ``fun`` writes) in place, as :func:`flax.nnx.value_and_grad` does. Micro-batch ``i``
-  holds rows ``i, i + N, i + 2N, ...`` of every leaf of ``batch`` and sees the state left
-  by micro-batch ``i - 1``. Call it inside :func:`flax.nnx.jit` (or split the model
-  yourself and use :func:`jax.jit`); ``fun`` is traced a constant number of times,
-  whatever ``N`` is, and a second step with the same shapes does not retrace.
+  ``fun(model, batch, ...)`` takes an NNX model and one micro-batch. The returned
+  function takes the same arguments with the full batch, returns the full-batch value and
+  the gradients with respect to the model's ``wrt`` variables, and updates the model's
+  other state (BatchNorm statistics, RNG stream counters, any ``Variable`` that ``fun``
+  writes) in place, as :func:`flax.nnx.value_and_grad` does. Micro-batch ``i`` holds rows
+  ``i, i + N, i + 2N, ...`` of every leaf of the batch arguments and sees the state left by
+  micro-batch ``i - 1``. Call it inside :func:`flax.nnx.jit`; ``fun`` is traced a constant
+  number of times, whatever ``N`` is, and a second step with the same shapes does not
+  retrace.
 
-  Extra positional arguments that are NNX objects (for example an ``nnx.Rngs`` passed at
-  call time, ``fun(model, batch, rngs)``) are threaded through the micro-batches like the
-  model's own state and updated in place; other extra arguments are passed unchanged to
-  every micro-batch, except those named by ``rng_argnums``.
+  Which arguments are split: the positional arguments named by ``batch_argnums`` (by
+  default argument 1, the one after the model) and the keyword arguments named by
+  ``batch_argnames``. Every NNX object in the other arguments, at any depth (an
+  ``nnx.Rngs`` passed at call time, ``extra["teacher"]``, a module passed by keyword), is
+  threaded through the micro-batches like the model's own non-``wrt`` state and updated in
+  place; its variables are not differentiated. Other arguments are passed unchanged to
+  every micro-batch, except PRNG keys named by ``rng_argnums``.
 
   Args:
     fun: the loss, ``fun(model, batch, ...)``. It returns what ``reduce`` asks for, or
       ``(value, aux)`` with ``has_aux=True``.
-    num_micro_batches: the number ``N`` of micro-batches; must divide the batch size.
-    micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
-    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over the micro-batches as
-      ``aux_reduce`` says (the mean by default).
-    reduce: ``"mean"`` (``fun`` returns its micro-batch mean), ``"sum"``, or
-      ``"weighted"`` (``fun`` returns ``(numerator, denominator)``, e.g. the summed token
-      loss and the number of real tokens); see :func:`jaxaccum.value_and_grad`.
     wrt: an NNX filter choosing the differentiated variables of ``model``, as in
-      :class:`flax.nnx.DiffState` and ``nnx.Optimizer(..., wrt=...)``. Default
+      :class:`flax.nnx.DiffState` and ``nnx.Optimizer(..., wrt=...)``. Path filters see
+      paths from the model's root, as with :func:`flax.nnx.value_and_grad`. Default
       ``nnx.Param``.
-    aux_reduce: how aux is reduced; see :func:`jaxaccum.value_and_grad`.
-    rng_argnums: positions in ``fun``'s arguments (2 or more) of plain PRNG keys; micro-batch
-      ``i`` gets ``jax.random.fold_in(key, i)``. Not needed for ``nnx.Rngs``.
-    accumulator_dtype: dtype of the gradient and loss accumulators (float32 for
-      bfloat16/float16 values by default).
-    grads_dtype: dtype of the returned gradients; default each parameter's dtype.
-    remat: recompute each micro-batch's forward pass in the backward pass
-      (:func:`jax.checkpoint`).
-    remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
-    unroll: passed to :func:`jax.lax.scan`.
-    data_axis, mesh: the data-parallel mode of :func:`jaxaccum.value_and_grad`: each device
-      accumulates its own rows and the gradients are reduced once per step. The model's
-      other state is threaded per shard and combined at the end (floating leaves averaged,
-      counters the maximum, keys shard 0's), so ``nnx.Rngs`` streams draw the same masks
-      on every shard.
+    batch_argnums: position(s) in ``fun``'s arguments (the model is 0) of the batch
+      arguments; ``loss_fn(model, x, y)`` takes ``batch_argnums=(1, 2)``. Default ``1``, or
+      none when only ``batch_argnames`` is given.
+    batch_argnames: name(s) of keyword arguments that are split like ``batch_argnums``,
+      e.g. ``batch_argnames="labels"`` for ``fun(model, x, labels=y)``.
+    rng_argnums: position(s) (1 or more) of plain PRNG keys; micro-batch ``i`` gets
+      ``jax.random.fold_in(key, i)``. Not needed for ``nnx.Rngs``.
+    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over the micro-batches as
+      ``aux_reduce`` says.
+    **options: every other option of :func:`jaxaccum.value_and_grad`, passed to it
+      unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
+      ``reduce``, ``aux_reduce``, ``with_info``, ``skip_nonfinite``, ``loss_weights``,
+      ``accumulator_dtype``, ``grads_dtype``, ``remat``, ``remat_policy``, ``unroll``,
+      ``data_axis``, ``mesh``. Under ``data_axis`` the model's other state is threaded per
+      shard and combined at the end (floating leaves averaged, counters the maximum, keys
+      shard 0's), so ``nnx.Rngs`` streams draw the same masks on every shard.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
     ``((value, aux), grads)`` with ``has_aux=True``, where ``grads`` is an
-    :class:`flax.nnx.State` shaped like ``nnx.state(model, wrt)``.
+    :class:`flax.nnx.State` shaped like ``nnx.state(model, wrt)``; with
+    ``with_info=True`` a third element, the :class:`jaxaccum.AccumInfo`. It takes the
+    core's call-time keyword ``active_micro_batches`` too.
 
   Raises:
-    TypeError: ``fun`` cannot be called as ``fun(model, batch, ...)``, its first argument
-      is not an NNX object, or its output does not match ``has_aux``/``reduce``.
-    ValueError: the model has no variables matching ``wrt``, the batch leaves do not share
-      a leading axis, the batch size is not divisible, or ``fun`` changed the model's
-      structure.
+    TypeError: ``fun`` cannot take the model and its positional batch arguments, the
+      first argument is not an NNX object, a batch argument is missing from the call
+      (the message names the usual causes: a loss that closes over the batch, a batch
+      passed by keyword) or holds an NNX object, ``fun`` changed the shape or dtype of a
+      variable (named by its path, e.g. ``model.ema``), or ``argnums``/``state_argnums``
+      is given.
+    ValueError: the model has no variables matching ``wrt``, a batch argument is the
+      model, or ``fun`` changed the model's structure. Other options and batches are
+      checked by :func:`jaxaccum.value_and_grad`, whose messages name ``fun``'s
+      parameters.
 
   >>> import jax.numpy as jnp, optax
   >>> from flax import nnx
   >>> import jaxaccum
   >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-  >>> def loss_fn(model, batch):
-  ...   x, y = batch
+  >>> def loss_fn(model, x, y):
   ...   return jnp.mean((model(x)[:, 0] - y) ** 2)
   >>> @nnx.jit
-  ... def train_step(model, optimizer, batch):
-  ...   step = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4)
-  ...   loss, grads = step(model, batch)
+  ... def train_step(model, optimizer, x, y):
+  ...   step = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4, batch_argnums=(1, 2))
+  ...   loss, grads = step(model, x, y)
   ...   optimizer.update(model, grads)
   ...   return loss
-  >>> batch = (jnp.arange(24.0).reshape(8, 3) / 24, jnp.arange(8.0) / 8)
-  >>> ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, batch)
-  >>> loss = train_step(model, optimizer, batch)
+  >>> x, y = jnp.arange(24.0).reshape(8, 3) / 24, jnp.arange(8.0) / 8
+  >>> ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, x, y)
+  >>> loss = train_step(model, optimizer, x, y)
   >>> bool(jnp.allclose(loss, ref_loss))
   True
   """
-  _check_fun(fun)
-  rng_argnums_t = _check_rng_argnums(rng_argnums)
-  core_options = dict(
-      num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
-      has_aux=has_aux, reduce=reduce, aux_reduce=aux_reduce,
-      accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
-      remat_policy=remat_policy, unroll=unroll, data_axis=data_axis, mesh=mesh)
-  # Validate every option now, not at the first call.
-  _transform.value_and_grad(fun, argnums=0, batch_argnums=1, state_argnums=2,
-                            rng_argnums=tuple(j + 1 for j in rng_argnums_t), **core_options)
+  for name, why in _RESERVED.items():
+    if name in options:
+      raise TypeError(f"jaxaccum.nnx.value_and_grad takes no {name}= option: {why}.")
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
+        f"{type(fun).__name__}.")
+  user_batch = ((1,) if batch_argnums is None and batch_argnames is None else
+                _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True))
+  user_rng = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
+  needed = 1 + max((j for j in user_batch + user_rng if j >= 0), default=0)
+  found = _split.short_signature(fun, needed)
+  if found:
+    raise TypeError(
+        f"fun must take the model and the batch as its first "
+        f"{'two' if needed == 2 else needed} positional arguments, fun(model, batch, ...), "
+        f"but {found}. Pack the inputs and targets into one batch pytree such as (x, y), "
+        "or name keyword batch arguments with batch_argnames=('batch',).")
+  both = sorted(set(user_batch) & set(user_rng))
+  if both:
+    raise ValueError(
+        f"rng_argnums={rng_argnums!r} names argument {both[0]}, which is the batch "
+        f"(batch_argnums={user_batch}). rng_argnums must point at PRNG-key arguments, such "
+        "as fun(model, batch, key) with rng_argnums=2. Keys inside the model (nnx.Rngs) need "
+        "no option: they are threaded and advance by themselves.")
   try:
-    model_filter = _model_filter(wrt)
-    nnx.filterlib.to_predicate(model_filter)
+    wrt_pred = nnx.filterlib.to_predicate(wrt)
   except (TypeError, ValueError):
     raise TypeError(
         f"wrt must be an NNX filter such as nnx.Param, a Variable type, a tuple of filters or "
         f"nnx.All(...), got wrt={wrt!r}.") from None
 
+  def model_pred(path, value):
+    # Node 0 is the model; the user's filter sees paths from the model's root.
+    return bool(path) and path[0] == 0 and wrt_pred(tuple(path[1:]), value)
+
+  def inner(diff, *args, **kwargs):
+    call = _CALL.get()
+    args, rest = args[:-1], args[-1]
+    # Fresh Variable objects, owned by this trace, so that fun may write to them.
+    diff, rest = jax.tree.map(lambda x: x, (diff, rest))
+    nodes = nnx.merge(call.graphdef, diff, rest)
+    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(j), nodes)
+                              for j, a in enumerate(args, start=1)]
+    call_kwargs = {name: _fill(v, call.kw_slots.get(name), nodes)
+                   for name, v in kwargs.items()}
+    out = fun(*call_args, **call_kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"fun must return (value, aux) because has_aux=True, got {_split.describe(out)}.")
+      value, aux = out
+    else:
+      value, aux = out, None
+    new_graphdef, _, new_rest = nnx.split(nodes, model_pred, ...)
+    _check_rest(call, new_graphdef, new_rest)
+    return (value, (new_rest, aux)) if has_aux else (value, new_rest)
+
+  sig = _inner_signature(fun)
+  if sig is not None:
+    inner.__signature__ = sig  # type: ignore[attr-defined]
+  inner.__name__ = getattr(fun, "__name__", "fun")
+  inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
+
+  def shift(argnums):  # fun's positions -> the core's (the threaded state comes last)
+    return tuple(j if j >= 0 else j - 1 for j in argnums)
+
+  core_options = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
+  if user_rng:
+    core_options["rng_argnums"] = shift(user_rng)
+  if batch_argnums is not None or batch_argnames is None:
+    core_options["batch_argnums"] = shift(user_batch)
+  if batch_argnames is not None:
+    core_options["batch_argnames"] = batch_argnames
+  core = _transform.value_and_grad(inner, **core_options)
+  batch_names = ((batch_argnames,) if isinstance(batch_argnames, str)
+                 else tuple(batch_argnames or ()))
+  fun_name = getattr(fun, "__name__", "fun")
+  names = _param_names(fun)
+
   @functools.wraps(fun)
   def value_and_grad_fn(*args, **kwargs):
-    if len(args) < 2:
+    if not args:
       raise TypeError(
-          f"the accumulated {getattr(fun, '__name__', 'fun')} must be called as "
-          f"(model, batch, ...) with the model and batch positionally, got {len(args)} "
-          "positional argument(s).")
-    model, batch = args[0], args[1]
+          f"the accumulated {fun_name} must be called with the model as its first positional "
+          "argument, fun(model, batch, ...); got no positional arguments.")
+    model = args[0]
     if not isinstance(model, nnx.Pytree):
       raise TypeError(
-          f"the first argument (model) must be an NNX object such as an nnx.Module, got "
-          f"{_split.describe(model)}. For plain pytrees of parameters use jaxaccum.value_and_grad.")
-    if isinstance(batch, nnx.Pytree):
-      raise TypeError(
-          f"the second argument (batch) must be a pytree of arrays, got the NNX object "
-          f"{type(batch).__name__}. Call it as fun(model, batch, ...).")
-    _split.batch_size({"batch": batch})
-    for j in rng_argnums_t:
-      if j >= len(args):
-        raise ValueError(
-            f"rng_argnums names argument {j}, but only {len(args)} positional arguments "
-            "were passed.")
-      if isinstance(args[j], nnx.Pytree):
-        raise ValueError(
-            f"rng_argnums names argument {j}, which is an NNX object "
-            f"({type(args[j]).__name__}); NNX objects are threaded through the "
-            "micro-batches already. Drop it from rng_argnums.")
-
-    for name, value in kwargs.items():
-      if any(isinstance(x, nnx.Pytree) for x in jax.tree.leaves(
-          value, is_leaf=lambda x: isinstance(x, nnx.Pytree))):
+          f"the first argument ({_arg_label(names, 0)}) must be an NNX object such as an "
+          f"nnx.Module, got {_split.describe(model)}. For plain pytrees of parameters use "
+          "jaxaccum.value_and_grad.")
+    batch_pos = _positions("batch_argnums", user_batch, len(args), fun_name, names)
+    rng_pos = _positions("rng_argnums", user_rng, len(args), fun_name, names)
+    for j in batch_pos + rng_pos:
+      if _has_node(args[j]):
+        role = "batch_argnums" if j in batch_pos else "rng_argnums"
         raise TypeError(
-            f"keyword argument {name}={type(value).__name__}(...) holds an NNX object; "
-            "NNX objects (nnx.Rngs, modules) are threaded through the micro-batches only when "
-            f"passed positionally after the batch: call it as fun(model, batch, {name}).")
-    node_pos = tuple(j for j in range(2, len(args)) if isinstance(args[j], nnx.Pytree))
-    nodes = (model, *(args[j] for j in node_pos))
-    graphdef, diff, rest = nnx.split(nodes, model_filter, ...)
+            f"the {_ordinal(j)} argument ({_arg_label(names, j)}), named by {role}, must be "
+            f"a pytree of arrays, got the NNX object {type(args[j]).__name__} in it. NNX "
+            "objects are threaded through the micro-batches, never split: call it as "
+            "fun(model, batch, ...), or drop the argument from " + role + ".")
+    for name in batch_names:
+      if name in kwargs and _has_node(kwargs[name]):
+        raise TypeError(
+            f"batch_argnames names {name!r}, which holds an NNX object; NNX objects are "
+            f"threaded through the micro-batches, never split: drop {name!r} from "
+            "batch_argnames.")
+
+    # Every NNX object outside the batch arguments is threaded with the model.
+    nodes: list[Any] = [model]
+    labels: list[str] = [_arg_label(names, 0)]
+    core_args: list[Any] = []
+    arg_slots: dict[int, _Slots] = {}
+    for j, a in enumerate(args[1:], start=1):
+      if j in batch_pos or j in rng_pos:
+        core_args.append(a)
+        continue
+      stripped, slots, found = _strip(a, len(nodes))
+      core_args.append(stripped)
+      if slots is not None:
+        arg_slots[j] = slots
+        labels += _labels(_arg_label(names, j), a)
+        nodes += found
+    core_kwargs: dict[str, Any] = {}
+    kw_slots: dict[str, _Slots] = {}
+    for name, v in kwargs.items():
+      stripped, slots, found = _strip(v, len(nodes))
+      core_kwargs[name] = stripped
+      if slots is not None:
+        kw_slots[name] = slots
+        labels += _labels(name, v)
+        nodes += found
+
+    graphdef, diff, rest = nnx.split(tuple(nodes), model_pred, ...)
     if not jax.tree.leaves(diff):
       raise ValueError(
           f"the model {type(model).__name__} has no variables matching wrt={wrt!r}, so "
           "there is nothing to differentiate. Pass the filter of the variables to train, "
           "e.g. wrt=nnx.Param, and check that the model was built with them.")
-    rest_structure = jax.tree.structure(rest)
-    plain = tuple(None if j in node_pos else args[j] for j in range(2, len(args)))
-
-    def inner(diff, batch, rest, *plain):
-      # Fresh Variable objects, owned by this trace, so that fun may write to them.
-      diff, rest = jax.tree.map(lambda x: x, (diff, rest))
-      nodes = nnx.merge(graphdef, diff, rest)
-      call_args = [nodes[0], batch, *plain]
-      for k, j in enumerate(node_pos):
-        call_args[j] = nodes[k + 1]
-      out = fun(*call_args, **kwargs)
-      if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-          raise TypeError(
-              f"fun must return (value, aux) because has_aux=True, got {_split.describe(out)}.")
-        value, aux = out
-      else:
-        value, aux = out, None
-      new_graphdef, _, new_rest = nnx.split(nodes, model_filter, ...)
-      if new_graphdef != graphdef or jax.tree.structure(new_rest) != rest_structure:
-        raise ValueError(
-            "fun changed the structure of the model (added, removed or replaced a Variable "
-            "or submodule). Under accumulation fun runs once per micro-batch and may only "
-            "update existing Variables' values; create new state before the step.")
-      return (value, (new_rest, aux)) if has_aux else (value, new_rest)
-
-    core = _transform.value_and_grad(
-        inner, argnums=0, batch_argnums=1, state_argnums=2,
-        rng_argnums=tuple(j + 1 for j in rng_argnums_t), **core_options)
-    (value, extra), grads = core(diff, batch, rest, *plain)
+    call = _Call(graphdef, nnx.to_flat_state(rest), arg_slots, kw_slots, tuple(labels))
+    token = _CALL.set(call)
+    try:
+      out = core(diff, *core_args, rest, **core_kwargs)
+    finally:
+      _CALL.reset(token)
+    (value, extra), grads, *info = out
     new_rest, aux = extra if has_aux else (extra, None)
-    nnx.update(nodes, new_rest)
+    nnx.update(tuple(nodes), new_rest)
     grads = grads[0]
-    return ((value, aux), grads) if has_aux else (value, grads)
+    return (((value, aux) if has_aux else value), grads, *info)
 
   return value_and_grad_fn
+
+
+def _labels(name: str, tree: Any) -> list[str]:
+  """A name for each NNX object in ``tree``, e.g. ``extra['teacher']``."""
+  out = []
+  for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_node):
+    if _is_node(x):
+      out.append(name + jax.tree_util.keystr(path))
+  return out
 
 
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`flax.nnx.grad`, accumulated over micro-batches.
 
   Options as :func:`value_and_grad`. Returns a function giving ``grads``, or
-  ``(grads, aux)`` with ``has_aux=True``; the model's non-differentiated state is updated in
-  place.
+  ``(grads, aux)`` with ``has_aux=True``; with ``with_info=True`` it gives
+  ``(grads_part, info)`` as :func:`jaxaccum.grad` does. The model's non-differentiated
+  state is updated in place.
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -293,11 +496,12 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  has_aux = bool(options.get("has_aux", False))
+  has_aux = options.get("has_aux", False)
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):
-    value, grads = vg(*args, **kwargs)
-    return (grads, value[1]) if has_aux else grads
+    value, grads, *info = vg(*args, **kwargs)
+    grads_part = (grads, value[1]) if has_aux else grads
+    return (grads_part, *info) if info else grads_part
 
   return grad_fn

@@ -209,11 +209,12 @@ def test_bad_input():
     jaxaccum.linen.value_and_grad(lambda params, batch: 0.0, num_micro_batches=2)
   vg = jaxaccum.linen.value_and_grad(loss_fn, num_micro_batches=2)
   stats = {"batch_stats": state.batch_stats}
-  with pytest.raises(TypeError, match=r"rngs\['dropout'\] is an array of shape \(\) and dtype "
-                                      r"int32"):
+  with pytest.raises(TypeError, match=r"argument 3 \('rngs'\), but its leaf \['dropout'\] is an "
+                                      r"array of shape \(\) and dtype int32"):
     vg(state.params, data(0), stats, {"dropout": jnp.int32(0)})
   x, y = data(0)
-  with pytest.raises(ValueError, match=r"8 at batch\[0\]; 6 at batch\[1\]"):
+  with pytest.raises(ValueError,
+                     match=r"8 at argument 1 \('batch'\)\[0\]; 6 at argument 1 \('batch'\)\[1\]"):
     vg(state.params, (x, y[:6]), stats, {"dropout": jax.random.key(0)})
   with pytest.raises(TypeError, match=r"TrainState has no field 'batch_stats'"):
     plain = train_state.TrainState.create(apply_fn=model.apply, params=state.params,

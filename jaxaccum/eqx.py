@@ -1,0 +1,141 @@
+"""Gradient accumulation for Equinox models: ``filter_value_and_grad`` and ``filter_grad``.
+
+This module imports :mod:`equinox` (the optional extra ``jaxaccum[eqx]``); ``import
+jaxaccum`` does not (the submodule loads on first use of ``jaxaccum.eqx``).
+
+The transforms mirror :func:`equinox.filter_value_and_grad` and :func:`equinox.filter_grad`:
+the first argument of ``fun`` (usually an ``eqx.Module``) is split with
+``eqx.partition(model, eqx.is_inexact_array)``; its floating and complex array leaves are
+differentiated and everything else in it (activation functions, integer arrays, Python
+values) is held static. The rest is :func:`jaxaccum.value_and_grad`, built once when the
+transform is built: argument 1 is the batch by default, and the core's options
+(``batch_argnums``, ``batch_argnames``, ``reduce``, ``aux_reduce``, ``rng_argnums`` for
+``key`` arguments, ``state_argnums`` for an ``eqx.nn.State``, ``with_info``...) are passed
+to it unchanged. Gradients come back shaped like the model, with ``None`` where a leaf is
+not differentiated, as equinox returns them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from jaxaccum import _transform
+
+__all__ = ("filter_grad", "filter_value_and_grad")
+
+_STATIC: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxaccum_eqx_static")
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any] | None = None, *, has_aux: bool = False, **options: Any
+) -> Callable[..., Any]:
+  """Like :func:`equinox.filter_value_and_grad`, accumulated over micro-batches.
+
+  ``fun(model, batch, ...)`` returns the loss of one micro-batch. The returned function
+  takes the same arguments with the full batch and returns ``(value, grads)``, or
+  ``((value, aux), grads)`` with ``has_aux=True``, where ``grads`` has the structure of
+  ``model`` with the gradient at each inexact array leaf and ``None`` elsewhere. Micro-batch
+  ``i`` holds rows ``i, i + N, i + 2N, ...`` of each batch argument. Call it inside
+  :func:`equinox.filter_jit`. As with equinox, it can be used as a decorator:
+  ``@jaxaccum.eqx.filter_value_and_grad(num_micro_batches=4)``.
+
+  Args:
+    fun: the loss, ``fun(model, batch, ...)``; only its first argument is differentiated.
+    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over the micro-batches as
+      ``aux_reduce`` says.
+    **options: the options of :func:`jaxaccum.value_and_grad` but ``argnums``, passed to
+      it unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
+      ``batch_argnums`` (default 1), ``batch_argnames``, ``reduce``, ``aux_reduce``,
+      ``rng_argnums`` (a ``key`` argument: micro-batch ``i`` gets ``fold_in(key, i)``),
+      ``state_argnums`` (an ``eqx.nn.State``: ``fun`` returns ``(value, new_state)``),
+      ``with_info``, ``skip_nonfinite``, ``accumulator_dtype``, ``remat``, ``data_axis``...
+
+  Returns:
+    A function with ``fun``'s arguments returning what :func:`jaxaccum.value_and_grad`
+    returns, with the gradients shaped like the model. It takes the core's call-time
+    keyword ``active_micro_batches`` too.
+
+  Raises:
+    TypeError: ``argnums`` is given (equinox differentiates the first argument; put
+      everything to differentiate there), or an option is wrong (see
+      :func:`jaxaccum.value_and_grad`).
+
+  >>> import equinox as eqx, jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> model = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+  >>> def loss_fn(model, x, y):
+  ...   return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+  >>> x, y = jnp.arange(24.0).reshape(8, 3) / 24, jnp.arange(8.0) / 8
+  >>> step = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+  ...     loss_fn, num_micro_batches=4, batch_argnums=(1, 2)))
+  >>> loss, grads = step(model, x, y)
+  >>> ref_loss, ref_grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+  >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(grads.weight, ref_grads.weight))
+  (True, True)
+  """
+  if fun is None:
+    return functools.partial(filter_value_and_grad, has_aux=has_aux, **options)
+  if "argnums" in options:
+    raise TypeError(
+        "jaxaccum.eqx.filter_value_and_grad takes no argnums= option: as in equinox, the "
+        "inexact arrays of the first argument are differentiated. Put everything to "
+        "differentiate in the first argument, e.g. fun((model, extra), batch).")
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
+        f"{type(fun).__name__}.")
+
+  @functools.wraps(fun)  # the core names arguments by fun's parameter names
+  def inner(diff, *args, **kwargs):
+    return fun(eqx.combine(diff, _STATIC.get()), *args, **kwargs)
+
+  core = _transform.value_and_grad(inner, argnums=0, has_aux=has_aux, **options)
+
+  @functools.wraps(fun)
+  def value_and_grad_fn(model, *args, **kwargs):
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    token = _STATIC.set(static)
+    try:
+      return core(diff, *args, **kwargs)
+    finally:
+      _STATIC.reset(token)
+
+  return value_and_grad_fn
+
+
+def filter_grad(
+    fun: Callable[..., Any] | None = None, *, has_aux: bool = False, **options: Any
+) -> Callable[..., Any]:
+  """Like :func:`equinox.filter_grad`, accumulated over micro-batches.
+
+  Options as :func:`filter_value_and_grad`. Returns a function giving ``grads``, or
+  ``(grads, aux)`` with ``has_aux=True`` (or ``state_argnums``); with ``with_info=True`` it
+  gives ``(grads_part, info)`` as :func:`jaxaccum.grad` does.
+
+  >>> import equinox as eqx, jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+  >>> loss_fn = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
+  >>> x = jnp.arange(8.0).reshape(4, 2)
+  >>> grads = jaxaccum.eqx.filter_grad(loss_fn, micro_batch_size=1)(model, x)
+  >>> ref = eqx.filter_grad(loss_fn)(model, x)
+  >>> bool(jnp.allclose(grads.weight, ref.weight))
+  True
+  """
+  if fun is None:
+    return functools.partial(filter_grad, has_aux=has_aux, **options)
+  vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
+  has_extra = has_aux or bool(options.get("state_argnums"))
+
+  @functools.wraps(fun)
+  def grad_fn(*args, **kwargs):
+    value, grads, *info = vg(*args, **kwargs)
+    grads_part = (grads, value[1]) if has_extra else grads
+    return (grads_part, *info) if info else grads_part
+
+  return grad_fn

@@ -1,0 +1,154 @@
+"""jaxaccum.eqx against equinox: filter_value_and_grad and filter_grad under eqx.filter_jit.
+
+References: ``eqx.filter_value_and_grad`` / ``eqx.filter_grad`` on the full batch for
+per-example models (an MLP, a small CNN), and on each micro-batch built by explicit slicing
+(``x[i::N]``) with its own key ``fold_in(key, i)`` for dropout. float32, 1e-5 relative to
+each leaf's largest entry (``tests._util.assert_close``).
+"""
+
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxaccum
+from tests._util import assert_close
+
+B, N = 16, 4
+
+
+def data(seed=0, shape=(4,)):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(kx, (B, *shape)), jax.random.randint(ky, (B,), 0, 3)
+
+
+def mlp_loss(model, x, y):
+  logits = jax.vmap(model)(x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class CNN(eqx.Module):
+  conv: eqx.nn.Conv2d
+  head: eqx.nn.Linear
+  act: object = eqx.field(static=True)
+  steps: jax.Array  # an integer array: not differentiated, gradient None
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.conv = eqx.nn.Conv2d(1, 4, 3, key=k1)
+    self.head = eqx.nn.Linear(4, 3, key=k2)
+    self.act = jax.nn.relu
+    self.steps = jnp.zeros((), jnp.int32)
+
+  def __call__(self, x):
+    return self.head(self.act(self.conv(x)).mean(axis=(1, 2)))
+
+
+def cnn_loss(model, batch):
+  x, y = batch
+  logits = jax.vmap(model)(x)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return loss, {"logits": logits, "correct": jnp.sum(jnp.argmax(logits, -1) == y)}
+
+
+def test_mlp_equals_equinox_on_the_full_batch():
+  model = eqx.nn.MLP(4, 3, 16, depth=2, key=jax.random.key(0))
+  x, y = data()
+  ref_loss, ref_grads = eqx.filter_value_and_grad(mlp_loss)(model, x, y)
+  step = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+      mlp_loss, num_micro_batches=N, batch_argnums=(1, 2)))
+  loss, grads = step(model, x, y)
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+  # filter_grad, and the decorator form.
+  grad_fn = jaxaccum.eqx.filter_grad(micro_batch_size=2, batch_argnums=(1, 2))(mlp_loss)
+  assert_close(eqx.filter_jit(grad_fn)(model, x, y), ref_grads)
+
+
+def test_cnn_with_static_fields_aux_and_info_equals_equinox():
+  model = CNN(jax.random.key(1))
+  batch = data(2, shape=(1, 6, 6))
+  (ref_loss, ref_aux), ref_grads = eqx.filter_jit(
+      eqx.filter_value_and_grad(cnn_loss, has_aux=True))(model, batch)
+  step = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+      cnn_loss, num_micro_batches=N, has_aux=True,
+      aux_reduce={"logits": "concat", "correct": "sum"}, with_info=True))
+  (loss, aux), grads, info = step(model, batch)
+  assert grads.steps is None and ref_grads.steps is None
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+  assert_close(aux["logits"], ref_aux["logits"])  # rows in the original order
+  assert int(aux["correct"]) == int(ref_aux["correct"])
+  assert isinstance(info, jaxaccum.AccumInfo) and int(info.num_micro_batches) == N
+
+
+def test_dropout_key_folded_per_micro_batch_matches_sequential_equinox():
+  model = (eqx.nn.Linear(4, 8, key=jax.random.key(3)), eqx.nn.Dropout(0.5),
+           eqx.nn.Linear(8, 3, key=jax.random.key(4)))
+  x, y = data(5)
+  key = jax.random.key(6)
+
+  def loss_fn(model, x, y, key):
+    l1, drop, l2 = model
+    keys = jax.random.split(key, x.shape[0])
+    h = jax.vmap(lambda xi, k: drop(jnp.tanh(l1(xi)), key=k))(x, keys)
+    logits = jax.vmap(l2)(h)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  ref_grad = eqx.filter_jit(eqx.filter_grad(loss_fn))
+  ref = [ref_grad(model, x[i::N], y[i::N], jax.random.fold_in(key, i)) for i in range(N)]
+  ref_grads = jax.tree.map(lambda *g: sum(g) / N, *ref)
+  grads = eqx.filter_jit(jaxaccum.eqx.filter_grad(
+      loss_fn, num_micro_batches=N, batch_argnums=(1, 2), rng_argnums=3))(model, x, y, key)
+  assert_close(grads, ref_grads)
+  assert not np.allclose(grads[0].weight, ref[0][0].weight)  # the masks differ per micro-batch
+
+
+def test_argnums_is_refused_and_import_jaxaccum_needs_no_equinox():
+  for name in jaxaccum.eqx.__all__:
+    assert getattr(jaxaccum.eqx, name).__doc__, name
+  with pytest.raises(TypeError, match=r"takes no argnums= option.*first argument"):
+    jaxaccum.eqx.filter_value_and_grad(mlp_loss, num_micro_batches=2, argnums=1)
+  code = ("import sys; import jaxaccum, jaxaccum.nnx; "
+          "assert 'equinox' not in sys.modules, 'equinox imported'; "
+          "import jaxaccum.eqx; assert 'equinox' in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class WithBatchNorm(eqx.Module):
+  lin: eqx.nn.Linear
+  bn: eqx.nn.BatchNorm
+
+  def __init__(self, key):
+    self.lin = eqx.nn.Linear(4, 3, key=key)
+    self.bn = eqx.nn.BatchNorm(3, axis_name="batch", momentum=0.5, mode="batch")
+
+
+def bn_loss(model, x, state):
+  def one(xi, state):
+    return model.bn(model.lin(xi), state)
+  out, state = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+  return jnp.mean(out ** 2), state
+
+
+def test_eqx_state_is_threaded_through_the_micro_batches_in_order():
+  model, state = eqx.nn.make_with_state(WithBatchNorm)(jax.random.key(0))
+  x, _ = data(7)
+  ref_vg = eqx.filter_jit(eqx.filter_value_and_grad(bn_loss, has_aux=True))
+  ref_state, losses, grads = state, [], []
+  for i in range(N):
+    (loss, ref_state), g = ref_vg(model, x[i::N], ref_state)
+    losses.append(loss)
+    grads.append(g)
+  vg = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+      bn_loss, num_micro_batches=N, state_argnums=2))
+  (loss, new_state), grads_acc = vg(model, x, state)
+  assert_close(loss, sum(losses) / N)
+  assert_close(grads_acc, jax.tree.map(lambda *g: sum(g) / N, *grads))
+  assert_close(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), new_state),
+               jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref_state))
