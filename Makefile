@@ -32,6 +32,7 @@ bench: $(STAMP) $(GPU_STAMP)
 	$(BIN)/python benchmarks/bench_features.py
 	$(BIN)/python benchmarks/bench_pipeline.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_gpu_target.py
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
 
 bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py

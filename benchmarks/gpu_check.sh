@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device check for a session lent a CUDA GPU, as one short script (the device tool runs
-# it from the repo root; results go to $OUT, or benchmarks/results/gpu without one).
+# The check to run on a machine with a CUDA GPU, as one short script run from the repo root;
+# results go to $OUT, or benchmarks/results/gpu without it.
 # It uses the machine's own jax and CUDA: jaxaccum is installed without dependencies.
 #   1. the core's numerical tests, on the GPU (skipped with a note if pytest is missing);
 #   2. benchmarks/bench_accumulation.py, which names the device and picks GPU-sized models.
