@@ -93,7 +93,7 @@ def test_dtypes_keep_param_dtype_and_sum_micro_batches_in_float32(dtype, n, seed
   up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
   # Tolerance: the final rounding plus round-off of the micro-batch results, which may be
   # fused differently in the scan: two units of the dtype's last place (bf16 8 bits, f16
-  # 11 bits). A running sum in bf16 is off by 10% here; in f16 by ~1e-3.
+  # 11 bits). A running sum in bf16 is 11% off in the value here (measured, n = 256).
   rtol = {jnp.float32: 1e-5, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}[dtype]
   assert_close(up((loss_val, grads)), up(ref), rtol=rtol, atol=0)
 

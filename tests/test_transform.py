@@ -370,14 +370,15 @@ def test_bf16_value_and_grads_are_one_rounding_of_a_float32_sum():
   The reference does exactly that by hand: each of the 256 one-row micro-batches through
   plain jax.value_and_grad in bf16, a float32 sum, one rounding. The library may differ
   from it by bf16 round-off of the micro-batch results (2**-8 relative each, averaging
-  out) and the final rounding: rtol 2**-7 of each leaf's largest entry. A bf16 running
-  sum is far off: past 256 its spacing is 2, so adding a loss near 1.5 gains 2 or nothing.
+  out) and the final rounding: rtol 2**-7 of each leaf's largest entry (measured: 0.4 of
+  that). A bf16 running sum of 256 losses in [1, 2) loses most of each addend once the sum
+  passes 128 (spacing 1, then 2): measured 9% off in the value, 4% in the gradients.
   """
   n = 256
   params, batch = make_mlp(17, din=4, dh=8, dout=2, batch=n, dtype=jnp.bfloat16)
 
   def loss(params, batch):
-    return 1.0 + mlp_loss(params, batch)  # > 1 per micro-batch: the running sum grows to ~n
+    return 1.0 + jnp.tanh(mlp_loss(params, batch))  # in [1, 2): the sum grows to ~1.5 n
 
   value, grads = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n))(params, batch)
   assert value.dtype == jnp.bfloat16
