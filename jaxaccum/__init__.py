@@ -8,10 +8,14 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
+from jaxaccum._noise import NoiseScale as NoiseScale
+from jaxaccum._noise import NoiseScaleState as NoiseScaleState
 from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
+from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
+from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import grad as grad
 from jaxaccum._transform import value_and_grad as value_and_grad
@@ -35,9 +39,13 @@ __all__ = (
     "AccumInfo",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseScale",
+    "NoiseScaleState",
     "Plan",
     "PlanCandidate",
+    "batch_size_ramp",
     "grad",
+    "merge_micro_batches",
     "plan",
     "plan_step",
     "split_micro_batches",

@@ -29,13 +29,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _reduce, _split
-
-PyTree = Any
+from jaxaccum import _info, _reduce, _split
+from jaxaccum._types import PyTree
 
 
 class MultiStepsState(NamedTuple):
-  """State of :class:`jaxaccum.MultiSteps`: :class:`optax.MultiStepsState`'s fields and two more.
+  """State of :class:`jaxaccum.MultiSteps`: :class:`optax.MultiStepsState`'s fields, then more.
+
+  The first five fields are :class:`optax.MultiStepsState`'s, in its order; the others
+  are appended, so code that reads optax's fields by name or position keeps working.
 
   Attributes:
     mini_step: micro-steps accumulated in the open window (int32); reset to 0 when the
@@ -50,6 +52,18 @@ class MultiStepsState(NamedTuple):
     acc_weight: the total weight of the open window: the sum of ``weight`` over its
       calls, or the number of calls when they pass no weight (float32).
     weighted: whether the open window's calls pass ``weight`` (bool).
+    skipped: calls dropped by ``skip_nonfinite=True`` since :meth:`MultiSteps.init`
+      (int32, saturating).
+    acc_grad_sq_norm: with ``with_info=True``, the sum of ``|g_i|^2`` over the open
+      window's samples (float32); 0 otherwise.
+    acc_inv_size: with ``with_info=True``, the sum of ``1 / b_i`` over the open window's
+      samples (float32); 0 otherwise.
+    num_samples: with ``with_info=True``, the open window's samples (int32): its calls,
+      less those of weight 0; 0 otherwise.
+    window_skipped: the open window's calls dropped by ``skip_nonfinite=True`` (int32).
+    info: with ``with_info=True``, the :class:`jaxaccum.AccumInfo` of the window that
+      this call completed; on a call that completes none, and without ``with_info``, an
+      empty one (``num_micro_batches == 0``, NaN estimates).
   """
 
   mini_step: jax.Array
@@ -60,6 +74,15 @@ class MultiStepsState(NamedTuple):
   # numpy scalars, so that importing jaxaccum does not start a JAX backend.
   acc_weight: Any = np.float32(0)
   weighted: Any = np.bool_(False)
+  skipped: Any = np.int32(0)
+  acc_grad_sq_norm: Any = np.float32(0)
+  acc_inv_size: Any = np.float32(0)
+  num_samples: Any = np.int32(0)
+  window_skipped: Any = np.int32(0)
+  info: Any = _info.AccumInfo(
+      num_micro_batches=np.int32(0), micro_batch_size=np.float32(0),
+      batch_size=np.float32(0), micro_grad_sq_norm=np.float32(0),
+      batch_grad_sq_norm=np.float32(0), num_samples=np.int32(0), skipped=np.int32(0))
 
 
 def _fail(pred: jax.Array, message: str, *values: Any) -> None:
@@ -87,11 +110,12 @@ def _fail(pred: jax.Array, message: str, *values: Any) -> None:
   lax.cond(pred, lambda: jax.debug.callback(callback, pred, *values), lambda: None)
 
 
-def _check_weight(weight: Any, dtype: Any) -> jax.Array:
+def _check_weight(weight: Any, dtype: Any, *, allow_nonfinite: bool = False) -> jax.Array:
   """Validates ``weight`` (a non-negative real scalar) and returns it in ``dtype``.
 
   Python numbers, numpy values and concrete arrays are checked now; a traced weight's
-  sign is checked when the compiled step runs.
+  sign is checked when the compiled step runs. With ``allow_nonfinite`` a NaN or infinite
+  weight passes (the caller skips the call).
   """
   what = ("the number of items (e.g. real tokens) that this micro-batch's mean loss was "
           "taken over")
@@ -112,13 +136,14 @@ def _check_weight(weight: Any, dtype: Any) -> jax.Array:
     raise TypeError(
         f"weight must have an integer or floating dtype, {what}; got {_split.describe(weight)}.")
   if concrete is not None:
-    if not concrete >= 0:
+    if not concrete >= 0 and not (allow_nonfinite and not np.isfinite(concrete)):
       raise ValueError(
           f"weight must be non-negative ({what}), got weight={concrete}. Pass the count of "
           "real items, 0 for a micro-batch that has none.")
     return jnp.asarray(concrete, dtype)
   w = weight.astype(dtype)
-  _fail(~(w >= 0),
+  bad = (w < 0) & jnp.isfinite(w) if allow_nonfinite else ~(w >= 0)
+  _fail(bad,
         "weight must be non-negative (" + what + "), got weight={}. Pass the count of "
         "real items, 0 for a micro-batch that has none.", w)
   return w
@@ -169,10 +194,34 @@ class MultiSteps:
       ``skip_state``) and returns zero updates, as if it never happened.
     accumulator_dtype: dtype of ``acc_grads``; float32 by default, ``None`` for the
       parameters' dtypes.
+    with_info: if ``True``, keep the window's gradient-noise statistics and store them
+      in ``state.info`` (below). It costs one squared-norm reduction over each call's
+      gradients; without it ``state.info`` stays empty.
+    micro_batch_size: the size ``b`` behind each unweighted call's gradient (rows, say),
+      used only by the statistics (``with_info=True``); ``None`` (the default) counts
+      sizes in calls. Weighted calls use their ``weight`` instead.
+    skip_nonfinite: if ``True``, a call whose gradients hold a NaN or an infinity (only
+      counted when its ``weight`` is positive), or whose ``weight`` is NaN or infinite, is
+      dropped: it returns zero updates, leaves the open window as it was (the next good
+      call continues it) and adds 1 to ``state.skipped`` (and, with ``with_info=True``,
+      to the window's ``info.skipped``). It costs one ``isfinite`` reduction per call.
 
   Raises:
-    ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable, or
-      ``accumulator_dtype`` is not a floating dtype.
+    ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable,
+      ``accumulator_dtype`` is not a floating dtype, or ``micro_batch_size`` or
+      ``skip_nonfinite`` is of the wrong type or value.
+
+  Statistics (``with_info=True``): each call's gradient ``g_i`` is one sample of its
+  window, of size ``b_i`` (its ``weight``, else ``micro_batch_size``); the emitted
+  (weighted) mean is ``G_B`` over ``B = sum_i b_i``. The call that completes a window
+  stores in ``state.info`` a :class:`jaxaccum.AccumInfo` with the mean of ``|g_i|^2``,
+  ``|G_B|^2``, ``B`` and ``b`` (the harmonic mean of the ``b_i``), from which
+  ``info.grad_sq_norm_estimate()``, ``info.trace_cov_estimate()`` and ``info.b_simple()``
+  follow, exactly as for :func:`jaxaccum.value_and_grad` with ``with_info=True``; feed it
+  to :class:`jaxaccum.NoiseScale`. Other calls store an empty one (no samples, NaN
+  estimates). ``|g_i|^2`` is taken on ``updates`` as passed, so pass the gradient of a
+  *mean* loss; gradients of sums scale both estimates by ``b**2`` and leave their ratio
+  unchanged. ``info.num_micro_batches`` counts the window's calls, skipped ones included.
 
   Checks on values only known when the compiled step runs (a negative weight, mixed
   weighted and unweighted calls in one window, ``every_k_schedule`` returning a value
@@ -202,6 +251,10 @@ class MultiSteps:
       use_grad_mean: bool = True,
       should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
       accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
+      *,
+      with_info: bool = False,
+      micro_batch_size: float | None = None,
+      skip_nonfinite: bool = False,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise TypeError(
@@ -238,6 +291,27 @@ class MultiSteps:
     self._accumulator_dtype = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
     # The total weight: float32, or wider if the accumulator is.
     self._weight_dtype = jnp.promote_types(jnp.float32, self._accumulator_dtype or jnp.float32)
+    what = ("a positive number (the rows or items behind each unweighted call's gradient, "
+            "used only for the noise-scale statistics); leave it None to count sizes in calls")
+    if micro_batch_size is None:
+      micro_batch_size = 1
+    elif isinstance(micro_batch_size, (bool, np.bool_)) or not isinstance(
+        micro_batch_size, numbers.Real):
+      raise TypeError(f"micro_batch_size must be {what}; got {micro_batch_size!r}.")
+    elif not 0 < micro_batch_size < np.inf:
+      raise ValueError(
+          f"micro_batch_size must be {what}; got micro_batch_size={micro_batch_size}.")
+    self._micro_batch_size = float(micro_batch_size)
+    if not isinstance(with_info, (bool, np.bool_)):
+      raise TypeError(f"with_info must be a bool, got with_info={with_info!r}.")
+    self._with_info = bool(with_info)
+    if not self._with_info and self._micro_batch_size != 1:
+      raise ValueError(
+          f"micro_batch_size={micro_batch_size} is used only by the statistics; pass "
+          "with_info=True as well, or leave micro_batch_size unset.")
+    if not isinstance(skip_nonfinite, (bool, np.bool_)):
+      raise TypeError(f"skip_nonfinite must be a bool, got skip_nonfinite={skip_nonfinite!r}.")
+    self._skip_nonfinite = bool(skip_nonfinite)
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -257,6 +331,12 @@ class MultiSteps:
         skip_state=skip_state,
         acc_weight=jnp.zeros([], self._weight_dtype),
         weighted=jnp.zeros([], jnp.bool_),
+        skipped=jnp.zeros([], jnp.int32),
+        acc_grad_sq_norm=jnp.zeros([], jnp.float32),
+        acc_inv_size=jnp.zeros([], jnp.float32),
+        num_samples=jnp.zeros([], jnp.int32),
+        window_skipped=jnp.zeros([], jnp.int32),
+        info=_empty_info(),
     )
 
   def _every_k(self, gradient_step: jax.Array) -> jax.Array:
@@ -304,7 +384,8 @@ class MultiSteps:
         the step runs, as a :class:`jax.errors.JaxRuntimeError`).
     """
     weighted = weight is not None
-    w = _check_weight(weight, self._weight_dtype) if weighted else None
+    w = (_check_weight(weight, self._weight_dtype, allow_nonfinite=self._skip_nonfinite)
+         if weighted else None)
     k = self._every_k(state.gradient_step)
     mini_step = jnp.asarray(state.mini_step)
     _fail((mini_step > 0) & (jnp.asarray(state.weighted) != weighted),
@@ -322,9 +403,18 @@ class MultiSteps:
           f"got {_split.describe(skip)}.")
 
     first = mini_step == 0
+    # Whether this call is a sample of the window (a call of weight 0 adds nothing), and
+    # its size b_i for the statistics.
+    use = (w > 0) if weighted else jnp.ones([], jnp.bool_)
+    size = w if weighted else jnp.asarray(self._micro_batch_size, self._weight_dtype)
+    nonfinite = jnp.zeros([], jnp.bool_)
+    if self._skip_nonfinite:
+      nonfinite = use & ~_all_finite(updates)
+      if weighted:
+        nonfinite = nonfinite | ~jnp.isfinite(w)
+      skip = skip | nonfinite
     if weighted:
       total = jnp.where(first, jnp.zeros_like(w), jnp.asarray(state.acc_weight, w.dtype)) + w
-      use = w > 0
       if self._use_grad_mean:
         frac = jnp.where(use, w / jnp.where(use, total, 1), 0)
         add = lambda g, a: jnp.where(use, a + (g - a) * frac, a)  # noqa: E731
@@ -340,13 +430,41 @@ class MultiSteps:
     acc = jax.tree.map(add, updates, state.acc_grads)
     emit = jnp.logical_and(~skip, mini_step >= k - 1)
 
+    # The window's statistics after this call (used if it emits).
+    num_samples = jnp.asarray(state.num_samples, jnp.int32)
+    acc_sq = jnp.asarray(state.acc_grad_sq_norm, jnp.float32)
+    acc_inv = jnp.asarray(state.acc_inv_size, jnp.float32)
+    if self._with_info:  # one more pass over the gradients: their squared norm
+      num_samples = jnp.where(first, 0, num_samples) + use
+      acc_sq = jnp.where(first, 0, acc_sq) + jnp.where(use, _sq_norm(updates), 0)
+      acc_inv = jnp.where(first, 0, acc_inv) + jnp.where(
+          use, 1 / jnp.where(use, size, 1), 0).astype(jnp.float32)
+    window_skipped = jnp.asarray(state.window_skipped, jnp.int32)
+
+    def window_info():
+      has = num_samples > 0
+      mean = acc if self._use_grad_mean else jax.tree.map(
+          lambda a: a / jnp.where(total > 0, total, 1), acc)
+      batch_size = total if weighted else total * size
+      return _info.AccumInfo(
+          num_micro_batches=(mini_step + 1 + window_skipped).astype(jnp.int32),
+          micro_batch_size=jnp.where(has, num_samples / jnp.where(has, acc_inv, 1), 0).astype(
+              jnp.float32),
+          batch_size=jnp.asarray(batch_size, jnp.float32),
+          micro_grad_sq_norm=jnp.where(has, acc_sq / jnp.maximum(num_samples, 1), 0).astype(
+              jnp.float32),
+          batch_grad_sq_norm=_sq_norm(mean),
+          num_samples=num_samples.astype(jnp.int32),
+          skipped=window_skipped.astype(jnp.int32),
+      )
+
     def apply_inner():
       new_updates, new_inner = self._opt.update(
           optax.tree.cast_like(acc, updates), state.inner_opt_state, params=params,
           **extra_args)
       new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
                                new_inner, state.inner_opt_state)
-      return new_updates, new_inner
+      return new_updates, new_inner, window_info() if self._with_info else _empty_info()
 
     update_shapes = jax.eval_shape(apply_inner)[0]
 
@@ -354,14 +472,18 @@ class MultiSteps:
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
       same = jax.tree.map(lambda old: jnp.astype(old, jnp.asarray(old).dtype),
                           state.inner_opt_state)
-      return zeros, same
+      return zeros, same, _empty_info()
 
     # Only the call that completes a window runs the inner optimizer.
-    new_updates, inner_opt_state = lax.cond(emit, apply_inner, hold)
+    new_updates, inner_opt_state, info = lax.cond(emit, apply_inner, hold)
 
     def keep_or(old, new):
       old = jnp.asarray(old)
       return jnp.where(skip, old, new).astype(old.dtype)
+
+    def window(old, new):
+      """The open window's new value: reset on emit, kept on a skipped call."""
+      return jnp.where(emit, 0, keep_or(old, new)).astype(jnp.asarray(old).dtype)
 
     new_state = MultiStepsState(
         mini_step=jnp.where(emit, 0, keep_or(mini_step, _increment(mini_step))).astype(
@@ -369,13 +491,19 @@ class MultiSteps:
         gradient_step=jnp.where(emit, _increment(state.gradient_step),
                                 state.gradient_step).astype(jnp.int32),
         inner_opt_state=inner_opt_state,
-        acc_grads=jax.tree.map(
-            lambda old, new: jnp.where(emit, 0, keep_or(old, new)).astype(old.dtype),
-            state.acc_grads, acc),
+        acc_grads=jax.tree.map(window, state.acc_grads, acc),
         skip_state=skip_state,
-        acc_weight=jnp.where(emit, 0, keep_or(state.acc_weight, total)).astype(
-            self._weight_dtype),
+        acc_weight=window(jnp.asarray(state.acc_weight, self._weight_dtype), total),
         weighted=keep_or(state.weighted, weighted).astype(jnp.bool_),
+        skipped=jnp.where(nonfinite, _increment(jnp.asarray(state.skipped, jnp.int32)),
+                          state.skipped).astype(jnp.int32),
+        acc_grad_sq_norm=window(jnp.asarray(state.acc_grad_sq_norm, jnp.float32), acc_sq),
+        acc_inv_size=window(jnp.asarray(state.acc_inv_size, jnp.float32), acc_inv),
+        num_samples=window(jnp.asarray(state.num_samples, jnp.int32), num_samples),
+        window_skipped=jnp.where(
+            nonfinite, _increment(window_skipped),
+            jnp.where(emit, 0, window_skipped)).astype(jnp.int32),
+        info=info,
     )
     return new_updates, new_state
 
@@ -396,3 +524,22 @@ class MultiSteps:
 def _never_skip(updates: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, tuple]:
   del updates, gradient_step, params
   return jnp.zeros([], jnp.bool_), ()
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+  """The squared L2 norm of a pytree of arrays, in float32 (NaN if an entry is NaN)."""
+  leaves = [jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return sum(leaves, jnp.zeros([], jnp.float32))
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every entry of every floating leaf is finite (one reduction per leaf)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], jnp.bool_)
+
+
+def _empty_info() -> _info.AccumInfo:
+  """The statistics of a call that completes no window: no samples, NaN estimates."""
+  return jax.tree.map(jnp.asarray, MultiStepsState._field_defaults["info"])

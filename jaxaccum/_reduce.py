@@ -1,53 +1,39 @@
-"""How values are accumulated over micro-batches: loss reductions, dtypes, aux reductions.
+"""How values combine over micro-batches: one table of reductions, dtypes, loss terms.
 
-Everything here works on one leaf at a time and is shared by the scan transform and by
-:class:`jaxaccum.MultiSteps`.
+Every reduction is a :class:`Reduction` of four pure functions, applied leaf by leaf:
+
+* ``init(shape)``: the scan carry for a leaf of that shape (``None`` when the reduction
+  keeps one entry per micro-batch instead, as ``"stack"`` and ``"concat"`` do);
+* ``update(carry, value, weight)``: adds one micro-batch (``weight`` is the micro-batch's
+  denominator under ``reduce="weighted"``, else ``None``);
+* ``combine(carry, axes)``: the one cross-device reduction after the loop under
+  ``data_axis`` (a ``psum``, ``pmax``, ...);
+* ``finalize(carry, stacked, shape, divisor)``: the reduced leaf.
+
+Adding a reduction is one entry in :data:`AUX_REDUCTIONS`. The loss reductions
+(``"mean"``, ``"sum"``, ``"weighted"``) are described by :class:`Term`: each term of the
+loss has a kind, a weight and a divisor known only after the loop (the number of
+micro-batches kept, or the total denominator).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-PyTree = Any
+from jaxaccum._types import AxisNames, PyTree
 
-REDUCTIONS = ("mean", "sum", "weighted")
-AUX_REDUCTIONS = ("mean", "sum", "stack", "max", "min")
-
-
-def check_reduce(reduce: Any) -> str:
-  if reduce not in REDUCTIONS:
-    raise ValueError(
-        f"reduce must be one of {', '.join(map(repr, REDUCTIONS))}, got reduce={reduce!r}. "
-        "Use 'mean' when fun returns the mean over its micro-batch, 'sum' when it returns a "
-        "sum, 'weighted' when it returns (numerator, denominator)."
-    )
-  return reduce
+LOSS_REDUCTIONS = ("mean", "sum", "weighted")
 
 
-def accumulator_dtype_for(dtype: Any, accumulator_dtype: Any) -> np.dtype:
-  """The dtype a value of ``dtype`` is accumulated in.
-
-  ``accumulator_dtype=None`` (the default) promotes floating types narrower than 32 bits
-  (bfloat16, float16) to float32 and keeps wider ones (float32, float64) as they are;
-  integers and booleans are accumulated as int32 (sums) by the callers that need it.
-  An explicit dtype applies to every floating value.
-  """
-  dtype = jnp.dtype(dtype)
-  if not jnp.issubdtype(dtype, jnp.inexact):
-    return dtype
-  if accumulator_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-    return jnp.dtype(accumulator_dtype)
-  if dtype.itemsize < 4:
-    return jnp.dtype(jnp.float32)
-  return dtype
-
-
-def check_dtype(name: str, dtype: Any) -> Any:
-  """Validates an optional floating dtype argument."""
+def check_dtype(name: str, dtype: Any) -> np.dtype | None:
+  """Validates an optional floating dtype option."""
   if dtype is None:
     return None
   try:
@@ -59,45 +45,229 @@ def check_dtype(name: str, dtype: Any) -> Any:
   return out
 
 
-def _mean_dtype(dtype: Any, accumulator_dtype: Any) -> np.dtype:
+def accumulator_dtype_for(dtype: Any, accumulator_dtype: Any) -> np.dtype:
+  """The dtype a floating value of ``dtype`` is accumulated in.
+
+  ``accumulator_dtype=None`` (the default) promotes floating types narrower than 32 bits
+  (bfloat16, float16) to float32 and keeps wider ones; an explicit dtype applies to every
+  floating value. Non-floating dtypes are returned unchanged.
+  """
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return dtype
+  if accumulator_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(accumulator_dtype)
+  if dtype.itemsize < 4:
+    return jnp.dtype(jnp.float32)
+  return dtype
+
+
+def _mean_dtype(dtype: Any, acc: Any) -> np.dtype:
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return accumulator_dtype_for(dtype, accumulator_dtype)
+    return accumulator_dtype_for(dtype, acc)
   return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))  # float32 unless x64
 
 
-def _sum_dtype(dtype: Any, accumulator_dtype: Any) -> np.dtype:
-  """Integer and boolean sums are counted in at least int32: they neither wrap nor saturate."""
+def _sum_dtype(dtype: Any, acc: Any) -> np.dtype:
+  """Integer and boolean sums are counted in at least int32: they do not wrap."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer):
     return jnp.promote_types(dtype if dtype != jnp.bool_ else jnp.int32, jnp.int32)
-  return accumulator_dtype_for(dtype, accumulator_dtype)
+  return accumulator_dtype_for(dtype, acc)
 
 
-def check_aux_leaf(path: str, kind: str, shape: jax.ShapeDtypeStruct) -> None:
-  """Only numbers can be averaged or summed; keys and the like can only be stacked."""
-  dtype = shape.dtype
-  numeric = jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.number)
-  if kind != "stack" and not numeric:
-    raise TypeError(
-        f"aux leaf {path or '(root)'} has dtype {dtype}, which cannot be reduced with "
-        f"aux_reduce {kind!r}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
-        "return it outside aux."
+def safe_divide(x: jax.Array, d: Any) -> jax.Array:
+  """``x / d``, and exactly 0 where ``d == 0`` (no NaN, even if ``x`` is NaN there)."""
+  d = jnp.asarray(d, x.dtype)
+  zero = d == 0
+  return jnp.where(zero, jnp.zeros_like(x), x / jnp.where(zero, jnp.ones_like(d), d))
+
+
+def _is_key(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def first_shard(x: jax.Array, axes: AxisNames) -> jax.Array:
+  """Shard 0's value of ``x`` on every shard (for keys, which cannot be averaged)."""
+  key = _is_key(x.dtype)
+  data = jax.random.key_data(x) if key else x
+  if data.dtype == jnp.bool_:
+    data = data.astype(jnp.int32)
+    out = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, 0), axes).astype(jnp.bool_)
+  else:
+    out = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, jnp.zeros_like(data)), axes)
+  return jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if key else out
+
+
+def pmax(x: jax.Array, axes: AxisNames) -> jax.Array:
+  """``lax.pmax`` that also takes booleans (an OR)."""
+  if x.dtype == jnp.bool_:
+    return lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
+  return lax.pmax(x, axes)
+
+
+def pmin(x: jax.Array, axes: AxisNames) -> jax.Array:
+  """``lax.pmin`` that also takes booleans (an AND)."""
+  if x.dtype == jnp.bool_:
+    return lax.pmin(x.astype(jnp.int32), axes).astype(jnp.bool_)
+  return lax.pmin(x, axes)
+
+
+# --- Aux reductions --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+  """One way of reducing an aux leaf over micro-batches (see the module docstring)."""
+
+  init: Callable[[jax.ShapeDtypeStruct, Any], jax.Array | None]
+  update: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
+  combine: Callable[[jax.Array, AxisNames], jax.Array]
+  finalize: Callable[[jax.Array | None, jax.Array | None, jax.ShapeDtypeStruct, Any], jax.Array]
+  per_micro_batch: bool = False  # the scan emits the leaf (stack, concat) instead
+  numeric_only: bool = True
+  per_example: bool = False  # the leaf has the micro-batch's leading axis
+
+
+def _extreme_init(kind: str):
+  def init(s, acc):
+    dtype = jnp.dtype(s.dtype)
+    if dtype == jnp.bool_:
+      fill = kind == "min"
+    elif jnp.issubdtype(dtype, jnp.inexact):
+      fill = -jnp.inf if kind == "max" else jnp.inf
+    else:
+      info = jnp.iinfo(dtype)
+      fill = info.min if kind == "max" else info.max
+    return jnp.full(s.shape, fill, dtype)
+  return init
+
+
+def _mean_update(c, v, w):
+  v = v.astype(c.dtype)
+  if w is not None:
+    # A micro-batch of weight 0 adds nothing, even if its aux is NaN (a mean over zero
+    # tokens): 0 * aux is 0 for every finite aux, so this only removes NaN and inf.
+    w = w.astype(c.dtype)
+    v = jnp.where(w == 0, jnp.zeros_like(v), v * w)
+  return c + v
+
+
+def _mean_finalize(c, _, s, divisor):
+  out = safe_divide(c, divisor)
+  return out.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else out
+
+
+def _sum_finalize(c, _, s, divisor):
+  # Floats come back in their own dtype, counts in the wider one.
+  return c.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else c
+
+
+def _stack_combine_placeholder(c, axes):
+  return c
+
+
+AUX_REDUCTIONS: dict[str, Reduction] = {
+    "mean": Reduction(
+        init=lambda s, acc: jnp.zeros(s.shape, _mean_dtype(s.dtype, acc)),
+        update=_mean_update,
+        combine=lambda c, axes: lax.psum(c, axes),
+        finalize=_mean_finalize),
+    "sum": Reduction(
+        init=lambda s, acc: jnp.zeros(s.shape, _sum_dtype(s.dtype, acc)),
+        update=lambda c, v, w: c + v.astype(c.dtype),
+        combine=lambda c, axes: lax.psum(c, axes),
+        finalize=_sum_finalize),
+    "max": Reduction(
+        init=_extreme_init("max"),
+        update=lambda c, v, w: jnp.maximum(c, v),
+        combine=pmax,
+        finalize=lambda c, st, s, d: c),
+    "min": Reduction(
+        init=_extreme_init("min"),
+        update=lambda c, v, w: jnp.minimum(c, v),
+        combine=pmin,
+        finalize=lambda c, st, s, d: c),
+    "stack": Reduction(
+        init=lambda s, acc: None,
+        update=lambda c, v, w: c,
+        combine=_stack_combine_placeholder,
+        finalize=lambda c, st, s, d: st,
+        per_micro_batch=True, numeric_only=False),
+    "concat": Reduction(
+        init=lambda s, acc: None,
+        update=lambda c, v, w: c,
+        combine=_stack_combine_placeholder,
+        finalize=lambda c, st, s, d: merge(st),
+        per_micro_batch=True, numeric_only=False, per_example=True),
+}
+
+
+def merge(stacked: jax.Array) -> jax.Array:
+  """``(N, b, ...)`` micro-batch entries back to ``(N * b, ...)`` rows in batch order."""
+  n, b = stacked.shape[:2]
+  return stacked.swapaxes(0, 1).reshape((n * b,) + stacked.shape[2:])
+
+
+def combine_stacked(kind: str, s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
+  """How a ``"stack"`` entry combines over data shards (``"concat"`` is gathered instead).
+
+  Stacked entries are averaged over shards (summed under ``reduce="sum"`` and for
+  integer leaves; OR-ed for booleans; keys are shard 0's).
+  """
+  if kind != "stack":
+    return s
+  if _is_key(s.dtype):
+    return first_shard(s, axes)
+  if s.dtype == jnp.bool_:
+    return pmax(s, axes)
+  if reduce_is_sum or not jnp.issubdtype(s.dtype, jnp.inexact):
+    return lax.psum(s, axes)
+  return lax.pmean(s, axes)
+
+
+def combine_state(s: jax.Array, axes: AxisNames) -> jax.Array:
+  """Mutable state over data shards: floats averaged, counters the maximum, keys shard 0's."""
+  if _is_key(s.dtype):
+    return first_shard(s, axes)
+  if jnp.issubdtype(s.dtype, jnp.inexact):
+    return lax.pmean(s, axes)
+  return pmax(s, axes)
+
+
+def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
+  """The default reduction of an aux leaf: scalars only; counts sum, floats average."""
+  if s.shape != ():
+    raise ValueError(
+        f"aux leaf {path or '(root)'} has shape {tuple(s.shape)}, and the default aux "
+        "reduction only applies to scalars (averaging per-example rows across micro-batches "
+        "would mix unrelated examples). Say what it is with aux_reduce: 'concat' for "
+        "per-example outputs such as logits (rows come back in batch order, as on the full "
+        "batch), 'mean' or 'sum' for values already reduced over the micro-batch, 'stack' "
+        "for one entry per micro-batch; e.g. aux_reduce={'logits': 'concat', "
+        "'accuracy': None}."
     )
+  if _is_key(s.dtype):
+    return "mean"  # rejected below: keys can only be stacked
+  dtype = jnp.dtype(s.dtype)
+  if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer):
+    return "sum"
+  return "mean"
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, default: str) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
   """Expands ``spec`` (a string, or a pytree prefix of aux with strings or None) to aux.
 
-  Returns a pytree with the structure of ``aux_shapes`` whose leaves are reduction names.
+  Returns a pytree with the structure of ``aux_shapes`` whose leaves are reduction names;
+  ``None`` becomes each leaf's default (:func:`_default_kind`). Checks that every leaf can
+  be reduced as asked.
   """
   def is_spec_leaf(x):
     return x is None or isinstance(x, str)
 
   def check(name):
-    if name is None:
-      return default
-    if name not in AUX_REDUCTIONS:
+    if name is not None and name not in AUX_REDUCTIONS:
       raise ValueError(
           f"aux_reduce entries must be one of {', '.join(map(repr, AUX_REDUCTIONS))} or "
           f"None (the default), got {name!r}."
@@ -106,75 +276,118 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, default: str) -> PyTree:
 
   if spec is None or isinstance(spec, str):
     name = check(spec)
-    return jax.tree.map(lambda _: name, aux_shapes)
-  try:
-    return jax.tree.map(
-        lambda name, sub: jax.tree.map(lambda _: check(name), sub),
-        spec, aux_shapes, is_leaf=is_spec_leaf,
-    )
-  except ValueError as e:
-    if "aux_reduce entries" in str(e):
-      raise
-    raise ValueError(
-        "aux_reduce must be a string or a pytree prefix of the aux that fun returns, with "
-        f"a reduction name or None at each leaf. Got aux_reduce={spec!r} for aux of "
-        f"structure {jax.tree.structure(aux_shapes)}."
-    ) from e
-
-
-def aux_init(kind: str, shape: jax.ShapeDtypeStruct, accumulator_dtype: Any) -> jax.Array | None:
-  """The scan carry that accumulates one aux leaf (``None`` for stacked leaves)."""
-  if kind == "stack":
-    return None
-  if kind == "mean":
-    return jnp.zeros(shape.shape, _mean_dtype(shape.dtype, accumulator_dtype))
-  if kind == "sum":
-    return jnp.zeros(shape.shape, _sum_dtype(shape.dtype, accumulator_dtype))
-  dtype = jnp.dtype(shape.dtype)
-  if dtype == jnp.bool_:
-    fill = kind == "min"
-  elif jnp.issubdtype(dtype, jnp.inexact):
-    fill = -jnp.inf if kind == "max" else jnp.inf
+    names = jax.tree.map(lambda _: name, aux_shapes)
   else:
-    info = jnp.iinfo(dtype)
-    fill = info.min if kind == "max" else info.max
-  return jnp.full(shape.shape, fill, dtype)
+    try:
+      names = jax.tree.map(
+          lambda name, sub: jax.tree.map(lambda _: check(name), sub),
+          spec, aux_shapes, is_leaf=is_spec_leaf,
+      )
+    except ValueError as e:
+      if "aux_reduce entries" in str(e):
+        raise
+      raise ValueError(
+          "aux_reduce must be a string or a pytree prefix of the aux that fun returns, with "
+          f"a reduction name or None at each leaf. Got aux_reduce={spec!r} for aux of "
+          f"structure {jax.tree.structure(aux_shapes)}."
+      ) from e
+  kinds = []
+  treedef = jax.tree.structure(aux_shapes)
+  for (path, s), name in zip(jax.tree_util.tree_leaves_with_path(aux_shapes),
+                             treedef.flatten_up_to(names), strict=True):
+    where = jax.tree_util.keystr(path)
+    if not hasattr(s, "dtype") or not hasattr(s, "shape"):
+      raise TypeError(
+          f"aux leaf {where or '(root)'} is {type(s).__name__} {s!r}, not an array: every "
+          "leaf of aux must be a JAX array (a string or other Python object cannot leave the "
+          "compiled loop). Return it outside the accumulated function, or as an array.")
+    kind = name if name is not None else _default_kind(where, s)
+    dtype = jnp.dtype(s.dtype) if not _is_key(s.dtype) else s.dtype
+    numeric = not _is_key(dtype) and (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.number))
+    if AUX_REDUCTIONS[kind].numeric_only and not numeric:
+      raise TypeError(
+          f"aux leaf {where or '(root)'} has dtype {dtype}, which cannot be reduced with "
+          f"aux_reduce {kind!r}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
+          "return it outside aux."
+      )
+    if AUX_REDUCTIONS[kind].per_example and s.shape == ():
+      raise ValueError(
+          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce 'concat' has no "
+          "per-example rows to put back in batch order. Use 'stack' for one entry per "
+          "micro-batch, or 'mean'/'sum'.")
+    kinds.append(kind)
+  return jax.tree.unflatten(treedef, kinds)
 
 
-def aux_update(kind: str, carry: jax.Array | None, value: jax.Array, weight: jax.Array | None):
-  """Adds one micro-batch's aux leaf to the carry. ``weight`` scales means when weighted."""
-  if kind == "stack":
-    return None
-  if kind == "max":
-    return jnp.maximum(carry, value)
-  if kind == "min":
-    return jnp.minimum(carry, value)
-  value = value.astype(carry.dtype)
-  if kind == "mean" and weight is not None:
-    # A micro-batch of weight 0 adds nothing, even if its aux is NaN (e.g. a mean over
-    # zero tokens): 0 * aux is 0 for every finite aux, so this only removes NaN and inf.
-    w = weight.astype(carry.dtype)
-    value = jnp.where(w == 0, jnp.zeros_like(value), value * w)
-  return carry + value
+# --- Loss terms ----------------------------------------------------------------------------
 
 
-def aux_finalize(kind: str, carry: jax.Array | None, stacked: jax.Array | None,
-                 shape: jax.ShapeDtypeStruct, divisor: jax.Array | None):
-  """The reduced aux leaf. ``divisor`` is N for plain means, the total weight if weighted."""
-  if kind == "stack":
-    return stacked
-  if kind in ("max", "min"):
-    return carry
-  if kind == "sum":  # floats come back in their own dtype, counts in the wider one
-    dtype = jnp.dtype(shape.dtype)
-    return carry.astype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else carry
-  out = safe_divide(carry, divisor)
-  dtype = jnp.dtype(shape.dtype)
-  return out.astype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else out
+@dataclasses.dataclass(frozen=True)
+class Term:
+  """One term of the loss: its name (a key path, or ``()`` for a single loss), its reduction
+  (``"mean"``, ``"sum"`` or ``"weighted"``) and its weight in the total."""
+
+  path: tuple
+  kind: str
+  weight: float = 1.0
+
+  @property
+  def label(self) -> str:
+    return jax.tree_util.keystr(self.path) if self.path else "the value"
 
 
-def safe_divide(x: jax.Array, d: jax.Array) -> jax.Array:
-  """``x / d``, and exactly 0 where ``d == 0`` (no NaN, even if ``x`` is NaN there)."""
-  d = jnp.asarray(d, x.dtype)
-  zero = d == 0
-  return jnp.where(zero, jnp.zeros_like(x), x / jnp.where(zero, jnp.ones_like(d), d))
+def check_reduce(reduce: Any) -> Any:
+  """Validates ``reduce``: a name, or a dict (pytree) of names for several loss terms."""
+  def bad(got):
+    return ValueError(
+        f"reduce must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, or a dict of them "
+        f"for a loss of several terms, got reduce={got!r}. Use 'mean' when fun returns the "
+        "mean over its micro-batch, 'sum' when it returns a sum, 'weighted' when it returns "
+        "(numerator, denominator).")
+  if isinstance(reduce, str):
+    if reduce not in LOSS_REDUCTIONS:
+      raise bad(reduce)
+    return reduce
+  if isinstance(reduce, dict):
+    leaves = jax.tree.leaves(reduce)
+    if not leaves or any(x not in LOSS_REDUCTIONS for x in leaves):
+      raise bad(reduce)
+    return reduce
+  raise bad(reduce)
+
+
+def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
+  """The loss terms for ``reduce`` (a name or a dict of names) and ``loss_weights``."""
+  if isinstance(reduce, str):
+    if loss_weights is not None:
+      raise ValueError(
+          f"loss_weights={loss_weights!r} was given but reduce={reduce!r} is a single "
+          "reduction: loss_weights weighs the terms of a dict reduce, e.g. "
+          "reduce={'ce': 'weighted', 'aux': 'mean'}, loss_weights={'aux': 0.01}.")
+    return (Term((), reduce),)
+  flat = jax.tree_util.tree_leaves_with_path(reduce)
+  weights = dict(loss_weights or {})
+  if loss_weights is not None and not isinstance(loss_weights, dict):
+    raise TypeError(
+        f"loss_weights must be a dict from term name to a float, got {loss_weights!r}.")
+  names = {jax.tree_util.keystr(p)[2:-2] if len(p) == 1 else None for p, _ in flat}
+  unknown = [k for k in weights if k not in names]
+  if unknown:
+    raise ValueError(
+        f"loss_weights names {unknown}, which are not terms of reduce={reduce!r}. Name "
+        "top-level terms of the dict that fun returns.")
+  terms = []
+  for path, kind in flat:
+    key = jax.tree_util.keystr(path)[2:-2] if len(path) == 1 else None
+    w = weights.get(key, 1.0)
+    if isinstance(w, bool) or not isinstance(w, (int, float, np.floating, np.integer)):
+      raise TypeError(
+          f"loss_weights[{key!r}] must be a Python or NumPy number, got {w!r}.")
+    terms.append(Term(tuple(path), kind, float(w)))
+  return tuple(terms)
+
+
+def get_path(tree: Any, path: tuple) -> Any:
+  for k in path:
+    tree = tree[getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))]
+  return tree

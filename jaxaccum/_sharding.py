@@ -40,27 +40,24 @@ keys through ``rng_argnums`` when shards must draw independently.
 
 from __future__ import annotations
 
-import copy
-import functools
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _split
+from jaxaccum import _reduce, _split
+from jaxaccum._types import AxisName, PyTree
 
 try:  # Sharding propagation hint for Auto mesh axes; optional.
   from jax.experimental.shard_alike import shard_alike as _shard_alike
 except ImportError:  # pragma: no cover
   _shard_alike = None
 
-PyTree = Any
-AxisName = Any
 
 
 # --- Helpers the core scan uses -----------------------------------------------------------
@@ -126,7 +123,7 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
   return jax.tree.map(one, acc, params)
 
 
-def check_split_sharding(batches: dict[int, PyTree], n: int) -> None:
+def check_split_sharding(batches: dict[Any, PyTree], n: int) -> None:
   """Raises if a batch sharded over Explicit axes cannot be split without moving data.
 
   Micro-batch ``i`` takes rows ``i, i + N, ...``; with the batch axis in ``D`` contiguous
@@ -143,7 +140,7 @@ def check_split_sharding(batches: dict[int, PyTree], n: int) -> None:
       shards = math.prod(mesh.shape[a] for a in axes)
       rows = leaf.shape[0] // n
       if rows % shards:
-        where = f"argument {argnum}{jax.tree_util.keystr(path)}"
+        where = f"{argnum}{jax.tree_util.keystr(path)}"
         raise ValueError(
             f"batch leaf {where} has its batch axis of {leaf.shape[0]} rows sharded over "
             f"{_axes_str(axes, mesh)} ({shards} shards), but {n} micro-batches give "
@@ -217,53 +214,15 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
     raise ValueError(
         f"data_axis axes {sorted(manual & set(axes))} are already manual here (this is "
         "inside a shard_map over them), so jaxaccum cannot map over them again. Call the "
-        "transform outside your shard_map, or drop data_axis and psum the result yourself."
-    )
+        "transform outside your shard_map, or drop data_axis and do what it does: mark the "
+        f"differentiated arguments device-varying first, params = jax.lax.pcast(params, "
+        f"{tuple(sorted(manual & set(axes)))}, to='varying') (otherwise JAX sums their "
+        "gradients over the devices inside every micro-batch), so that each device "
+        "accumulates the gradients of its own rows; the full-batch result is then the pmean "
+        "(not the psum) of the loss and gradients over these axes for reduce='mean', their "
+        "psum for reduce='sum', and for reduce='weighted' each device's loss and gradients "
+        "weighed by its own total denominator d: psum(x * d) / psum(d).")
   return mesh
-
-
-def resolve_count(size: int, shards: int, axes: tuple[AxisName, ...], mesh: Any,
-                  count: int | None, micro: int | None) -> int:
-  """The micro-batch count for a global batch of ``size`` rows over ``shards`` devices."""
-  where = _axes_str(axes, mesh)
-  if size % shards:
-    raise ValueError(
-        f"batch size {size} is not divisible by the data-axis size {shards} "
-        f"(data_axis over {where}): every data shard needs the same number of rows. Use a "
-        f"batch size that is a multiple of {shards}."
-    )
-  local = size // shards
-  if count is not None:
-    if size // count < shards and size % count == 0:
-      raise ValueError(
-          f"num_micro_batches={count} makes micro-batches of {size} / {count} = "
-          f"{size // count} rows, smaller than the {shards} data shards (data_axis over "
-          f"{where}). Use at most {local} micro-batches: valid counts are the divisors of "
-          f"{local} (batch {size} / {shards} shards): {_split.divisors(local)}."
-      )
-    if local % count:
-      raise ValueError(
-          f"batch size {size} is not divisible by the data-axis size {shards} x "
-          f"num_micro_batches={count} = {shards * count} (data_axis over {where}). Valid "
-          f"counts are the divisors of {local} (batch {size} / {shards} shards): "
-          f"{_split.divisors(local)}."
-      )
-    return count
-  assert micro is not None  # guaranteed by the transform's constructor
-  if micro < shards:
-    raise ValueError(
-        f"micro_batch_size={micro} is smaller than the {shards} data shards (data_axis "
-        f"over {where}): each shard needs at least one row of every micro-batch. Use a "
-        f"micro_batch_size that is a multiple of {shards} and divides {size}."
-    )
-  if micro % shards or size % micro:
-    valid = [shards * d for d in _split.divisors(local)]
-    raise ValueError(
-        f"micro_batch_size={micro} does not split batch size {size} evenly over the "
-        f"{shards} data shards (data_axis over {where}): it must divide {size} and be a "
-        f"multiple of {shards}. Valid sizes: {valid}."
-    )
-  return size // micro
 
 
 # --- The data-parallel mode ---------------------------------------------------------------
@@ -305,148 +264,129 @@ def _gather(x: jax.Array, gathers: tuple) -> jax.Array:
   return x
 
 
-def _from_first_shard(x: jax.Array, axes: tuple[AxisName, ...]) -> jax.Array:
-  """Shard 0's value of ``x`` on every shard (for keys, which cannot be averaged)."""
-  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-  data = jax.random.key_data(x) if is_key else x
-  data = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, jnp.zeros_like(data)), axes)
-  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)) if is_key else data
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _combine(carry, stacked, kinds, n, *, axes, grad_axes, shards, reduce):
-  """Reduces the scan's accumulators over the data axes, once, after the loop.
+def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName, ...],
+            grad_axes: tuple, shards: int, reduce_is_sum: bool):
+  """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop.
 
   ``grad_axes`` gives, per gradient leaf, the data axes it still has to be summed over:
   all of them for a replicated parameter; those it is not sharded over for an FSDP
   parameter, whose gradient the backward pass already reduce-scattered.
   """
-  num, den, grads, aux, state = carry
-  num = lax.psum(num, axes)
-  den = None if den is None else lax.psum(den, axes)
-  flat, treedef = jax.tree.flatten(grads)
-  grads = jax.tree.unflatten(treedef, [
-      lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)])
-
-  def aux_leaf(kind, c):
-    if kind == "max":
-      return lax.pmax(c, axes)
-    if kind == "min":
-      return lax.pmin(c, axes)
-    if kind in ("mean", "sum"):
-      return lax.psum(c, axes)
-    return c  # "stack": no carry
-
-  def stack_leaf(kind, s):
-    if kind != "stack":
-      return s
-    if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-      return _from_first_shard(s, axes)
-    if s.dtype == jnp.bool_:
-      return lax.pmax(s.astype(jnp.int32), axes).astype(jnp.bool_)
-    if reduce == "sum" or not jnp.issubdtype(s.dtype, jnp.inexact):
-      return lax.psum(s, axes)
-    return lax.pmean(s, axes)
-
-  def state_leaf(s):
-    if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-      return _from_first_shard(s, axes)
-    if jnp.issubdtype(s.dtype, jnp.inexact):
-      return lax.pmean(s, axes)
-    if s.dtype == jnp.bool_:
-      return lax.pmax(s.astype(jnp.int32), axes).astype(jnp.bool_)
-    return lax.pmax(s, axes)
-
-  aux = jax.tree.map(aux_leaf, kinds, aux)
-  stacked = jax.tree.map(stack_leaf, kinds, stacked)
-  state = jax.tree.map(state_leaf, state)
-  return (num, den, grads, aux, state), stacked, n * shards
+  num = tuple(lax.psum(c, axes) for c in carry.num)
+  den = tuple(None if c is None else lax.psum(c, axes) for c in carry.den)
+  grads = []
+  for acc in carry.grads:
+    flat, treedef = jax.tree.flatten(acc)
+    grads.append(jax.tree.unflatten(treedef, [
+        lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]))
+  aux = jax.tree.map(
+      lambda k, c: c if c is None else _reduce.AUX_REDUCTIONS[k].combine(c, axes),
+      kinds, carry.aux)
+  stacked = jax.tree.map(
+      lambda k, s: s if s is None else _reduce.combine_stacked(k, s, axes, reduce_is_sum),
+      kinds, stacked)
+  state = jax.tree.map(lambda s: _reduce.combine_state(s, axes), carry.state)
+  stats = lax.psum(carry.stats, axes)
+  carry = carry._replace(num=num, den=den, grads=tuple(grads), aux=aux, state=state,
+                         stats=stats)
+  return carry, stacked, shards
 
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def data_parallel(opts: Any, accumulate: Callable[..., Any], args: tuple, kwargs: dict):
-  """Runs ``accumulate`` per data shard inside ``shard_map``; one reduction after the loop.
+def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: str,
+                batch: bool, replicated_only: str | None):
+  """in_spec and gathers of one array argument leaf."""
+  if batch:
+    lead = _entry_axes(have[0]) if have is not None and len(have) else ()
+    if set(lead) - set(axes):
+      raise ValueError(
+          f"batch leaf {where} is sharded over {lead} (spec {have}), but data_axis={axes} "
+          f"leaves out {tuple(a for a in lead if a not in axes)}. Name every mesh axis the "
+          f"batch is sharded over: data_axis={lead}; parameters may stay sharded over any "
+          "of them (FSDP).")
+    return PartitionSpec(axes), (), lead
+  spec, gather = _manual_part(have, axes)
+  if gather and replicated_only:
+    raise ValueError(
+        f"{where} is a {replicated_only} sharded over data axis "
+        f"{sorted({a for _, g in gather for a in g})} (spec {have}); under data_axis, "
+        f"{replicated_only}s must be replicated over the data axes. Reshard it with "
+        "jax.sharding.reshard(x, P()) first.")
+  return spec, gather, None
 
-  Batch arguments are mapped over ``data_axis`` along their leading axis. Other array
-  arguments are mapped with their own sharding over the data axes (replicated, for plain
-  data parallelism); a differentiated argument sharded over a data axis (FSDP / ZeRO-3)
-  is all-gathered inside ``fun``, so its gradient comes back reduce-scattered, one
-  reduce-scatter per micro-batch, into an accumulator of the shard's size. The sharding
-  of a non-batch argument is read from its type, so FSDP needs ``Explicit`` mesh axes;
-  with ``Auto`` axes every non-batch argument is treated as replicated over the data axes.
 
-  Args:
-    opts: the transform's options (``_transform._Options``), with ``data_axis`` set.
-    accumulate: the core's ``_accumulate(opts, args, kwargs, combine=...)``.
-    args: the positional arguments of the transformed function (global arrays).
-    kwargs: its keyword arguments (passed unchanged to every shard).
+def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
+  """Runs the core's steps per data shard inside ``shard_map``; one reduction after the loop.
+
+  Batch arguments (positional and keyword) are mapped over ``data_axis`` along their
+  leading axis. Other array arguments are mapped with their own sharding over the data
+  axes (replicated, for plain data parallelism); a differentiated argument sharded over a
+  data axis (FSDP / ZeRO-3) is all-gathered inside ``fun``, so its gradient comes back
+  reduce-scattered, one reduce-scatter per micro-batch, into an accumulator of the
+  shard's size. Non-batch keyword arrays sharded over a data axis are all-gathered too.
+  The sharding of a non-batch argument is read from its type, so FSDP needs ``Explicit``
+  mesh axes; with ``Auto`` axes every non-batch argument is treated as replicated. Arrays
+  that ``fun`` closes over are replicated when typed with ``Auto`` axes; ``shard_map``
+  cannot close over arrays typed with ``Explicit`` axes, so those raise an error that says
+  to pass them as arguments.
 
   Returns:
-    ``(value, extra, grads)`` as ``accumulate`` returns them, reduced over the data axes.
+    ``(value, extra, grads, info)`` as the core's ``finalize`` returns them, reduced over
+    the data axes.
   """
+  from jaxaccum import _transform  # noqa: PLC0415 (the core imports this module)
+
   axes = opts.data_axis
   mesh = _resolve_mesh(opts.mesh, axes)
-  roles = opts.roles(len(args))
-  argnums, batch_argnums = roles["argnums"], roles["batch_argnums"]
-  state_argnums, rng_argnums = roles["state_argnums"], roles["rng_argnums"]
+  roles = opts.roles(len(args), kwargs)
   shards = math.prod(mesh.shape[a] for a in axes)
-  size = _split.batch_size({j: args[j] for j in batch_argnums})
-  n = resolve_count(size, shards, axes, mesh, opts.count, opts.size)
+  where = _axes_str(axes, mesh)
+  batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
+  batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
+  size = _split.batch_size(batches)
+  n = _split.resolve_count(size, opts.count, opts.size, shards=shards, where=where)
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
   all_manual = set(axes) == set(mesh.axis_names)
 
-  # Per argument: its leaves, which of them are arrays (only those cross the shard_map
-  # boundary; anything else is closed over), their in_specs and the gathers undoing them.
-  flat = [jax.tree.flatten(a) for a in args]
-  kw_leaves, kw_def = jax.tree.flatten(kwargs)
+  # Every argument, positional (by index) or keyword (by name), flattened: only array
+  # leaves cross the shard_map boundary; anything else is closed over.
+  named = [(j, args[j]) for j in range(len(args))] + sorted(kwargs.items())
+  flat = [jax.tree.flatten(v) for _, v in named]
   arrays, in_specs = [], []
-  gathers: dict[int, list] = {}
-  for j in range(len(args)):
-    gathers[j] = []
-    for path, x in jax.tree_util.tree_leaves_with_path(args[j]):
+  gathers: dict[Any, list] = {}
+  for (key, value), _ in zip(named, flat, strict=True):
+    gathers[key] = []
+    is_batch = key in roles.batch or key in roles.batch_names
+    label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
+    kind = ("state argument" if key in roles.state else
+            "PRNG key argument" if key in roles.rng else None) if isinstance(key, int) else None
+    for path, x in jax.tree_util.tree_leaves_with_path(value):
       if not _is_array(x):
-        gathers[j].append(())
+        gathers[key].append(())
         continue
       have = _explicit_spec(x)
-      if j in batch_argnums:
-        spec, gather = PartitionSpec(axes), ()
-        lead = _entry_axes(have[0]) if have is not None and len(have) else ()
-        if set(lead) - set(axes):
-          raise ValueError(
-              f"batch leaf argument {j}{jax.tree_util.keystr(path)} is sharded over "
-              f"{lead} (spec {have}), but data_axis={axes} leaves out "
-              f"{tuple(a for a in lead if a not in axes)}. Name every mesh axis the batch "
-              f"is sharded over: data_axis={lead}; parameters may stay sharded over any "
-              "of them (FSDP)."
-          )
-        if explicit_data and all_manual and lead != axes:
-          # A fully manual, Explicit shard_map needs its input typed as it maps it.
-          spec = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
-          x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)
-                                   if isinstance(mesh, jax.sharding.Mesh) else spec)
-          spec = PartitionSpec(axes)
-      else:
-        spec, gather = _manual_part(have, axes)
-        if gather and (j in state_argnums or j in rng_argnums):
-          raise ValueError(
-              f"argument {j}{jax.tree_util.keystr(path)} is a "
-              f"{'state' if j in state_argnums else 'PRNG key'} argument sharded over data "
-              f"axis {sorted({a for _, g in gather for a in g})} (spec {have}); under "
-              "data_axis, state and keys must be replicated over the data axes. Reshard "
-              "it with jax.sharding.reshard(x, P()) first."
-          )
+      spec, gather, lead = _local_spec(have, axes, f"{label}{jax.tree_util.keystr(path)}",
+                                       is_batch, kind)
+      if is_batch and explicit_data and all_manual and lead != axes:
+        # A fully manual, Explicit shard_map needs its input typed as it maps it.
+        full = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, full)
+                                 if isinstance(mesh, jax.sharding.Mesh) else full)
       arrays.append(x)
       in_specs.append(spec)
-      gathers[j].append(gather)
-  kw_arrays = [x for x in kw_leaves if _is_array(x)]
-  in_specs.extend(PartitionSpec() for _ in kw_arrays)
+      gathers[key].append(gather)
 
   # The gradient of leaf k of a differentiated argument is summed over the data axes it
   # is not sharded over, and comes back with the argument's own spec over the data axes.
   grad_axes, grad_specs = [], []
-  for j in argnums:
+  for j in roles.diff:
     specs = []
     for gather in gathers[j]:
       sharded = {a for _, g in gather for a in g}
@@ -456,47 +396,93 @@ def data_parallel(opts: Any, accumulate: Callable[..., Any], args: tuple, kwargs
         spec[d] = g[0] if len(g) == 1 else g
       specs.append(PartitionSpec(*spec))
     grad_specs.append(jax.tree.unflatten(flat[j][1], specs))
-  grad_specs = tuple(grad_specs)
+  if opts.with_info and any(len(a) != len(axes) for a in grad_axes):
+    raise ValueError(
+        "with_info=True under data_axis needs parameters replicated over the data axes: a "
+        "parameter sharded over a data axis (FSDP) has its micro-batch gradients "
+        "reduce-scattered across shards inside the loop, so no shard holds a sample of its "
+        "own. Drop with_info, or keep the parameters replicated over data_axis.")
 
-  fun = opts.fun
-  to_gather = {j: g for j, g in gathers.items() if j not in batch_argnums and any(g)}
+  to_gather = {k: g for k, g in gathers.items()
+               if k not in roles.batch and k not in roles.batch_names and any(g)}
+  meta: dict[str, Any] = {}
 
-  def fun_local(*call_args, **call_kwargs):
-    # Inside the differentiated function: the all-gather's transpose reduce-scatters.
-    call_args = list(call_args)
-    for j, gs in to_gather.items():
-      leaves, treedef = jax.tree.flatten(call_args[j])
-      call_args[j] = jax.tree.unflatten(treedef, [
-          _gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)])
-    return fun(*call_args, **call_kwargs)
+  def make_local(fun):
+    def fun_local(*call_args, **call_kwargs):
+      # Inside the differentiated function: the all-gather's transpose reduce-scatters.
+      call_args = list(call_args)
+      for k, gs in to_gather.items():
+        container, idx = (call_args, k) if isinstance(k, int) else (call_kwargs, k)
+        leaves, treedef = jax.tree.flatten(container[idx])
+        container[idx] = jax.tree.unflatten(treedef, [
+            _gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)])
+      return fun(*call_args, **call_kwargs)
 
-  local_opts = copy.copy(opts)
-  local_opts.count, local_opts.size = n, None
-  local_opts.data_axis = local_opts.mesh = None
-  local_opts.fun = fun_local if to_gather else fun
-  combine = functools.partial(_combine, axes=axes, grad_axes=tuple(grad_axes),
-                              shards=shards, reduce=opts.reduce)
+    local_opts = dataclasses.replace(opts, fun=fun_local if to_gather else fun, count=n,
+                                     size=None, data_axis=None, mesh=None)
 
-  def local(*local_arrays):
-    it = iter(local_arrays)
-    largs = []
-    for (leaves, treedef) in flat:
-      largs.append(jax.tree.unflatten(
-          treedef, [next(it) if _is_array(x) else x for x in leaves]))
-    lkwargs = jax.tree.unflatten(kw_def, [next(it) if _is_array(x) else x for x in kw_leaves])
-    for j in (*argnums, *state_argnums):
-      largs[j] = _vary(largs[j], axes)
-    shard = lax.axis_index(axes)
-    for j in rng_argnums:
-      largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard), _vary(largs[j], axes))
-    value, extra, grads = accumulate(local_opts, tuple(largs), lkwargs, combine=combine)
-    return value, extra, grads
+    def local(*local_arrays):
+      it = iter(local_arrays)
+      values = []
+      for (leaves, treedef) in flat:
+        values.append(jax.tree.unflatten(
+            treedef, [next(it) if _is_array(x) else x for x in leaves]))
+      largs = values[:len(args)]
+      lkwargs = {k: v for (k, _), v in zip(named[len(args):], values[len(args):], strict=True)}
+      for j in (*roles.diff, *roles.state):
+        largs[j] = _vary(largs[j], axes)
+      shard = lax.axis_index(axes)
+      for j in roles.rng:
+        largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard), _vary(largs[j], axes))
+      problem = _transform.prepare(local_opts, tuple(largs), lkwargs, n)
+      act = None if active is None else _transform.check_active(active, n)
+      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, act)
+      carry, stacked, _ = combine(carry, stacked, kinds, axes=axes,
+                                  grad_axes=tuple(grad_axes), shards=shards,
+                                  reduce_is_sum=opts.single_term and opts.reduce == "sum")
+      static = None if (opts.skip_nonfinite or act is not None) else n * shards
+      value, extra, grads, info = _transform.finalize(
+          local_opts, problem, carry, stacked, shapes, kinds, kept_static=static)
+      # Concatenated aux rows stay on their shard: the output spec gathers them in order.
+      rows_mask = jax.tree.map(lambda k: k == "concat", kinds)
+      if problem.state0:
+        no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
+        mask = (no_rows, rows_mask) if opts.has_aux else no_rows
+      else:
+        mask = rows_mask
+      leaves, treedef = jax.tree.flatten(extra)
+      mflat = jax.tree.leaves(mask)
+      meta["treedef"], meta["mask"] = treedef, mflat
+      kept = [x for x, m in zip(leaves, mflat, strict=True) if not m]
+      rows = [x for x, m in zip(leaves, mflat, strict=True) if m]
+      return value, kept, rows, grads, info
 
-  out_specs = (PartitionSpec(), PartitionSpec(), grad_specs)
-  mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                         axis_names=frozenset(axes))
-  value, extra, grads = mapped(*arrays, *kw_arrays)
+    return local
+
+  def run(local):
+    out_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(axes), tuple(grad_specs),
+                 PartitionSpec())
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                           axis_names=frozenset(axes))
+    return mapped(*arrays)
+
+  try:
+    value, kept, rows, grads, info = run(make_local(opts.fun))
+  except NotImplementedError as e:
+    if "Closing over inputs to shard_map" not in str(e):
+      raise
+    got = str(e).split("Got input with shape")[-1].strip()
+    raise ValueError(
+        f"fun closes over an array typed with Explicit mesh axes ({got}): an array placed "
+        "on the mesh, or an argument of the enclosing jax.jit. Under data_axis fun runs "
+        "inside jax.shard_map, which cannot close over such arrays. Pass it to the "
+        "accumulated function as an argument instead: a non-batch positional or keyword "
+        "argument is replicated over the data axes (e.g. def loss(params, batch, *, table) "
+        "called as step(params, batch, table=table)); or build it inside fun.") from None
+  it_kept, it_rows = iter(kept), iter(rows)
+  extra = jax.tree.unflatten(meta["treedef"], [
+      next(it_rows) if m else next(it_kept) for m in meta["mask"]])
   # Auto axes: the gradients leave the shard_map replicated over the data axes; tie
   # them to their parameters' shardings (a local slice if those are sharded).
-  grads = align(grads, tuple(args[j] for j in argnums))
-  return value, extra, grads
+  grads = align(grads, tuple(args[j] for j in roles.diff))
+  return value, extra, grads, info

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-PyTree = Any
+from jaxaccum._types import PyTree
 
 
 def describe(x: Any) -> str:
@@ -69,15 +69,39 @@ def normalize_argnums(name: str, value: Any, *, allow_empty: bool) -> tuple[int,
   raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
 
 
-def resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+def normalize_argnames(name: str, value: Any) -> tuple[str, ...]:
+  """Turns a string or a sequence of strings into a tuple, with a clear error otherwise."""
+  if value is None:
+    return ()
+  if isinstance(value, str):
+    return (value,)
+  if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+    if len(set(value)) != len(value):
+      raise ValueError(f"{name} names an argument twice: {name}={value!r}.")
+    return tuple(value)
+  raise TypeError(
+      f"{name} must be a keyword argument's name or a tuple of names (as jax.jit's "
+      f"static_argnames), got {name}={value!r}.")
+
+
+def resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int,
+                    kwargs: Any = ()) -> tuple[int, ...]:
   """Resolves negative argnums against ``nargs`` positional arguments."""
   out = []
   for a in argnums:
     if not -nargs <= a < nargs:
+      hint = ("Pass the argument positionally or fix the index.")
+      if name == "batch_argnums":
+        passed = f" (keyword arguments: {', '.join(sorted(kwargs))})" if kwargs else ""
+        hint = (
+            "The two usual causes: the loss closes over the batch (def loss_fn(params): "
+            "... batch ...), which cannot be split: take it as an argument, "
+            "loss_fn(params, batch); or the batch is passed by keyword"
+            f"{passed}: name it with batch_argnames='batch' (and batch_argnums=() if no "
+            "positional argument is a batch).")
       raise ValueError(
           f"{name}={a} is out of range: the function was called with {nargs} positional "
-          f"argument(s), so valid indices are 0..{nargs - 1}. Pass the argument "
-          "positionally or fix the index."
+          f"argument(s), so valid indices are 0..{nargs - 1}. {hint}"
       )
     out.append(a % nargs)
   return tuple(out)
@@ -178,27 +202,77 @@ def _near(options: list[int], target: int) -> str:
   return ", ".join(str(d) for d in below + above)
 
 
-def resolve_count(
-    size: int, num_micro_batches: int | None, micro_batch_size: int | None
-) -> int:
-  """The micro-batch count for a batch of ``size`` rows, with a clear error if none fits."""
-  divs = divisors(size)
-  if num_micro_batches is not None:
-    if size % num_micro_batches:
+def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: int | None,
+                  shards: int = 1, where: str = "") -> int:
+  """The micro-batch count for a batch of ``size`` rows, with a clear error if none fits.
+
+  With ``shards > 1`` (data-parallel mode over ``where``) each of the ``shards`` data
+  shards splits its own ``size // shards`` rows, so the count must divide those.
+  """
+  if size == 0:
+    raise ValueError(
+        "batch size 0: the batch arguments have no rows to split into micro-batches. Pass "
+        "a non-empty batch.")
+  if shards == 1:
+    divs = divisors(size)
+    if num_micro_batches is not None:
+      if size % num_micro_batches:
+        raise ValueError(
+            f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}. "
+            f"Valid counts near it: {_near(divs, num_micro_batches)} (all divisors of {size}: "
+            f"{', '.join(map(str, divs))})."
+        )
+      return num_micro_batches
+    if micro_batch_size is None:
+      raise ValueError("pass exactly one of num_micro_batches and micro_batch_size.")
+    if size % micro_batch_size:
       raise ValueError(
-          f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}. "
-          f"Valid counts near it: {_near(divs, num_micro_batches)} (all divisors of {size}: "
+          f"batch size {size} is not divisible by micro_batch_size={micro_batch_size}. "
+          f"Valid sizes near it: {_near(divs, micro_batch_size)} (all divisors of {size}: "
           f"{', '.join(map(str, divs))})."
       )
-    return num_micro_batches
-  assert micro_batch_size is not None  # guaranteed by the transform's constructor
-  if size % micro_batch_size:
+    return size // micro_batch_size
+  if size % shards:
     raise ValueError(
-        f"batch size {size} is not divisible by micro_batch_size={micro_batch_size}. "
-        f"Valid sizes near it: {_near(divs, micro_batch_size)} (all divisors of {size}: "
-        f"{', '.join(map(str, divs))})."
+        f"batch size {size} is not divisible by the data-axis size {shards} "
+        f"(data_axis over {where}): every data shard needs the same number of rows. Use a "
+        f"batch size that is a multiple of {shards}."
     )
-  return size // micro_batch_size
+  local = size // shards
+  count = num_micro_batches
+  if count is not None:
+    if size // count < shards and size % count == 0:
+      raise ValueError(
+          f"num_micro_batches={count} makes micro-batches of {size} / {count} = "
+          f"{size // count} rows, smaller than the {shards} data shards (data_axis over "
+          f"{where}). Use at most {local} micro-batches: valid counts are the divisors of "
+          f"{local} (batch {size} / {shards} shards): {divisors(local)}."
+      )
+    if local % count:
+      raise ValueError(
+          f"batch size {size} is not divisible by the data-axis size {shards} x "
+          f"num_micro_batches={count} = {shards * count} (data_axis over {where}). Valid "
+          f"counts are the divisors of {local} (batch {size} / {shards} shards): "
+          f"{divisors(local)}."
+      )
+    return count
+  micro = micro_batch_size
+  if micro is None:
+    raise ValueError("pass exactly one of num_micro_batches and micro_batch_size.")
+  if micro < shards:
+    raise ValueError(
+        f"micro_batch_size={micro} is smaller than the {shards} data shards (data_axis "
+        f"over {where}): each shard needs at least one row of every micro-batch. Use a "
+        f"micro_batch_size that is a multiple of {shards} and divides {size}."
+    )
+  if micro % shards or size % micro:
+    valid = [shards * d for d in divisors(local)]
+    raise ValueError(
+        f"micro_batch_size={micro} does not split batch size {size} evenly over the "
+        f"{shards} data shards (data_axis over {where}): it must divide {size} and be a "
+        f"multiple of {shards}. Valid sizes: {valid}."
+    )
+  return size // micro
 
 
 def split(tree: PyTree, n: int) -> PyTree:
@@ -242,6 +316,50 @@ def split_micro_batches(
   count, size = check_counts(num_micro_batches, micro_batch_size)
   n = resolve_count(batch_size({"batch": batch}), count, size)
   return jax.tree.map(lambda x: x.swapaxes(0, 1), split(batch, n))
+
+
+def merge_micro_batches(stacked: PyTree) -> PyTree:
+  """Puts stacked micro-batches back into one batch: the inverse of :func:`split_micro_batches`.
+
+  Row ``r`` of micro-batch ``i`` of ``N`` was row ``r * N + i`` of the batch (the
+  column-major split); this puts it back there. Useful for per-example outputs collected
+  per micro-batch (``aux_reduce="stack"``), or for the micro-batches of a reference loop.
+
+  Args:
+    stacked: a pytree whose leaves share the leading axes ``(N, b, ...)``: ``N``
+      micro-batches of ``b`` rows.
+
+  Returns:
+    The same pytree with leaves of shape ``(N * b, ...)`` in the batch's row order.
+
+  Raises:
+    ValueError: a leaf with fewer than two axes, or leaves whose leading sizes differ.
+
+  >>> import jax.numpy as jnp
+  >>> import jaxaccum
+  >>> stacked = jaxaccum.split_micro_batches(jnp.arange(6), num_micro_batches=2)
+  >>> jaxaccum.merge_micro_batches(stacked)
+  Array([0, 1, 2, 3, 4, 5], dtype=int32)
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(stacked)
+  if not leaves:
+    raise ValueError(f"stacked has no array leaves, got {describe(stacked)}.")
+  lead = None
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if len(shape) < 2:
+      raise ValueError(
+          f"stacked leaf {jax.tree_util.keystr(path) or '(root)'} has shape {shape}; every "
+          "leaf needs the leading axes (num_micro_batches, micro_batch_size, ...), as "
+          "jaxaccum.split_micro_batches returns them.")
+    if lead is None:
+      lead = shape[:2]
+    elif shape[:2] != lead:
+      raise ValueError(
+          f"stacked leaves must share their leading (num_micro_batches, micro_batch_size) "
+          f"axes, got {lead} and {shape[:2]} at {jax.tree_util.keystr(path)}.")
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), stacked)
 
 
 def check_counts(

@@ -1,96 +1,97 @@
-"""``jaxaccum.value_and_grad`` and ``jaxaccum.grad``: validate, split, one scan, finalize."""
+"""``jaxaccum.value_and_grad`` and ``jaxaccum.grad``: scan -> reduce -> finalize.
+
+The accumulation runs in three steps, each a function of named values:
+
+1. :func:`scan`: one :func:`jax.lax.scan` over the micro-batches adds each micro-batch's
+   loss terms, denominators, gradients, aux and statistics into a :class:`Carry` and
+   threads the mutable state;
+2. ``reduce``: under ``data_axis``, one cross-device reduction of the carry after the loop
+   (:func:`jaxaccum._sharding.combine`); nothing otherwise;
+3. :func:`finalize`: divides by what the reductions say (micro-batches kept, total
+   denominators) and builds :func:`jax.value_and_grad`'s output.
+
+The loss is one or several *terms* (:class:`jaxaccum._reduce.Term`). Terms that share a
+divisor share one gradient accumulator (a *group*): a single loss has one group, and so
+one backward pass per micro-batch, as :func:`jax.value_and_grad`.
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxaccum import _reduce, _sharding, _split
+from jaxaccum import _info, _options, _reduce, _sharding, _split
+from jaxaccum._options import _UNSET, Options
 from jaxaccum._split import describe as _describe
-
-PyTree = Any
-
-
-class _Options:
-  """Everything fixed when the transform is built (validated eagerly)."""
-
-  def __init__(self, *, fun, num_micro_batches, micro_batch_size, argnums, batch_argnums,
-               has_aux, reduce, aux_reduce, rng_argnums, state_argnums, accumulator_dtype,
-               grads_dtype, remat, remat_policy, unroll, data_axis=None, mesh=None):
-    if not callable(fun):
-      raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
-    self.fun = fun
-    self.count, self.size = _split.check_counts(num_micro_batches, micro_batch_size)
-    self.argnums = _split.normalize_argnums("argnums", argnums, allow_empty=False)
-    self.argnums_is_int = not isinstance(argnums, Sequence)
-    self.batch_argnums = _split.normalize_argnums("batch_argnums", batch_argnums,
-                                                  allow_empty=False)
-    self.rng_argnums = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
-    self.state_argnums = _split.normalize_argnums("state_argnums", state_argnums,
-                                                  allow_empty=True)
-    self.state_is_tuple = isinstance(state_argnums, Sequence)
-    if not isinstance(has_aux, bool):
-      raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}.")
-    self.has_aux = has_aux
-    self.reduce = _reduce.check_reduce(reduce)
-    if aux_reduce is not None and not has_aux:
-      raise ValueError(
-          f"aux_reduce={aux_reduce!r} was given but has_aux=False: set has_aux=True and "
-          "return (value, aux) from fun, or drop aux_reduce."
-      )
-    if isinstance(aux_reduce, str) and aux_reduce not in _reduce.AUX_REDUCTIONS:
-      raise ValueError(
-          f"aux_reduce must be one of {', '.join(map(repr, _reduce.AUX_REDUCTIONS))} or a "
-          f"pytree prefix of aux with those names, got aux_reduce={aux_reduce!r}."
-      )
-    self.aux_reduce = aux_reduce
-    self.accumulator_dtype = _reduce.check_dtype("accumulator_dtype", accumulator_dtype)
-    self.grads_dtype = _reduce.check_dtype("grads_dtype", grads_dtype)
-    if not isinstance(remat, bool):
-      raise TypeError(
-          f"remat must be a bool, got remat={remat!r}; pass a jax.checkpoint policy as "
-          "remat_policy=..."
-      )
-    if remat_policy is not None and not callable(remat_policy):
-      raise TypeError(
-          "remat_policy must be a jax.checkpoint policy such as "
-          f"jax.checkpoint_policies.dots_saveable, got {remat_policy!r}."
-      )
-    self.remat = remat or remat_policy is not None
-    self.remat_policy = remat_policy
-    if not isinstance(unroll, (bool, int)) or (not isinstance(unroll, bool) and unroll < 1):
-      raise TypeError(
-          f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
-    self.unroll = unroll
-    self.data_axis = _sharding.check_data_axis(data_axis)
-    self.mesh = _sharding.check_mesh(mesh, self.data_axis)
-
-  def roles(self, nargs: int) -> dict[str, tuple[int, ...]]:
-    roles = {
-        "argnums": _split.resolve_argnums("argnums", self.argnums, nargs),
-        "batch_argnums": _split.resolve_argnums("batch_argnums", self.batch_argnums, nargs),
-        "rng_argnums": _split.resolve_argnums("rng_argnums", self.rng_argnums, nargs),
-        "state_argnums": _split.resolve_argnums("state_argnums", self.state_argnums, nargs),
-    }
-    _split.check_disjoint(roles)
-    return roles
+from jaxaccum._types import ArgNames, ArgNums, DTypeLike, PyTree
 
 
-def _check_scalar(name: str, value: Any, what: str) -> jax.Array:
+class Stats(NamedTuple):
+  """Per-step counters and the sums behind :class:`jaxaccum.AccumInfo`."""
+
+  kept: jax.Array  # int32: micro-batches added
+  skipped: jax.Array  # int32: micro-batches dropped by skip_nonfinite
+  sq: jax.Array  # float32: sum over samples of |g_i|^2
+  samples: jax.Array  # int32: samples behind sq
+  size: jax.Array  # float32: sum over samples of their sizes (rows or denominators)
+  inv_size: jax.Array  # float32: sum over samples of 1 / size
+
+
+class Carry(NamedTuple):
+  """What the scan carries from one micro-batch to the next."""
+
+  num: tuple  # per term: the summed value (numerator)
+  den: tuple  # per term: the summed denominator (weighted terms), else None
+  grads: tuple  # per group: the summed gradients
+  aux: PyTree  # per aux leaf: its reduction's carry (None for per-micro-batch kinds)
+  state: tuple  # the threaded state arguments
+  stats: Stats
+
+
+class Group(NamedTuple):
+  """Loss terms whose gradients share one accumulator and one divisor."""
+
+  terms: tuple[int, ...]
+  divisor: Any  # "one", "count", or the index of a weighted term
+  scaled: tuple[bool, ...]  # per term: scaled by 1 / (micro-batches run) in the body
+
+
+def make_groups(opts: Options) -> tuple[Group, ...]:
+  groups: dict[Any, list[int]] = {}
+  for t, term in enumerate(opts.terms):
+    key = t if term.kind == "weighted" else ("one" if term.kind == "sum" else "count")
+    groups.setdefault(key, []).append(t)
+  merge = (len(groups) > 1 and "count" in groups and not opts.skip_nonfinite
+           and not opts.with_info)
+  out = []
+  if merge:  # mean terms divide by a count known in the body: fold them into "one"
+    ts = tuple(sorted(groups.pop("one", []) + groups.pop("count")))
+    out.append(Group(ts, "one", tuple(opts.terms[t].kind == "mean" for t in ts)))
+  for key, ts in groups.items():
+    out.append(Group(tuple(ts), key, (False,) * len(ts)))
+  return tuple(out)
+
+
+# --- What fun returns ------------------------------------------------------------------------
+
+
+def _check_scalar(name: str, value: Any, what: str, hint: str = "") -> jax.Array:
   shape = getattr(value, "shape", None)
   dtype = getattr(value, "dtype", None)
   if shape is None or dtype is None:
-    raise TypeError(f"{name} must be a scalar array {what}, got {_describe(value)}.")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return jnp.asarray(value)  # a Python number, e.g. x.shape[0] as a denominator
+    raise TypeError(f"{name} must be a scalar array {what}, got {_describe(value)}.{hint}")
   if shape != ():
     raise TypeError(
         f"{name} must be a scalar {what}, got {_describe(value)}. Reduce it over the "
-        "micro-batch inside fun (e.g. jnp.mean) before returning it."
-    )
+        "micro-batch inside fun (e.g. jnp.mean) before returning it.")
   return value
 
 
@@ -98,215 +99,524 @@ def _check_real(name: str, value: jax.Array) -> None:
   if not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(
         f"{name} must have a floating dtype to be differentiated, got {_describe(value)}. "
-        "Cast it with .astype(jnp.float32)."
-    )
+        "Cast it with .astype(jnp.float32).")
 
 
-def _unpack(opts: _Options, out: Any):
-  """Splits fun's output into (objective, weight, new_state, aux)."""
-  has_extra = opts.has_aux or bool(opts.state_argnums)
-  if has_extra:
+def _term_value(opts: Options, term: _reduce.Term, value: Any):
+  """One term's (numerator, denominator-or-None) from fun's value."""
+  where = "the value returned by fun" if not term.path else f"loss term {term.label}"
+  if term.kind == "weighted":
+    what = "reduce='weighted'" if not term.path else f"loss term {term.label}"
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      raise TypeError(
+          f"{what} needs fun to return "
+          f"{'its value' if not term.path else 'the term'} as (numerator, denominator), "
+          "e.g. (summed token loss, number of real tokens)"
+          f"{' with aux as ((numerator, denominator), aux)' if opts.has_extra else ''}; "
+          f"got {_describe(value)}.")
+    num = _check_scalar(f"the numerator of {what}", value[0], "(the summed loss)")
+    _check_real(f"the numerator of {what}", num)
+    den = _check_scalar(f"the denominator of {what}", value[1], "(the count or total weight)")
+    if not (jnp.issubdtype(den.dtype, jnp.integer) or jnp.issubdtype(den.dtype, jnp.floating)):
+      raise TypeError(
+          f"the denominator of {what} must be a number, got dtype {den.dtype}.")
+    return num, lax.stop_gradient(den)
+  hint = ""
+  if isinstance(value, (tuple, list)):
+    hint = (
+        f" It is a {type(value).__name__} of {len(value)}: if fun returns (loss, aux), pass "
+        "has_aux=True; if it returns (numerator, denominator) such as (summed token loss, "
+        "token count), pass reduce='weighted'.")
+  num = _check_scalar(where, value, f"(the loss {'mean' if term.kind == 'mean' else 'sum'})",
+                      hint)
+  _check_real(where, num)
+  return num, None
+
+
+def unpack(opts: Options, out: Any):
+  """Splits fun's output into (term numerators, term denominators, new_state, aux)."""
+  if opts.has_extra:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       wants = ("(value, aux)" if opts.has_aux and not opts.state_argnums else
                "(value, new_state)" if not opts.has_aux else "(value, (new_state, aux))")
       raise TypeError(
           f"fun must return {wants} because "
-          f"{'has_aux=True' if opts.has_aux else 'state_argnums is set'}, got {_describe(out)}."
-      )
+          f"{'has_aux=True' if opts.has_aux else 'state_argnums is set'}, got {_describe(out)}.")
     value, extra = out
   else:
     value, extra = out, None
-  if opts.reduce == "weighted":
-    if not (isinstance(value, (tuple, list)) and len(value) == 2):
-      raise TypeError(
-          "reduce='weighted' needs fun to return its value as (numerator, denominator), "
-          "e.g. (summed token loss, number of real tokens)"
-          f"{' with aux as ((numerator, denominator), aux)' if has_extra else ''}; "
-          f"got {_describe(value)}."
-      )
-    num = _check_scalar("the numerator of reduce='weighted'", value[0], "(the summed loss)")
-    _check_real("the numerator of reduce='weighted'", num)
-    den = _check_scalar("the denominator of reduce='weighted'", value[1],
-                        "(the count or total weight)")
-    den = lax.stop_gradient(den)
+  if opts.single_term:
+    num, den = _term_value(opts, opts.terms[0], value)
+    nums, dens = (num,), (den,)
   else:
-    num = _check_scalar("the value returned by fun", value,
-                        f"(the loss {'mean' if opts.reduce == 'mean' else 'sum'})")
-    _check_real("the value returned by fun", num)
-    den = None
+    if not isinstance(value, dict):
+      raise TypeError(
+          f"reduce={opts.reduce!r} is a dict of loss terms, so fun must return its value as a "
+          f"dict with the same keys, got {_describe(value)}.")
+    nums, dens = [], []
+    for term in opts.terms:
+      try:
+        v = _reduce.get_path(value, term.path)
+      except (KeyError, IndexError, TypeError):
+        raise TypeError(
+            f"reduce names loss term {term.label}, but the value fun returned has keys "
+            f"{sorted(value)}. Return every term that reduce names.") from None
+      n, d = _term_value(opts, term, v)
+      nums.append(n)
+      dens.append(d)
+    nums, dens = tuple(nums), tuple(dens)
   if opts.state_argnums:
     if opts.has_aux:
       if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
         raise TypeError(
             "with state_argnums and has_aux=True, fun must return (value, (new_state, aux)); "
-            f"got aux part {_describe(extra)}."
-        )
+            f"got aux part {_describe(extra)}.")
       new_state, aux = extra
     else:
       new_state, aux = extra, None
   else:
     new_state, aux = None, extra
-  return num, den, new_state, aux
+  for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
+        leaf, (int, float, complex, np.generic)):
+      raise TypeError(
+          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not an "
+          "array: every leaf of aux must be a JAX array (a string or other Python object "
+          "cannot leave the compiled loop). Return it outside the accumulated function, or "
+          "as an array.")
+  return nums, dens, new_state, aux
 
 
-def _check_keys(argnum: int, tree: PyTree) -> None:
+def _check_keys(opts: Options, argnum: int, tree: PyTree) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not _split.is_key(leaf):
       raise TypeError(
-          f"rng_argnums names argument {argnum}, but its leaf "
-          f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a single PRNG key. "
-          "Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree of "
-          "them; micro-batch i gets fold_in(key, i), so there is no need to split it."
-      )
+          f"rng_argnums names {opts.label(argnum)}, but its leaf "
+          f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a single PRNG "
+          "key. Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree "
+          "of them; micro-batch i gets fold_in(key, i), so there is no need to split it.")
 
 
-def _check_state(opts: _Options, state_in: tuple, new_state: Any) -> tuple:
+def _check_state(opts: Options, positions: tuple[int, ...], state_in: tuple,
+                 new_state: Any) -> tuple:
   """Checks that fun returned state shaped like its state arguments; returns it as a tuple."""
-  got = tuple(new_state) if opts.state_is_tuple else (new_state,)
+  got = tuple(new_state) if opts.state_is_tuple and isinstance(new_state, (tuple, list)) \
+      else (new_state,)
   if opts.state_is_tuple and (not isinstance(new_state, (tuple, list))
                               or len(new_state) != len(state_in)):
     raise TypeError(
         f"state_argnums={opts.state_argnums} is a tuple, so fun must return the new states "
-        f"as a tuple of {len(state_in)}, got {_describe(new_state)}."
-    )
-  for k, (old, new) in enumerate(zip(state_in, got, strict=True)):
+        f"as a tuple of {len(state_in)}, got {_describe(new_state)}.")
+  out = []
+  for j, old, new in zip(positions, state_in, got, strict=True):
     s_old, s_new = jax.tree.structure(old), jax.tree.structure(new)
     if s_old != s_new:
-      raise TypeError(
-          f"the new state returned by fun for state argument {opts.state_argnums[k]} has "
-          f"structure {s_new}, but the state passed in has structure {s_old}. Return the "
-          "updated state with the same structure as the input."
-      )
+      # A FrozenDict passed in comes back as a plain dict from Linen's apply: same leaves.
+      if [p for p, _ in jax.tree_util.tree_leaves_with_path(old)] == \
+          [p for p, _ in jax.tree_util.tree_leaves_with_path(new)] and \
+          s_old.num_leaves == s_new.num_leaves:
+        new = jax.tree.unflatten(s_old, jax.tree.leaves(new))
+      else:
+        raise TypeError(
+            f"the new state returned by fun for state {opts.label(j)} has structure "
+            f"{s_new}, but the state passed in has structure {s_old}. Return the updated "
+            "state with the same structure as the input.")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new),
                             strict=True):
       if a.shape != b.shape or a.dtype != b.dtype:  # jnp.dtype() rejects PRNG key dtypes
         raise TypeError(
-            f"the new state leaf {jax.tree_util.keystr(path)} of state argument "
-            f"{opts.state_argnums[k]} is {_describe(b)}, but the input is {_describe(a)}. "
-            "Keep each state leaf's shape and dtype."
-        )
-  return got
+            f"the new state leaf {jax.tree_util.keystr(path)} of state {opts.label(j)} is "
+            f"{_describe(b)}, but the input is {_describe(a)}. Keep each state leaf's shape "
+            "and dtype.")
+    out.append(new)
+  return tuple(out)
 
 
-def _accumulate(opts: _Options, args: tuple, kwargs: dict, combine=None):
-  """The accumulated (value, aux-part, grads) of ``opts.fun`` over the micro-batches.
+# --- The per-micro-batch computation --------------------------------------------------------
 
-  ``combine``, if given, reduces the accumulators across devices once after the loop
-  (see ``_sharding.data_parallel``) and returns the micro-batch count to divide by.
-  """
-  roles = opts.roles(len(args))
-  argnums, batch_argnums = roles["argnums"], roles["batch_argnums"]
-  rng_argnums, state_argnums = roles["rng_argnums"], roles["state_argnums"]
-  batches = {j: args[j] for j in batch_argnums}
-  n = _split.resolve_count(_split.batch_size(batches), opts.count, opts.size)
-  for j in rng_argnums:
-    _check_keys(j, args[j])
+
+class Micro(NamedTuple):
+  """One micro-batch's contribution."""
+
+  nums: tuple
+  dens: tuple
+  state: tuple
+  aux: PyTree
+  grads: tuple  # per group
+
+
+class Problem(NamedTuple):
+  """A call of the transformed function, split and ready to scan."""
+
+  n: int  # micro-batches
+  rows: int  # rows per micro-batch (per data shard)
+  params: tuple
+  state0: tuple
+  micro: Callable[[jax.Array, tuple, Any], Micro]  # (i, state, count) -> Micro
+  groups: tuple[Group, ...]
+
+
+def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> Problem:
+  """Resolves the roles, splits the batch and builds the per-micro-batch function."""
+  roles = opts.roles(len(args), kwargs)
+  batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
+  batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
+  size = _split.batch_size(batches)
+  if n is None:
+    n = _split.resolve_count(size, opts.count, opts.size)
+  for j in roles.rng:
+    _check_keys(opts, j, args[j])
   _sharding.check_split_sharding(batches, n)
-  split = {j: _split.split(b, n) for j, b in batches.items()}
-  state0 = tuple(args[j] for j in state_argnums)
-  params = tuple(args[j] for j in argnums)
+  split = {j: _split.split(args[j], n) for j in roles.batch}
+  split_kw = {k: _split.split(kwargs[k], n) for k in roles.batch_names}
+  state0 = tuple(args[j] for j in roles.state)
+  params = tuple(args[j] for j in roles.diff)
+  groups = make_groups(opts)
 
-  # The differentiated function takes only the arguments that have a role (differentiated,
-  # batch, key, state) and closes over the others, so those may be anything (a static
-  # flag, a string) even under jax.checkpoint.
-  role_pos = tuple(dict.fromkeys(argnums + batch_argnums + rng_argnums + state_argnums))
+  # The differentiated function takes only the arguments that have a role and closes over
+  # the others, so those may be anything (a static flag, a string) even under remat.
+  role_pos = tuple(dict.fromkeys(roles.diff + roles.batch + roles.rng + roles.state))
+  nd = len(roles.diff)
 
-  def inner(*role_vals):
+  def inner(count, kw_batch, *role_vals):
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
-    num, den, new_state, aux = _unpack(opts, opts.fun(*call_args, **kwargs))
-    return num, (den, new_state, aux)
+    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**kwargs, **kw_batch}))
+    objectives = []
+    for g in groups:
+      total = 0.0
+      for t, scaled in zip(g.terms, g.scaled, strict=True):
+        w = opts.terms[t].weight
+        v = nums[t] * w if w != 1.0 else nums[t]
+        total = total + (v / count.astype(v.dtype) if scaled else v)
+      objectives.append(total)
+    return tuple(objectives), (nums, dens, new_state, aux)
 
   if opts.remat:
     # prevent_cse=True: the recomputation sits in the same scan iteration as the forward
     # pass it repeats, and without the barrier XLA merges the two, saving nothing.
     inner = jax.checkpoint(inner, policy=opts.remat_policy, prevent_cse=True)
-  vg = jax.value_and_grad(inner, argnums=tuple(range(len(argnums))), has_aux=True)
 
-  def call(i, state):
+  def micro(i, state, count):
     call_args = list(args)
-    for j in batch_argnums:
+    for j in roles.batch:
       call_args[j] = _split.take(split[j], i)
-    for j in rng_argnums:
+    for j in roles.rng:
       call_args[j] = jax.tree.map(lambda k: jax.random.fold_in(k, i), args[j])
-    for j, s in zip(state_argnums, state, strict=True):
+    for j, s in zip(roles.state, state, strict=True):
       call_args[j] = s
-    (num, (den, new_state, aux)), grads = vg(*(call_args[j] for j in role_pos))
-    if state_argnums:
-      new_state = _check_state(opts, state, new_state)
-    return num, den, new_state, aux, grads
+    kw = {k: _split.take(split_kw[k], i) for k in roles.batch_names}
+    vals = [call_args[j] for j in role_pos]
+    diff, rest = vals[:nd], vals[nd:]
+    objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
+        lambda *d: inner(count, kw, *d, *rest), *diff, has_aux=True)
+    grads = []
+    for k in range(len(groups)):
+      cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
+                  for h, o in enumerate(objectives))
+      grads.append(vjp(cot))
+    if roles.state:
+      new_state = _check_state(opts, roles.state, state, new_state)
+    else:
+      new_state = state
+    return Micro(nums, dens, new_state, aux, tuple(grads))
 
-  # One abstract evaluation gives the shapes of everything the scan carries.
-  num_s, den_s, state_s, aux_s, grads_s = jax.eval_shape(call, jnp.int32(0), state0)
-  weighted = opts.reduce == "weighted"
-  if weighted and not (jnp.issubdtype(den_s.dtype, jnp.integer)
-                       or jnp.issubdtype(den_s.dtype, jnp.floating)):
-    raise TypeError(
-        f"the denominator of reduce='weighted' must be a number, got dtype {den_s.dtype}.")
-  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, aux_s, "mean")
-  for (path, kind), shape in zip(jax.tree_util.tree_leaves_with_path(kinds),
-                                 jax.tree.leaves(aux_s), strict=True):
-    _reduce.check_aux_leaf(jax.tree_util.keystr(path), kind, shape)
-  acc_dtype = functools.partial(_reduce.accumulator_dtype_for,
-                                accumulator_dtype=opts.accumulator_dtype)
-  den_dtype = None
-  if weighted:
-    den_dtype = (jnp.promote_types(den_s.dtype, jnp.int32)
-                 if jnp.issubdtype(den_s.dtype, jnp.integer) else acc_dtype(den_s.dtype))
+  return Problem(n, size // n, params, state0, micro, groups)
 
-  # The accumulators take the sharding / device-varying type of what is added to them.
-  carry0 = (
-      _sharding.conform(jnp.zeros((), acc_dtype(num_s.dtype)), num_s),
-      _sharding.conform(jnp.zeros((), den_dtype), den_s) if weighted else None,
-      _sharding.align(jax.tree.map(
-          lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), grads_s),
-          params),
-      jax.tree.map(
-          lambda k, s: None if k == "stack" else _sharding.conform(
-              _reduce.aux_init(k, s, opts.accumulator_dtype), s), kinds, aux_s),
-      jax.tree.map(_sharding.conform, state0, state_s) if state_argnums else state0,
+
+# --- Step 1: scan -----------------------------------------------------------------------------
+
+
+def _zeros_like_struct(s: Any) -> jax.Array:
+  if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(jax.random.key(0)) if not hasattr(s.dtype, "_impl") \
+        else s.dtype._impl
+    data = jnp.zeros(s.shape + tuple(impl.key_shape), jnp.uint32)
+    return _sharding.conform(jax.random.wrap_key_data(data, impl=impl), s)
+  return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
+
+
+def _sum_sq(tree: PyTree) -> jax.Array:
+  leaves = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)]
+  return functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
+
+
+def _nonfinite(tree: PyTree) -> jax.Array:
+  """True if any leaf holds a NaN or an infinity: ``sum(x * 0)`` is 0 exactly otherwise."""
+  leaves = [jnp.sum(x.astype(jnp.float32) * 0) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  total = functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
+  return ~jnp.isfinite(total)
+
+
+def info_sizes(opts: Options):
+  """Which term's denominator measures a sample's size (None: rows)."""
+  if opts.single_term and opts.terms[0].kind == "weighted":
+    return 0
+  return None
+
+
+def scan(opts: Options, problem: Problem, active: jax.Array | None):
+  """Step 1: one ``lax.scan`` over the micro-batches. Returns ``(carry, stacked, shapes)``."""
+  n = problem.n
+  count = jnp.asarray(n if active is None else active, jnp.int32)
+  shapes = jax.eval_shape(problem.micro, jnp.int32(0), problem.state0, count)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux)
+  acc = opts.accumulator_dtype
+
+  def acc_dtype(dtype):
+    return _reduce.accumulator_dtype_for(dtype, acc)
+
+  def den_dtype(s):
+    return (jnp.promote_types(s.dtype, jnp.int32) if jnp.issubdtype(s.dtype, jnp.integer)
+            else acc_dtype(s.dtype))
+
+  weight_term = aux_weight_term(opts)
+  zero_f = jnp.zeros((), jnp.float32)
+  zero_i = jnp.zeros((), jnp.int32)
+  carry0 = Carry(
+      num=tuple(_sharding.conform(jnp.zeros((), acc_dtype(s.dtype)), s) for s in shapes.nums),
+      den=tuple(None if s is None else _sharding.conform(jnp.zeros((), den_dtype(s)), s)
+                for s in shapes.dens),
+      grads=tuple(_sharding.align(jax.tree.map(
+          lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), gs),
+          problem.params) for gs in shapes.grads),
+      aux=jax.tree.map(lambda k, s: None if _reduce.AUX_REDUCTIONS[k].per_micro_batch
+                       else _sharding.conform(_reduce.AUX_REDUCTIONS[k].init(s, acc), s),
+                       kinds, shapes.aux),
+      state=(jax.tree.map(_sharding.conform, problem.state0, shapes.state)
+             if problem.state0 else problem.state0),
+      stats=Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f),
   )
+  carry0 = carry0._replace(stats=jax.tree.map(
+      lambda z: _sharding.conform(z, shapes.nums[0]), carry0.stats))
+  per_mb = jax.tree.map(lambda k, s: s if _reduce.AUX_REDUCTIONS[k].per_micro_batch else None,
+                        kinds, shapes.aux)
+
+  def run(carry: Carry, i):
+    out = problem.micro(i, carry.state, count)
+    keep = None
+    if opts.skip_nonfinite:
+      bad = _nonfinite((out.nums, [d for d in out.dens if d is not None], out.grads))
+      keep = ~bad
+
+    def add(c, v):
+      v = v.astype(c.dtype)
+      return c + (v if keep is None else jnp.where(keep, v, jnp.zeros_like(v)))
+
+    num = tuple(add(c, v) for c, v in zip(carry.num, out.nums, strict=True))
+    den = tuple(None if c is None else add(c, v)
+                for c, v in zip(carry.den, out.dens, strict=True))
+    grads = tuple(_sharding.align(jax.tree.map(add, c, g), problem.params)
+                  for c, g in zip(carry.grads, out.grads, strict=True))
+    weight = None if weight_term is None else out.dens[weight_term]
+
+    def aux_add(k, c, v):
+      if c is None:
+        return None
+      new = _reduce.AUX_REDUCTIONS[k].update(c, jnp.asarray(v), weight)
+      return new if keep is None else jnp.where(keep, new, c)
+
+    aux = jax.tree.map(aux_add, kinds, carry.aux, out.aux)
+    state = out.state
+    if keep is not None and state:
+      state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), state, carry.state)
+    stats = carry.stats
+    k_i = jnp.int32(1) if keep is None else keep.astype(jnp.int32)
+    stats = stats._replace(kept=stats.kept + k_i, skipped=stats.skipped + (1 - k_i))
+    if opts.with_info:
+      stats = _sample_stats(opts, problem, out, stats, keep)
+    ys = jax.tree.map(lambda k, v: v if _reduce.AUX_REDUCTIONS[k].per_micro_batch else None,
+                      kinds, out.aux)
+    return Carry(num, den, grads, aux, state, stats), ys
 
   def body(carry, i):
-    num_acc, den_acc, grad_acc, aux_acc, state = carry
-    num, den, new_state, aux, grads = call(i, state)
-    grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
-    grad_acc = _sharding.align(grad_acc, params)
-    num_acc = num_acc + num.astype(num_acc.dtype)
-    if weighted:
-      den_acc = den_acc + den.astype(den_dtype)
-    aux_acc = jax.tree.map(
-        lambda k, c, v: _reduce.aux_update(k, c, jnp.asarray(v), den if weighted else None),
-        kinds, aux_acc, aux)
-    stacked = jax.tree.map(lambda k, v: v if k == "stack" else None, kinds, aux)
-    new_carry = (num_acc, den_acc, grad_acc, aux_acc, new_state if state_argnums else state)
-    return new_carry, stacked
+    if active is None:
+      return run(carry, i)
+    zeros = jax.tree.map(_zeros_like_struct, per_mb)
+    return lax.cond(i < active, run, lambda c, _: (c, zeros), carry, i)
 
   carry, stacked = lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll)
-  count = n
-  if combine is not None:
-    carry, stacked, count = combine(carry, stacked, kinds, n)
-  num_acc, den_acc, grad_acc, aux_acc, state = carry
+  return carry, stacked, shapes, kinds
 
-  divisor = den_acc if weighted else jnp.asarray(count if opts.reduce == "mean" else 1)
-  aux_divisor = den_acc if weighted else jnp.asarray(count)
-  value = _reduce.safe_divide(num_acc, divisor).astype(num_s.dtype)
 
-  def finish_grad(a, g):
-    out = _reduce.safe_divide(a, divisor)
-    return out.astype(opts.grads_dtype if opts.grads_dtype is not None else g.dtype)
+def aux_weight_term(opts: Options) -> int | None:
+  """The weighted term whose denominators weigh aux means (only when there is one)."""
+  weighted = [t for t, term in enumerate(opts.terms) if term.kind == "weighted"]
+  return weighted[0] if len(weighted) == 1 else None
 
-  grads = _sharding.align(jax.tree.map(finish_grad, grad_acc, grads_s), params)
+
+def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, keep):
+  """Adds one micro-batch gradient, normalised as its reduction says, as a sample."""
+  rows = jnp.float32(problem.rows)
+  divs = []
+  valid = jnp.bool_(True) if keep is None else keep
+  for g in problem.groups:
+    if g.divisor == "one":
+      divs.append(rows)
+    elif g.divisor == "count":
+      divs.append(jnp.float32(1))
+    else:
+      d = out.dens[g.divisor].astype(jnp.float32)
+      valid = valid & (d > 0)
+      divs.append(d)
+  sample = None
+  for gr, d in zip(out.grads, divs, strict=True):
+    d = jnp.where(d > 0, d, 1.0)
+    part = jax.tree.map(lambda x, d=d: x.astype(jnp.float32) / d, gr)
+    sample = part if sample is None else jax.tree.map(jnp.add, sample, part)
+  sq = _sum_sq(sample)
+  st = info_sizes(opts)
+  size = rows if st is None else out.dens[st].astype(jnp.float32)
+  size = jnp.where(valid, size, 1.0)
+  v = valid.astype(jnp.float32)
+  return stats._replace(
+      sq=stats.sq + jnp.where(valid, sq, 0.0),
+      samples=stats.samples + valid.astype(jnp.int32),
+      size=stats.size + v * size,
+      inv_size=stats.inv_size + v / size)
+
+
+# --- Step 3: finalize ------------------------------------------------------------------------
+
+
+def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, shapes: Micro,
+             kinds: PyTree, *, kept_static: int | None):
+  """Divides what the scan summed and builds ``(value, extra, grads, info)``."""
+  if kept_static is not None:
+    kept = jnp.asarray(kept_static, jnp.int32)
+  else:
+    kept = carry.stats.kept
+
+  def term_div(t):
+    kind = opts.terms[t].kind
+    if kind == "sum":
+      return None
+    if kind == "mean":
+      return kept
+    return carry.den[t]
+
+  values = []
+  for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
+    d = term_div(t)
+    values.append((c if d is None else _reduce.safe_divide(c, d)).astype(s.dtype))
+  if opts.single_term:
+    value = values[0]
+    terms_out = None
+  else:
+    value = functools.reduce(
+        jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
+    terms_out = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
+  if opts.skip_nonfinite:
+    value = jnp.where(carry.stats.kept > 0, value, jnp.nan).astype(value.dtype)
+
+  def group_div(g):
+    if g.divisor == "one":
+      return None
+    if g.divisor == "count":
+      return kept
+    return carry.den[g.divisor]
+
+  grads = None
+  for g, acc in zip(problem.groups, carry.grads, strict=True):
+    d = group_div(g)
+    part = acc if d is None else jax.tree.map(lambda a, d=d: _reduce.safe_divide(a, d), acc)
+    grads = part if grads is None else jax.tree.map(jnp.add, grads, part)
+  grads_s = shapes.grads[0]
+  grads = jax.tree.map(
+      lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
+      grads, grads_s)
+  grads = _sharding.align(grads, problem.params)
+
+  wt = aux_weight_term(opts)
+  aux_div = carry.den[wt] if wt is not None else kept
   aux = jax.tree.map(
-      lambda k, c, st, s: _reduce.aux_finalize(k, c, st, s, aux_divisor),
-      kinds, aux_acc, stacked, aux_s)
-  if state_argnums:
+      lambda k, c, st, s: _reduce.AUX_REDUCTIONS[k].finalize(c, st, s, aux_div),
+      kinds, carry.aux, stacked, shapes.aux)
+
+  info = None
+  if opts.with_info:
+    info = _make_info(opts, problem, carry, kept)
+    if terms_out is not None:
+      info = info._replace(terms=terms_out)
+
+  state = carry.state
+  if problem.state0:
     new_state = state if opts.state_is_tuple else state[0]
     extra = (new_state, aux) if opts.has_aux else new_state
   else:
     extra = aux
-  return value, extra, grads
+  return value, extra, grads, info
+
+
+def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.AccumInfo:
+  st = carry.stats
+  rows_total = jnp.float32(problem.rows) * kept.astype(jnp.float32)
+  gb = None
+  for g, acc in zip(problem.groups, carry.grads, strict=True):
+    if g.divisor == "one":
+      d = rows_total
+    elif g.divisor == "count":
+      d = kept
+    else:
+      d = carry.den[g.divisor]
+    part = jax.tree.map(lambda a, d=d: _reduce.safe_divide(a.astype(jnp.float32), d), acc)
+    gb = part if gb is None else jax.tree.map(jnp.add, gb, part)
+  samples = st.samples
+  micro_sq = _reduce.safe_divide(st.sq, samples.astype(jnp.float32))
+  b = _reduce.safe_divide(samples.astype(jnp.float32), st.inv_size)
+  return _info.AccumInfo(
+      num_micro_batches=st.kept + st.skipped,
+      micro_batch_size=b,
+      batch_size=st.size,
+      micro_grad_sq_norm=micro_sq,
+      batch_grad_sq_norm=_sum_sq(gb),
+      num_samples=samples,
+      skipped=st.skipped,
+  )
+
+
+def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
+               n: int | None = None, combine: Callable[..., Any] | None = None):
+  """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
+
+  ``combine(carry, stacked, kinds)``, given by the data-parallel mode, reduces the carry
+  across devices once after the loop and returns ``(carry, stacked, shards)``.
+  """
+  problem = prepare(opts, args, kwargs, n)
+  if active is not None:
+    active = check_active(active, problem.n)
+  carry, stacked, shapes, kinds = scan(opts, problem, active)
+  shards = 1
+  if combine is not None:
+    carry, stacked, shards = combine(carry, stacked, kinds)
+  static = None if (opts.skip_nonfinite or active is not None) else problem.n * shards
+  return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
+
+
+def check_active(active: Any, n: int) -> jax.Array:
+  """Validates ``active_micro_batches``: concrete values eagerly, traced ones are clipped."""
+  if isinstance(active, (bool, np.bool_)) or not (
+      isinstance(active, (int, np.integer)) or hasattr(active, "dtype")):
+    raise TypeError(
+        f"active_micro_batches must be an int or an int32 scalar array, got {_describe(active)}.")
+  if hasattr(active, "dtype") and (np.shape(active) != () or not jnp.issubdtype(
+      active.dtype, jnp.integer)):
+    raise TypeError(
+        f"active_micro_batches must be a scalar integer, got {_describe(active)}.")
+  try:
+    concrete = int(active)
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    concrete = None
+  if concrete is not None and not 1 <= concrete <= n:
+    raise ValueError(
+        f"active_micro_batches={concrete} is out of range: it counts the micro-batches to "
+        f"run, from 1 to num_micro_batches={n}.")
+  return jnp.clip(jnp.asarray(active, jnp.int32), 1, n)
+
+
+# --- The public transforms -------------------------------------------------------------------
 
 
 def value_and_grad(
@@ -314,20 +624,24 @@ def value_and_grad(
     *,
     num_micro_batches: int | None = None,
     micro_batch_size: int | None = None,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    argnums: ArgNums = 0,
+    batch_argnums: ArgNums = _UNSET,
+    batch_argnames: ArgNames | None = None,
     has_aux: bool = False,
-    reduce: str = "mean",
+    reduce: str | dict[str, Any] = "mean",
+    loss_weights: dict[str, float] | None = None,
     aux_reduce: Any = None,
-    rng_argnums: int | Sequence[int] | None = None,
-    state_argnums: int | Sequence[int] | None = None,
-    accumulator_dtype: Any = None,
-    grads_dtype: Any = None,
+    rng_argnums: ArgNums | None = None,
+    state_argnums: ArgNums | None = None,
+    accumulator_dtype: DTypeLike | None = None,
+    grads_dtype: DTypeLike | None = None,
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
     data_axis: str | Sequence[str] | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    with_info: bool = False,
+    skip_nonfinite: bool = False,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -336,8 +650,7 @@ def value_and_grad(
   :func:`jax.lax.scan` runs forward and backward on each micro-batch and sums the
   gradients in a float32 accumulator; the result is the full-batch loss and gradients,
   with :func:`jax.value_and_grad`'s output structure. Peak memory holds one micro-batch of
-  activations. Call it inside your jitted train step; ``fun`` is traced a constant number
-  of times, whatever ``N`` is.
+  activations. Call it inside your jitted train step.
 
   Args:
     fun: the loss, ``fun(params, batch, ...)``. What it returns depends on ``reduce``.
@@ -345,8 +658,10 @@ def value_and_grad(
     micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
     argnums: which positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: which positional argument(s) carry the batch: pytrees whose leaves share
-      a leading batch axis. Other arguments, keyword arguments included, are passed
-      unchanged to every micro-batch (a keyword argument is never split).
+      a leading batch axis. Default 1, or none when ``batch_argnames`` is given.
+    batch_argnames: keyword argument(s) that carry the batch, split like ``batch_argnums``
+      (``loss_fn(params, x, labels=y)`` with ``batch_argnums=1, batch_argnames="labels"``).
+      Other arguments, positional or keyword, are passed whole to every micro-batch.
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
       (see ``aux_reduce``).
     reduce: how ``fun``'s value combines across micro-batches.
@@ -359,46 +674,56 @@ def value_and_grad(
         sum(denominator)`` and the gradients ``sum(grad numerator) / sum(denominator)``:
         the exact full-batch token mean however unevenly tokens fall across micro-batches.
         A total denominator of 0 gives loss 0 and zero gradients.
-    aux_reduce: how each aux leaf is reduced: ``"mean"`` (the default; weighted by the
-      denominator under ``reduce="weighted"``), ``"sum"``, ``"max"``, ``"min"``, or
-      ``"stack"`` (a leading axis of size ``N``, one entry per micro-batch). A string
-      applies to all of aux; a pytree prefix of aux with names (or ``None`` for the
-      default) at its leaves chooses per subtree, e.g. ``{"loss": None, "count": "sum"}``.
+      * a dict of these, for a loss of several terms: ``fun`` returns a dict with the same
+        keys (``(numerator, denominator)`` for weighted terms) and each term is normalised
+        by its own rule over the whole batch; the value is their weighted total
+        (``loss_weights``) and the gradients its gradients. Terms with different divisors
+        cost one backward pass each per micro-batch.
+    loss_weights: with a dict ``reduce``, the weight of each term (default 1).
+    aux_reduce: how each aux leaf is reduced: ``"mean"`` (weighted by the denominator
+      under ``reduce="weighted"``), ``"sum"``, ``"max"``, ``"min"``, ``"stack"`` (a leading
+      axis of size ``N``, one entry per micro-batch) or ``"concat"`` (per-example rows back
+      in batch order: the full batch's aux). A string applies to all of aux; a pytree
+      prefix of aux with names (or ``None`` for the default) chooses per subtree. The
+      default (``None``) is ``"mean"`` for floating scalars and ``"sum"`` for integer and
+      boolean scalars (counts); a non-scalar leaf must be named.
     rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
-      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``: distinct per micro-batch,
-      deterministic, and independent of how the other arguments are split.
+      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``.
     state_argnums: positional argument(s) holding mutable state (e.g. Linen
       ``batch_stats``) that ``fun`` returns updated: ``fun`` then returns
       ``(value, new_state)``, or ``(value, (new_state, aux))`` with ``has_aux=True``.
-      Micro-batch ``i + 1`` sees micro-batch ``i``'s state; the final state comes back in
-      the same place of the output. With a tuple of argnums, ``new_state`` is a tuple.
+      Micro-batch ``i + 1`` sees micro-batch ``i``'s state.
     accumulator_dtype: dtype of the gradient and loss accumulators. ``None`` (default)
       accumulates bfloat16/float16 values in float32 and wider ones in their own dtype.
-    grads_dtype: dtype of the returned gradients; ``None`` (default) gives each gradient
-      its parameter's dtype, as :func:`jax.grad` does.
-    remat: wrap the per-micro-batch computation in :func:`jax.checkpoint`, trading
-      recomputation in the backward pass for activation memory.
+    grads_dtype: dtype of the returned gradients; ``None`` gives each gradient its
+      parameter's dtype, as :func:`jax.grad` does.
+    remat: wrap the per-micro-batch computation in :func:`jax.checkpoint`.
     remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
     unroll: passed to :func:`jax.lax.scan`.
-    data_axis: data-parallel mode: the mesh axis name (or tuple of names) that the batch
-      axis is sharded over. Each device accumulates the gradients of its own rows and
-      they are reduced over these axes once per step, after the loop, instead of once per
-      micro-batch: the number of all-reduces per step does not depend on ``N``. ``fun``
-      then sees ``B / (N * D)`` rows per call on each of the ``D`` data shards, so ``B``
-      must be divisible by ``D * N``. Parameters are replicated over these axes, or, on
-      ``Explicit`` mesh axes, sharded over some of them (FSDP): such a parameter is
-      all-gathered inside ``fun`` and its gradient reduce-scattered once per
-      micro-batch into an accumulator of the shard's size. Mesh axes not named here are
-      left to the compiler. Without ``data_axis``, sharded inputs under :func:`jax.jit`
-      work too (the split moves no data), but XLA may all-reduce the gradients inside the
-      loop. See ``jaxaccum/_sharding.py`` for how aux, state and keys are reduced.
-    mesh: the :class:`jax.sharding.Mesh` holding ``data_axis``; ``None`` (default) uses
-      the mesh set with :func:`jax.set_mesh`.
+    data_axis: data-parallel mode: the mesh axis name (or names) that the batch is sharded
+      over. Each device accumulates the gradients of its own rows and they are reduced
+      once per step, after the loop. ``fun`` sees ``B / (N * D)`` rows per call on each of
+      the ``D`` data shards. Arrays ``fun`` closes over and non-batch keyword arguments
+      are replicated. See the devices guide.
+    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
+      :func:`jax.set_mesh`.
+    with_info: also return a :class:`jaxaccum.AccumInfo` (gradient noise statistics,
+      counts): the function returns ``(value_part, grads, info)``.
+    skip_nonfinite: a micro-batch whose value, denominator or any gradient is NaN or
+      infinite adds nothing (value, gradients, denominators, aux, state update); means
+      divide by the micro-batches kept and ``info.skipped`` counts the others. If every
+      micro-batch is skipped the gradients are zeros and the value is NaN.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
     ``((value, aux), grads)`` when ``has_aux`` or ``state_argnums`` is set, where the aux
-    part is ``aux``, ``new_state`` or ``(new_state, aux)``.
+    part is ``aux``, ``new_state`` or ``(new_state, aux)``; with ``with_info=True`` a
+    third element, the :class:`jaxaccum.AccumInfo`. It takes one more, optional keyword
+    argument, ``active_micro_batches``: an int or int32 scalar ``k`` in ``1..N``; only
+    micro-batches ``0..k-1`` run (the others cost no compute) and the reductions divide
+    by what ran, in the same compiled program for every ``k`` (traced values outside the
+    range are clipped to it). Stacked and concatenated aux entries of micro-batches that
+    did not run are zeros.
 
   Raises:
     ValueError, TypeError: at construction for bad options, and at trace time for a batch
@@ -417,22 +742,30 @@ def value_and_grad(
   >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(grads, ref_grads))
   (True, True)
   """
-  opts = _Options(
-      fun=fun, num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
-      argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux, reduce=reduce,
-      aux_reduce=aux_reduce, rng_argnums=rng_argnums, state_argnums=state_argnums,
+  opts = _options.make_options(
+      fun, num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
+      argnums=argnums, batch_argnums=batch_argnums, batch_argnames=batch_argnames,
+      has_aux=has_aux, reduce=reduce, loss_weights=loss_weights, aux_reduce=aux_reduce,
+      rng_argnums=rng_argnums, state_argnums=state_argnums,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
-      remat_policy=remat_policy, unroll=unroll, data_axis=data_axis, mesh=mesh)
+      remat_policy=remat_policy, unroll=unroll, data_axis=data_axis, mesh=mesh,
+      with_info=with_info, skip_nonfinite=skip_nonfinite)
+  return transform(opts)
 
-  @functools.wraps(fun)
-  def value_and_grad_fn(*args, **kwargs):
+
+def transform(opts: Options) -> Callable[..., Any]:
+  """The accumulated function for validated options."""
+
+  @functools.wraps(opts.fun)
+  def value_and_grad_fn(*args, active_micro_batches=None, **kwargs):
     if opts.data_axis is not None:
-      value, extra, grads = _sharding.data_parallel(opts, _accumulate, args, kwargs)
+      value, extra, grads, info = _sharding.data_parallel(opts, args, kwargs,
+                                                          active_micro_batches)
     else:
-      value, extra, grads = _accumulate(opts, args, kwargs)
+      value, extra, grads, info = accumulate(opts, args, kwargs, active_micro_batches)
     grads = grads[0] if opts.argnums_is_int else grads
-    has_extra = opts.has_aux or bool(opts.state_argnums)
-    return ((value, extra), grads) if has_extra else (value, grads)
+    out = ((value, extra), grads) if opts.has_extra else (value, grads)
+    return (*out, info) if opts.with_info else out
 
   return value_and_grad_fn
 
@@ -441,7 +774,8 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`jax.grad`, accumulated over micro-batches; options as :func:`value_and_grad`.
 
   Returns a function giving ``grads``, or ``(grads, aux)`` when ``has_aux`` or
-  ``state_argnums`` is set (the aux part as in :func:`value_and_grad`).
+  ``state_argnums`` is set (the aux part as in :func:`value_and_grad`); with
+  ``with_info=True``, ``(grads_part, info)``.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
@@ -450,14 +784,16 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   Array(14., dtype=float32)
   """
   vg = value_and_grad(fun, **options)
-  has_extra = bool(options.get("has_aux")) or bool(_split.normalize_argnums(
+  opts_has_extra = bool(options.get("has_aux")) or bool(_split.normalize_argnums(
       "state_argnums", options.get("state_argnums"), allow_empty=True))
+  with_info = bool(options.get("with_info"))
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):
-    (value, grads) = vg(*args, **kwargs)
-    if has_extra:
-      return grads, value[1]
-    return grads
+    out = vg(*args, **kwargs)
+    value, grads = out[0], out[1]
+    part = (grads, value[1]) if opts_has_extra else grads
+    return (part, out[2]) if with_info else part
 
   return grad_fn
+

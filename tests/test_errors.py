@@ -35,9 +35,10 @@ def test_batch_size_not_divisible_lists_valid_counts():
 def test_leaves_with_different_leading_sizes_are_named():
   batch = {"x": jnp.ones((12, 3)), "y": jnp.ones(10)}
   with pytest.raises(ValueError, match=re.escape(
-      "leading sizes differ: 12 at argument 1['x']; 10 at argument 1['y']")):
+      "leading sizes differ: 12 at argument 1 ('b')['x']; 10 at argument 1 ('b')['y']")):
     call(fun=lambda w, b: jnp.mean(b["x"] @ w), args=(W, batch))
-  with pytest.raises(ValueError, match=r"12 at argument 1\[0\], argument 1\[1\]; 6 at argument 2"):
+  with pytest.raises(ValueError, match=r"12 at argument 1 \('b'\)\[0\], argument 1 "
+                     r"\('b'\)\[1\]; 6 at argument 2 \('c'\)"):
     call(fun=lambda w, b, c: jnp.mean(b[0] @ w) + jnp.mean(c), args=(W, BATCH, jnp.ones(6)),
          batch_argnums=(1, 2))
 
@@ -66,7 +67,8 @@ def test_non_integer_count(bad):
 
 
 def test_unknown_reduce():
-  with pytest.raises(ValueError, match="reduce must be one of 'mean', 'sum', 'weighted', got "
+  with pytest.raises(ValueError, match="reduce must be one of 'mean', 'sum', 'weighted', or a "
+                     "dict of them for a loss of several terms, got "
                      "reduce='avg'"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce="avg")
 
@@ -130,12 +132,13 @@ def test_argnums_wrong_type(bad):
 def test_batch_leaf_without_batch_axis():
   batch = {"x": jnp.ones((12, 3)), "temperature": jnp.float32(2.0)}
   with pytest.raises(ValueError, match=re.escape(
-      "batch leaf argument 1['temperature'] is a scalar (shape ()), so it has no batch axis")):
+      "batch leaf argument 1 ('b')['temperature'] is a scalar (shape ()), so it has no batch")):
     call(fun=lambda w, b: jnp.mean(b["x"] @ w) * b["temperature"], args=(W, batch))
 
 
 def test_rng_argument_must_be_a_key():
-  with pytest.raises(TypeError, match=r"rng_argnums names argument 2, but its leaf \(root\) is "
+  with pytest.raises(TypeError, match=r"rng_argnums names argument 2 \('k'\), but its leaf "
+                     r"\(root\) is "
                      r"an array of shape \(\) and dtype float32, not a single PRNG key"):
     call(fun=lambda w, b, k: loss(w, b), args=(W, BATCH, jnp.float32(0)), rng_argnums=2)
   with pytest.raises(TypeError, match=r"is an array of shape \(3,\) and dtype key<fry>, not a "
@@ -159,7 +162,8 @@ def test_state_must_keep_its_structure_and_shape():
   def bad_state(w, b, s):
     return loss(w, b), {"mean": s["mean"], "extra": 1.0}
 
-  with pytest.raises(TypeError, match="the new state returned by fun for state argument 2 has "
+  with pytest.raises(TypeError, match="the new state returned by fun for state argument 2 "
+                     "\\('s'\\) has "
                      "structure"):
     call(fun=bad_state, args=(W, BATCH, {"mean": jnp.zeros(3)}), state_argnums=2)
 
@@ -167,7 +171,7 @@ def test_state_must_keep_its_structure_and_shape():
     return loss(w, b), {"mean": jnp.zeros(4)}
 
   with pytest.raises(TypeError, match=re.escape(
-      "the new state leaf ['mean'] of state argument 2 is an array of shape (4,)")):
+      "the new state leaf ['mean'] of state argument 2 ('s') is an array of shape (4,)")):
     call(fun=bad_shape, args=(W, BATCH, {"mean": jnp.zeros(3)}), state_argnums=2)
 
   with pytest.raises(TypeError, match=r"fun must return \(value, new_state\) because "
@@ -177,8 +181,8 @@ def test_state_must_keep_its_structure_and_shape():
 
 
 def test_bad_aux_reduce():
-  with pytest.raises(ValueError, match="aux_reduce must be one of 'mean', 'sum', 'stack', 'max',"
-                     " 'min' or a pytree prefix"):
+  with pytest.raises(ValueError, match="aux_reduce must be one of 'mean', 'sum', 'max', 'min', "
+                     "'stack', 'concat' or a pytree prefix"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, has_aux=True, aux_reduce="median")
   with pytest.raises(ValueError, match=r"aux_reduce='sum' was given but has_aux=False"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, aux_reduce="sum")
@@ -199,5 +203,6 @@ def test_bad_dtype_and_remat_options():
 
 
 def test_batch_argument_without_arrays():
-  with pytest.raises(ValueError, match=r"the batch argument 1 has no array leaves, got dict \{\}"):
+  with pytest.raises(ValueError, match=r"the batch argument 1 \('b'\) has no array leaves, "
+                     r"got dict \{\}"):
     call(fun=lambda w, b: jnp.sum(w), args=(W, {}))

@@ -314,6 +314,29 @@ def test_skipped_weighted_call_leaves_the_window_unchanged():
   np.testing.assert_allclose(out, [(2.0 + 18.0) / 4])
 
 
+@pytest.mark.parametrize("skip", ["should_skip_update_fn", "skip_nonfinite"])
+def test_skipped_call_of_the_other_mode_leaves_the_window_mode_unchanged(skip):
+  # A skipped call is as if it never happened, its weighted-or-not flag included: the
+  # state after it equals the state before it, but for skip_state, the skip counters and
+  # info (which describes what this call emitted: nothing).
+  kwargs = ({"should_skip_update_fn": optax.skip_not_finite} if skip == "should_skip_update_fn"
+            else {"skip_nonfinite": True})
+  ms = jaxaccum.MultiSteps(optax.identity(), 2, **kwargs)
+  weighted = jax.jit(lambda g, s: ms.update(g, s, weight=3))
+  unweighted = jax.jit(ms.update)
+  ignore = {"skip_state": (), "skipped": 0, "window_skipped": 0, "info": ()}
+  for first, other in ((unweighted, weighted), (weighted, unweighted)):
+    # Before any call, and after a completed window of the first mode.
+    state = ms.init(jnp.zeros(2))
+    _, state = first(jnp.ones(2), state)
+    _, state = first(jnp.ones(2), state)
+    for before in (ms.init(jnp.zeros(2)), state):
+      out, after = other(jnp.full(2, jnp.nan), before)
+      chex.assert_trees_all_equal(out, jnp.zeros(2))
+      chex.assert_trees_all_equal(after._replace(**ignore), before._replace(**ignore))
+      assert int(after.info.num_micro_batches) == 0
+
+
 # ----------------------------------------------------------------------------------------
 # Drop-in: optax's own MultiSteps tests (optax/transforms/_accumulation_test.py), run on
 # both classes.
@@ -387,10 +410,66 @@ def test_dropin_scan_dtype_stability(cls):
 
 @pytest.mark.parametrize("cls", list(CLASSES.values()), ids=list(CLASSES))
 def test_dropin_zero_nans(cls):
-  ms = cls(optax.chain(optax.zero_nans(), optax.sgd(1e-4)), every_k_schedule=2)
+  # optax's test only checks that this runs (optax#828). The reference: the inner chain
+  # applied directly to each window's mean gradient, computed by hand.
+  inner = lambda: optax.chain(optax.zero_nans(), optax.sgd(1e-4))  # noqa: E731
+  ms = cls(inner(), every_k_schedule=2)
   opt_init, opt_update = ms.gradient_transformation()
-  params = {"a": jnp.zeros([])}
-  opt_update({"a": jnp.zeros([])}, opt_init(params), params)
+  opt_update = jax.jit(opt_update)
+  params = {"a": jnp.zeros([]), "b": jnp.zeros(2)}
+  calls = [{"a": 1.0, "b": [2.0, -4.0]}, {"a": 3.0, "b": [0.0, 8.0]},  # mean: 2, [1, 2]
+           {"a": jnp.nan, "b": [1.0, 1.0]}, {"a": 5.0, "b": [3.0, 5.0]}]  # mean: nan, [2, 3]
+  calls = [{"a": jnp.float32(c["a"]), "b": jnp.array(c["b"])} for c in calls]
+  window_means = [{"a": jnp.float32(2.0), "b": jnp.array([1.0, 2.0])},
+                  {"a": jnp.float32(jnp.nan), "b": jnp.array([2.0, 3.0])}]
+  ref, ref_state, ref_updates = inner(), None, []
+  ref_state = ref.init(params)
+  for mean in window_means:
+    u, ref_state = ref.update(mean, ref_state, params)
+    ref_updates.append(u)
+  # zero_nans zeroed the NaN and recorded it; the rest is -1e-4 times the mean.
+  chex.assert_trees_all_close(ref_updates, [{"a": -2e-4, "b": jnp.array([-1e-4, -2e-4])},
+                                            {"a": 0.0, "b": jnp.array([-2e-4, -3e-4])}])
+  state = opt_init(params)
+  outs = []
+  for i, g in enumerate(calls):
+    u, state = opt_update(g, state, params)
+    if i % 2 == 0:
+      chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+    else:
+      outs.append(u)
+  chex.assert_trees_all_close(outs, ref_updates, rtol=1e-6)
+  chex.assert_trees_all_equal(state.inner_opt_state, ref_state)
+  assert bool(state.inner_opt_state[0].found_nan["a"])
+
+
+@pytest.mark.parametrize("cls", list(CLASSES.values()), ids=list(CLASSES))
+@pytest.mark.parametrize(("start", "expected"), [(3, 4), (np.iinfo(np.int32).max,) * 2])
+def test_dropin_counters_saturate_instead_of_wrapping(cls, start, expected):
+  # optax's safe_increment test (optax/_src/numerics_test.py, "Increments correctly" and
+  # "Avoids overflow"), ported to the optimizer step count of MultiSteps: a window that
+  # completes at gradient_step == int32 max keeps it there rather than wrapping to
+  # int32 min, which would make has_updated() false and the inner schedules jump.
+  ms = cls(optax.sgd(1.0), 2)
+  update = jax.jit(ms.update)
+  state = ms.init(jnp.zeros(2))._replace(gradient_step=jnp.int32(start))
+  _, state = update(jnp.ones(2), state)
+  assert int(state.gradient_step) == start and int(state.mini_step) == 1
+  out, state = update(jnp.full(2, 3.0), state)
+  chex.assert_trees_all_close(out, jnp.full(2, -2.0))
+  assert int(state.gradient_step) == expected and state.gradient_step.dtype == jnp.int32
+  assert int(state.mini_step) == 0 and bool(ms.has_updated(state))
+
+
+@pytest.mark.parametrize("start", [5, np.iinfo(np.int32).max])
+def test_skipped_call_counters_saturate(start):
+  ms = jaxaccum.MultiSteps(optax.sgd(1.0), 2, skip_nonfinite=True)
+  update = jax.jit(ms.update)
+  state = ms.init(jnp.zeros(2))._replace(skipped=jnp.int32(start),
+                                         window_skipped=jnp.int32(start))
+  _, state = update(jnp.full(2, jnp.nan), state)
+  expected = min(start + 1, np.iinfo(np.int32).max)
+  assert int(state.skipped) == expected and int(state.window_skipped) == expected
 
 
 @pytest.mark.parametrize("cls", list(CLASSES.values()), ids=list(CLASSES))

@@ -128,8 +128,11 @@ AUX_KINDS = ["mean", "sum", "max", "min", "stack"]
 @example(3, {"f": None, "i": "sum", "v": "stack", "b": "max", "bv": "min"}, False, 1)
 @example(2, {"f": "max", "i": "min", "v": "mean", "b": "min", "bv": "max"}, True, 2)
 @given(st.sampled_from([1, 2, 3, 6]),
-       st.fixed_dictionaries({"f": st.sampled_from([None] + AUX_KINDS),
-                              **{k: st.sampled_from(AUX_KINDS) for k in ("i", "v", "b", "bv")}}),
+       st.fixed_dictionaries({
+           # Scalars may use the default (None): integer and bool counts sum, floats average.
+           **{k: st.sampled_from([None] + AUX_KINDS) for k in ("f", "i", "b")},
+           # A non-scalar leaf has no default reduction: it must be named.
+           **{k: st.sampled_from(AUX_KINDS) for k in ("v", "bv")}}),
        st.booleans(), st.integers(0, 2**16))
 def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   """Every aux reduction of float, int and bool leaves, scalar and not, against a Python
@@ -161,7 +164,9 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   total = sum(dens)
   for key, kind in spec.items():
     vals = np.stack([np.asarray(a[key]) for a in auxes])
-    if kind in (None, "mean"):
+    if kind is None:  # the default: integer and bool counts sum, floating scalars average
+      kind = "mean" if key == "f" else "sum"
+    if kind == "mean":
       wts = np.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
       expected = np.sum(vals * wts, 0) / total if total > 0 else np.zeros(vals.shape[1:])
     else:

@@ -1,0 +1,167 @@
+"""The transform's options: validated once, when the transform is built, and frozen.
+
+:class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
+runs the same steps on each shard with a resolved count) uses :func:`dataclasses.replace`.
+Adding an option touches :func:`make_options` and the field list, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxaccum import _reduce, _split
+from jaxaccum._types import AxisName
+
+
+class Roles(NamedTuple):
+  """Which arguments of one call play which role (positions resolved, names as given)."""
+
+  diff: tuple[int, ...]
+  batch: tuple[int, ...]
+  rng: tuple[int, ...]
+  state: tuple[int, ...]
+  batch_names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything fixed when the transform is built."""
+
+  fun: Callable[..., Any]
+  count: int | None
+  size: int | None
+  argnums: tuple[int, ...]
+  argnums_is_int: bool
+  batch_argnums: tuple[int, ...]
+  batch_argnames: tuple[str, ...]
+  has_aux: bool
+  reduce: Any
+  terms: tuple[_reduce.Term, ...]
+  aux_reduce: Any
+  rng_argnums: tuple[int, ...]
+  state_argnums: tuple[int, ...]
+  state_is_tuple: bool
+  accumulator_dtype: np.dtype | None
+  grads_dtype: np.dtype | None
+  remat: bool
+  remat_policy: Callable[..., bool] | None
+  unroll: int | bool
+  data_axis: tuple[AxisName, ...] | None
+  mesh: Any
+  with_info: bool
+  skip_nonfinite: bool
+
+  @property
+  def has_extra(self) -> bool:
+    """Whether ``fun`` returns ``(value, extra)`` (aux and/or new state)."""
+    return self.has_aux or bool(self.state_argnums)
+
+  @property
+  def single_term(self) -> bool:
+    return isinstance(self.reduce, str)
+
+  def label(self, j: int) -> str:
+    """``argument j ('name')``: an argument named as ``fun``'s signature names it."""
+    return arg_label(self.fun, j)
+
+  def roles(self, nargs: int, kwargs: dict[str, Any]) -> Roles:
+    """Resolves the role argnums against one call's arguments and checks them."""
+    def res(name, argnums):
+      return _split.resolve_argnums(name, argnums, nargs, kwargs)
+    roles = Roles(res("argnums", self.argnums), res("batch_argnums", self.batch_argnums),
+                  res("rng_argnums", self.rng_argnums),
+                  res("state_argnums", self.state_argnums), self.batch_argnames)
+    _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
+                           "rng_argnums": roles.rng, "state_argnums": roles.state})
+    missing = [k for k in self.batch_argnames if k not in kwargs]
+    if missing:
+      raise ValueError(
+          f"batch_argnames={self.batch_argnames!r} names keyword argument(s) {missing}, but "
+          f"the function was called with keyword arguments {sorted(kwargs) or 'none'}. Pass "
+          f"the batch by keyword, e.g. f(params, {missing[0]}=batch), or name it by "
+          "position with batch_argnums.")
+    return roles
+
+
+def arg_label(fun: Any, j: int) -> str:
+  """``argument j ('name')`` when ``fun``'s signature names position ``j``."""
+  try:
+    params = [p for p in inspect.signature(fun).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  if 0 <= j < len(params):
+    return f"argument {j} ({params[j].name!r})"
+  return f"argument {j}"
+
+
+_UNSET: Any = object()
+
+
+def make_options(
+    fun: Any, *, num_micro_batches: Any, micro_batch_size: Any, argnums: Any,
+    batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
+    aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
+    grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
+    with_info: Any, skip_nonfinite: Any) -> Options:
+  """Validates every option eagerly and returns the frozen :class:`Options`."""
+  from jaxaccum import _sharding  # noqa: PLC0415 (a cycle: _sharding uses Options)
+
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
+  count, size = _split.check_counts(num_micro_batches, micro_batch_size)
+  names = _split.normalize_argnames("batch_argnames", batch_argnames)
+  if batch_argnums is _UNSET:
+    batch_argnums = () if names else 1
+  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
+  if not batch and not names:
+    raise ValueError(
+        f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
+        "name the batch by position (batch_argnums=1) or by keyword (batch_argnames='batch').")
+  for flag, value in (("has_aux", has_aux), ("remat", remat), ("with_info", with_info),
+                      ("skip_nonfinite", skip_nonfinite)):
+    if not isinstance(value, bool):
+      hint = "; pass a jax.checkpoint policy as remat_policy=..." if flag == "remat" else "."
+      raise TypeError(f"{flag} must be a bool, got {flag}={value!r}{hint}")
+  reduce = _reduce.check_reduce(reduce)
+  terms = _reduce.make_terms(reduce, loss_weights)
+  if aux_reduce is not None and not has_aux:
+    raise ValueError(
+        f"aux_reduce={aux_reduce!r} was given but has_aux=False: set has_aux=True and "
+        "return (value, aux) from fun, or drop aux_reduce.")
+  if isinstance(aux_reduce, str) and aux_reduce not in _reduce.AUX_REDUCTIONS:
+    raise ValueError(
+        f"aux_reduce must be one of {', '.join(map(repr, _reduce.AUX_REDUCTIONS))} or a "
+        f"pytree prefix of aux with those names, got aux_reduce={aux_reduce!r}.")
+  if remat_policy is not None and not callable(remat_policy):
+    raise TypeError(
+        "remat_policy must be a jax.checkpoint policy such as "
+        f"jax.checkpoint_policies.dots_saveable, got {remat_policy!r}.")
+  if isinstance(unroll, np.integer):
+    unroll = int(unroll)
+  if not isinstance(unroll, (bool, numbers.Integral)) or (
+      not isinstance(unroll, bool) and unroll < 1):
+    raise TypeError(
+        f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
+  axes = _sharding.check_data_axis(data_axis)
+  state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
+  return Options(
+      fun=fun, count=count, size=size,
+      argnums=_split.normalize_argnums("argnums", argnums, allow_empty=False),
+      argnums_is_int=not isinstance(argnums, (tuple, list)),
+      batch_argnums=batch, batch_argnames=names, has_aux=has_aux, reduce=reduce,
+      terms=terms, aux_reduce=aux_reduce,
+      rng_argnums=_split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True),
+      state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),
+      accumulator_dtype=_reduce.check_dtype("accumulator_dtype", accumulator_dtype),
+      grads_dtype=_reduce.check_dtype("grads_dtype", grads_dtype),
+      remat=remat or remat_policy is not None, remat_policy=remat_policy,
+      unroll=unroll if isinstance(unroll, bool) else int(unroll),
+      data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
+      skip_nonfinite=skip_nonfinite)

@@ -1,0 +1,142 @@
+"""data_axis with keyword arrays, closures, and inside a user's own shard_map."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from tests import _hlo
+
+SCALE = np.array([1.0, 2.0, 3.0], np.float32)
+
+
+def _data():
+  x = jax.random.normal(jax.random.key(0), (32, 3))
+  y = jnp.arange(32.0) / 32
+  return x, y
+
+
+def ref_loss(w, batch):
+  x, y = batch
+  return jnp.mean((x @ (w * SCALE) - y) ** 2)
+
+
+W = jnp.array([0.5, -0.1, 0.2])
+
+
+def _close(out, ref):
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, ref),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_arrays_replicated_or_split_under_explicit_data_axis():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = _data()
+  ref = jax.value_and_grad(ref_loss)(W, (x, y))
+
+  def loss_kw(w, batch, *, scale):
+    x, y = batch
+    return jnp.mean((x @ (w * scale[:3]) - y) ** 2)
+
+  def loss_batch_kw(w, *, batch, scale):
+    return loss_kw(w, batch, scale=scale)
+
+  with jax.set_mesh(mesh):
+    b = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), (x, y))
+    # A keyword array sharded over the data axis is gathered: fun sees all of it.
+    scale8 = jax.sharding.reshard(jnp.concatenate([SCALE, jnp.zeros(5)]), P("data"))
+    out = jax.jit(jaxaccum.value_and_grad(loss_kw, num_micro_batches=2, data_axis="data"))(
+        W, b, scale=scale8)
+    _close(out, ref)
+    out = jax.jit(jaxaccum.value_and_grad(loss_batch_kw, num_micro_batches=2, data_axis="data",
+                                          batch_argnames="batch"))(W, batch=b, scale=scale8)
+    _close(out, ref)
+
+
+def test_closures_under_auto_data_axis_and_a_clear_error_under_explicit():
+  x, y = _data()
+  ref = jax.value_and_grad(ref_loss)(W, (x, y))
+  auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(auto):
+    scale = jax.device_put(jnp.asarray(SCALE), jax.NamedSharding(auto, P()))
+
+    def loss(w, batch):
+      x, y = batch
+      return jnp.mean((x @ (w * scale) - y) ** 2)
+
+    _close(jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="data"))(
+        W, (x, y)), ref)
+
+    @jax.jit
+    def step(w, batch, s):  # closes over an argument of the enclosing jit
+      def loss(w, batch):
+        x, y = batch
+        return jnp.mean((x @ (w * s) - y) ** 2)
+      return jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="data")(w, batch)
+
+    _close(step(W, (x, y), scale), ref)
+
+  explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(explicit):
+    scale = jax.device_put(jnp.asarray(SCALE), jax.NamedSharding(explicit, P()))
+
+    def loss(w, batch):
+      x, y = batch
+      return jnp.mean((x @ (w * scale) - y) ** 2)
+
+    b = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), (x, y))
+    with pytest.raises(ValueError, match=r"fun closes over an array typed with Explicit mesh "
+                       r"axes \(f32\[3\].*Pass it to the accumulated function as an argument"):
+      jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="data"))(W, b)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "weighted"])
+def test_the_shard_map_advice_gives_the_full_batch(reduce):
+  """Inside a user's own shard_map, the error's advice (pmean / psum / weigh) is exact."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = _data()
+  m = (jnp.arange(32) % 3 != 0).astype(jnp.float32)
+
+  def loss(w, batch):
+    x, y, m = batch
+    err = m * (x @ (w * SCALE) - y) ** 2
+    if reduce == "mean":
+      return jnp.mean(err)
+    if reduce == "sum":
+      return jnp.sum(err)
+    return jnp.sum(err), jnp.sum(m)
+
+  def full(w):
+    out = loss(w, (x, y, m))
+    return out[0] / out[1] if reduce == "weighted" else out
+
+  ref = jax.value_and_grad(full)(W)
+  inner = jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce=reduce)
+
+  def per_device(w, batch):
+    w = jax.lax.pcast(w, ("data",), to="varying")  # local gradients, no psum in the loop
+    v, g = inner(w, batch)
+    if reduce == "mean":
+      return jax.lax.pmean((v, g), "data")
+    if reduce == "sum":
+      return jax.lax.psum((v, g), "data")
+    d = jnp.sum(batch[2])
+    total = jax.lax.psum(d, "data")
+    return jax.tree.map(lambda t: jax.lax.psum(t * d, "data") / total, (v, g))
+
+  with jax.set_mesh(mesh):
+    b = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), (x, y, m))
+    step = jax.jit(jax.shard_map(per_device, in_specs=(P(), P("data")), out_specs=P()))
+    _close(step(W, b), ref)
+    in_loop = [c for c in _hlo.collectives(step.lower(W, b).compile().as_text()) if c.in_loop]
+    assert not in_loop, in_loop
+    with pytest.raises(ValueError, match=r"already manual here.*jax.lax.pcast\(params, "
+                       r"\('data',\), to='varying'\).*pmean \(not the psum\)"):
+      jax.jit(jax.shard_map(
+          lambda w, b: jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce=reduce,
+                                               data_axis="data")(w, b),
+          in_specs=(P(), P("data")), out_specs=P()))(W, b)
