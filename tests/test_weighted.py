@@ -28,7 +28,7 @@ def per_micro_batch_mean(params, batch):
   return _problems.ratio(weighted_loss(params, batch))
 
 
-@pytest.mark.parametrize("n", [1, 2, 16])  # N = 4: test_transform.py
+@pytest.mark.parametrize("n", [1, 16])  # N = 4: test_transform.py
 def test_weighted_equals_full_batch_token_mean(n):
   params = init_lm(jax.random.key(0))
   batch = make_batch(jax.random.key(1))
