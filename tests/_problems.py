@@ -15,10 +15,10 @@ Each problem is plain JAX (parameters are nested dicts of arrays) and has
 
 * :func:`full_batch`: the full batch through plain ``jax.value_and_grad`` under ``jax.jit``
   (for ``"weighted"``: the full batch's numerator over its denominator);
-* :func:`sliced_reference`: a Python loop over the micro-batches made by explicit slicing,
-  micro-batch ``i`` of ``N`` being rows ``i, i + N, ...`` (``x[i::N]``), combined the way the
-  ``reduce`` form says. It does not use ``jaxaccum.split_micro_batches``, so a wrong split
-  in the library cannot also be in the reference.
+* :func:`micro_batch` / :func:`micro_batches`: micro-batches for a hand-written loop, made
+  by explicit slicing, micro-batch ``i`` of ``N`` being rows ``i, i + N, ...`` (``x[i::N]``).
+  They do not use ``jaxaccum.split_micro_batches``, so a wrong split in the library cannot
+  also be in the reference.
 """
 
 from __future__ import annotations
@@ -280,23 +280,3 @@ def micro_batch(batch: PyTree, i: int, n: int) -> PyTree:
 def micro_batches(batch: PyTree, n: int) -> list[PyTree]:
   """All ``n`` micro-batches, by explicit slicing."""
   return [micro_batch(batch, i, n) for i in range(n)]
-
-
-def sliced_reference(fun: Callable[..., Any], params: PyTree, batch: PyTree, n: int,
-                     form: str = "mean"):
-  """``(value, grads)`` from a Python loop over the ``n`` explicitly sliced micro-batches.
-
-  ``"mean"`` averages the per-micro-batch values and gradients, ``"sum"`` sums them and
-  ``"weighted"`` sums numerators, their gradients and denominators, then divides.
-  """
-  vg = jax.jit(jax.value_and_grad(lambda p, b: fun(p, b)[0] if form == "weighted"
-                                  else fun(p, b)))
-  num, grads, den = 0.0, None, 0.0
-  for mb in micro_batches(batch, n):
-    value, g = vg(params, mb)
-    num = num + value
-    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-    if form == "weighted":
-      den = den + fun(params, mb)[1]
-  divisor = {"mean": n, "sum": 1, "weighted": den}[form]
-  return num / divisor, jax.tree.map(lambda g: g / divisor, grads)

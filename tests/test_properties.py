@@ -71,7 +71,7 @@ def test_random_pytrees_equal_full_batch(problem):
 DTYPE_ROWS = 256
 
 
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=6)
 @example(jnp.bfloat16, DTYPE_ROWS, 0)  # the case where a bf16 running sum is visibly off
 @given(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
        st.sampled_from([1, 4, 16, DTYPE_ROWS]), st.integers(0, 2**16))
