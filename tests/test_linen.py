@@ -2,7 +2,8 @@
 
 References, both under ``jax.jit``:
 * GroupNorm without dropout: plain ``jax.value_and_grad`` on the full batch;
-* BatchNorm and dropout: a Python loop over ``jaxaccum.split_micro_batches`` that threads
+* BatchNorm and dropout: a Python loop over the micro-batches sliced by hand (``x[i::N]``
+  is micro-batch ``i`` of ``N``; inputs have distinct rows) that threads
   ``batch_stats`` from micro-batch to micro-batch and gives micro-batch ``i`` the key
   ``jax.random.fold_in(key, i)``, then averages the gradients.
 Tolerance: ``tests._util.assert_close`` (float32, 1e-5 relative to each leaf's maximum).
@@ -10,6 +11,7 @@ Tolerance: ``tests._util.assert_close`` (float32, 1e-5 relative to each leaf's m
 
 from typing import Any
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import pytest
 from flax.training import train_state
 
 import jaxaccum
+from tests._problems import micro_batch
 from tests._util import assert_close
 
 
@@ -71,11 +74,10 @@ def _reference_step(state, batch, key):
   """The sequential micro-batch loop for the BatchNorm + dropout CNN, N = 4."""
   n = 4
   loss_fn = make_loss(CNN("batch", 0.5))
-  micro = jaxaccum.split_micro_batches(batch, num_micro_batches=n)
   model_state = {"batch_stats": state.batch_stats}
   loss, grads = 0.0, jax.tree.map(jnp.zeros_like, state.params)
   for i in range(n):
-    mb = jax.tree.map(lambda x, i=i: x[i], micro)
+    mb = micro_batch(batch, i, n)
     (l_i, model_state), g_i = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params, mb, model_state, {"dropout": jax.random.fold_in(key, i)})
     loss, grads = loss + l_i / n, jax.tree.map(lambda a, g: a + g / n, grads, g_i)
@@ -111,19 +113,22 @@ class DenseDropout(nn.Module):
 
 
 def test_dropout_masks_differ_per_micro_batch():
-  """Micro-batch i uses fold_in(key, i): identical rows get distinct, reproducible masks."""
+  """Micro-batch i (rows i::n, fun sees 2 rows) uses fold_in(key, i): distinct masks."""
   n = 4
   model = DenseDropout()
   params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+  traced_shapes = []
 
   def loss_fn(params, x, model_state, rngs):
+    traced_shapes.append(x.shape)
     h = model.apply({"params": params}, x, rngs=rngs)
     return jnp.mean(h**2), (model_state, h)
 
-  x, key = jnp.ones((8, 3)), jax.random.key(5)
+  x, key = jax.random.normal(jax.random.key(1), (8, 3)), jax.random.key(5)  # distinct rows
   (_, (_, h)), _ = jax.jit(jaxaccum.linen.value_and_grad(
-      loss_fn, num_micro_batches=n, has_aux=True, aux_reduce="stack"))(
+      loss_fn, micro_batch_size=2, has_aux=True, aux_reduce="stack"))(
           params, x, {}, {"dropout": key})
+  assert traced_shapes and set(traced_shapes) == {(2, 3)}, traced_shapes
   apply = jax.jit(model.apply)
   for i in range(n):
     ref = apply({"params": params}, x[i::n], rngs={"dropout": jax.random.fold_in(key, i)})
@@ -169,21 +174,18 @@ def test_groupnorm_train_steps_equal_full_batch(n):
 
 
 def test_no_retrace_on_second_step():
-  traces = []
   model = CNN("batch", 0.5)
-  loss_fn = make_loss(model)
+  train_step = jaxaccum.linen.make_train_step(make_loss(model), num_micro_batches=4)
+  chex.clear_trace_counter()
 
-  def counted(*args):
-    traces.append(1)
-    return loss_fn(*args)
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, batch, rngs):
+    return train_step(state, batch, rngs)
 
-  train_step = jax.jit(jaxaccum.linen.make_train_step(counted, num_micro_batches=4))
   state = create(model)
-  state, _ = train_step(state, data(0), {"dropout": jax.random.key(0)})
-  first = len(traces)
-  assert first > 0
-  state, _ = train_step(state, data(1), {"dropout": jax.random.key(1)})
-  assert len(traces) == first, "the second step retraced fun"
+  for s in range(3):
+    state, _ = step(state, data(s), {"dropout": jax.random.key(s)})
 
 
 def test_has_aux():

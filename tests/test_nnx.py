@@ -4,9 +4,10 @@ References:
 * models with per-example layers (Linear, GroupNorm, LayerNorm, attention without dropout,
   BatchNorm in eval mode): plain ``nnx.value_and_grad`` on the full batch;
 * models whose forward pass depends on the micro-batch (dropout draws, BatchNorm batch
-  statistics): a Python loop over ``jaxaccum.split_micro_batches`` that calls
-  ``nnx.value_and_grad`` on each micro-batch in order on a clone of the model, so RNG
-  streams and running statistics advance exactly as the accumulated step must advance them.
+  statistics): a Python loop over the micro-batches sliced by hand (``x[i::N]`` is
+  micro-batch ``i`` of ``N``; inputs have distinct rows) that calls ``nnx.value_and_grad``
+  on each micro-batch in order on a clone of the model, so RNG streams and running
+  statistics advance exactly as the accumulated step must advance them.
 Both sides run under ``nnx.jit``; tolerances are ``tests._util.assert_close``'s float32
 1e-5 relative to each leaf's largest entry.
 """
@@ -15,6 +16,7 @@ import functools
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ import pytest
 from flax import nnx
 
 import jaxaccum
+from tests._problems import micro_batch, micro_batches
 from tests._util import assert_close
 
 VOCAB, SEQ = 13, 6
@@ -142,8 +145,7 @@ def sequential_reference(model, loss_fn, batch, num_micro_batches, **kwargs):
   ``model`` is updated in place micro-batch after micro-batch (RNG streams, statistics).
   """
   vg = nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
-  micro = jaxaccum.split_micro_batches(batch, num_micro_batches=num_micro_batches)
-  outs = [vg(model, jax.tree.map(lambda x, i=i: x[i], micro)) for i in range(num_micro_batches)]
+  outs = [vg(model, mb) for mb in micro_batches(batch, num_micro_batches)]
   return jax.tree.map(lambda *xs: sum(xs) / num_micro_batches, *outs), outs
 
 
@@ -192,8 +194,7 @@ def test_grad_and_has_aux_equal_full_batch():
   assert_close(grads, ref_grads)
   assert_close(aux["logit_mean"], ref_aux["logit_mean"])
   # Stacked aux: micro-batch i holds rows i, i + 4.
-  assert_close(aux["logits"], jaxaccum.split_micro_batches(ref_aux["logits"],
-                                                           num_micro_batches=4))
+  assert_close(aux["logits"], jnp.stack([ref_aux["logits"][i::4] for i in range(4)]))
 
 
 def test_transformer_weighted_token_loss_steps_equal_full_batch():
@@ -245,12 +246,12 @@ def test_batchnorm_is_ghost_batch_with_sequential_running_stats():
   # The running statistics are N sequential momentum updates with micro-batch statistics.
   # The conv parameters are unchanged (no optimizer step), so its output is the input to
   # BatchNorm that every micro-batch saw.
-  h = jaxaccum.split_micro_batches(nnx.jit(ref_model.conv)(batch[0]), num_micro_batches=n)
+  h = nnx.jit(ref_model.conv)(batch[0])
   mean, var = jnp.zeros(4), jnp.ones(4)
   for i in range(n):
     m = 0.99  # nnx.BatchNorm's default momentum
-    mean = m * mean + (1 - m) * h[i].mean(axis=(0, 1, 2))
-    var = m * var + (1 - m) * h[i].var(axis=(0, 1, 2))
+    mean = m * mean + (1 - m) * h[i::n].mean(axis=(0, 1, 2))
+    var = m * var + (1 - m) * h[i::n].var(axis=(0, 1, 2))
   assert_close(model.norm.mean[...], mean)
   assert_close(model.norm.var[...], var)
 
@@ -291,7 +292,7 @@ def drop_loss(model, x, *args):
 def test_dropout_fresh_mask_per_micro_batch_and_stream_advances():
   n = 4
   model, ref_model = DropLinear(nnx.Rngs(0)), DropLinear(nnx.Rngs(0))
-  x = jnp.ones((8, 16))  # identical rows: any difference between micro-batches is the mask
+  x = jax.random.normal(jax.random.key(1), (8, 16))  # distinct rows
   step = nnx.jit(jaxaccum.nnx.value_and_grad(drop_loss, num_micro_batches=n, has_aux=True,
                                              aux_reduce="stack"))
   outs = []
@@ -336,13 +337,12 @@ def test_call_time_rngs_are_threaded_and_updated_in_place():
   model = DropLinear(nnx.Rngs(0), keep_rngs=False)
   ref_model = DropLinear(nnx.Rngs(0), keep_rngs=False)
   rngs, ref_rngs = nnx.Rngs(dropout=7), nnx.Rngs(dropout=7)
-  x = jnp.ones((8, 16))
+  x = jax.random.normal(jax.random.key(2), (8, 16))
   step = nnx.jit(jaxaccum.nnx.value_and_grad(drop_loss, num_micro_batches=n, has_aux=True,
                                              aux_reduce="stack"))
   (loss, ys), grads = step(model, x, rngs)
   vg = nnx.jit(nnx.value_and_grad(drop_loss, has_aux=True))
-  micro = jaxaccum.split_micro_batches(x, num_micro_batches=n)
-  ref = [vg(ref_model, micro[i], ref_rngs) for i in range(n)]
+  ref = [vg(ref_model, mb, ref_rngs) for mb in micro_batches(x, n)]
   assert_close(loss, sum(r[0][0] for r in ref) / n)
   assert_close(ys, jnp.stack([r[0][1] for r in ref]))
   assert_close(grads, jax.tree.map(lambda *g: sum(g) / n, *[r[1] for r in ref]))
@@ -353,13 +353,12 @@ def test_rng_argnums_folds_a_plain_key_per_micro_batch():
   n = 2
   model = DropLinear(nnx.Rngs(0), keep_rngs=False)
   key = jax.random.key(3)
-  x = jnp.ones((4, 16))
+  x = jax.random.normal(jax.random.key(4), (4, 16))
   (loss, ys), _ = nnx.jit(jaxaccum.nnx.value_and_grad(
       drop_loss, num_micro_batches=n, has_aux=True, aux_reduce="stack", rng_argnums=2))(
           model, x, key)
-  micro = jaxaccum.split_micro_batches(x, num_micro_batches=n)
   for i in range(n):
-    _, ref_y = nnx.jit(drop_loss)(model, micro[i], jax.random.fold_in(key, i))
+    _, ref_y = nnx.jit(drop_loss)(model, micro_batch(x, i, n), jax.random.fold_in(key, i))
     assert_close(ys[i], ref_y)
 
 
@@ -391,28 +390,37 @@ def test_transformer_with_dropout_matches_sequential_micro_batches():
 
 
 def test_no_retrace_on_second_step():
-  traces = []
-
-  def loss_fn(model, batch):
-    traces.append(1)
-    return classify_loss(model, batch)
-
   model = CNN("batch", nnx.Rngs(0), dropout=0.5)
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-  vg = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4)
+  vg = jaxaccum.nnx.value_and_grad(classify_loss, num_micro_batches=4)
+  chex.clear_trace_counter()
 
   @nnx.jit
+  @chex.assert_max_traces(n=1)
   def step(model, optimizer, batch):
     loss, grads = vg(model, batch)
     optimizer.update(model, grads)
     return loss
 
-  step(model, optimizer, data("cnn", 0))
-  first = len(traces)
-  assert first > 0
-  step(model, optimizer, data("cnn", 1))
-  step(model, optimizer, data("cnn", 2))
-  assert len(traces) == first, "the second step retraced fun"
+  for s in range(3):
+    step(model, optimizer, data("cnn", s))
+
+
+@pytest.mark.parametrize(("option", "value", "rows"), [
+    ("num_micro_batches", 2, 4), ("micro_batch_size", 2, 2)])
+def test_fun_sees_micro_batches_of_the_requested_shape(option, value, rows):
+  traced_shapes = []
+
+  def loss_fn(model, batch):
+    traced_shapes.append(batch[0].shape)
+    return classify_loss(model, batch)
+
+  model, ref_model = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+  batch = data("mlp", 0)
+  loss, grads = nnx.jit(jaxaccum.nnx.value_and_grad(loss_fn, **{option: value}))(model, batch)
+  assert traced_shapes and set(traced_shapes) == {(rows, 4)}, traced_shapes
+  ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(classify_loss))(ref_model, batch)
+  assert_close((loss, grads), (ref_loss, ref_grads))
 
 
 def test_import_jaxaccum_does_not_import_flax():

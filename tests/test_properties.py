@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
@@ -68,24 +68,34 @@ def test_random_pytrees_equal_full_batch(problem):
   assert_close(out, jax.value_and_grad(ref_fun)(params, batch), rtol=2e-5)
 
 
-@SETTINGS
+DTYPE_ROWS = 256
+
+
+@settings(SETTINGS, max_examples=6)
+@example(jnp.bfloat16, DTYPE_ROWS, 0)  # the case where a bf16 running sum is visibly off
 @given(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
-       st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**16))
-def test_dtypes_keep_param_dtype_and_match_float32_reference(dtype, n, seed):
+       st.sampled_from([1, 4, 16, DTYPE_ROWS]), st.integers(0, 2**16))
+def test_dtypes_keep_param_dtype_and_sum_micro_batches_in_float32(dtype, n, seed):
   k1, k2 = jax.random.split(jax.random.key(seed))
   params = {"w": jax.random.normal(k1, (4, 3)).astype(dtype)}
-  x = jax.random.normal(k2, (8, 4)).astype(dtype)
+  x = jax.random.normal(k2, (DTYPE_ROWS, 4)).astype(dtype)
 
-  def loss(p, x):
-    return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+  def loss(p, x):  # >= 1 per micro-batch, so the running sum of N values grows to >= N
+    return jnp.mean(1.0 + jnp.tanh(x @ p["w"]) ** 2)
 
   loss_val, grads = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n))(params, x)
   assert grads["w"].dtype == dtype and loss_val.dtype == dtype
+  # The reference: each micro-batch x[i::n] in `dtype`, a float32 sum, one rounding.
+  stacked = x[jnp.arange(n)[:, None] + n * jnp.arange(DTYPE_ROWS // n)[None, :]]  # [i] = x[i::n]
+  values, per_mb = jax.jit(jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0)))(params, stacked)
+  ref = jax.tree.map(lambda v: (jnp.sum(v.astype(jnp.float32), axis=0) / n).astype(dtype),
+                     (values, per_mb))
   up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
-  ref = jax.value_and_grad(loss)(up(params), up(x))
-  # Tolerance: a few units of the dtype's rounding (f32 1e-5; bf16 8 bits; f16 11 bits).
-  rtol = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}[dtype]
-  assert_close(up((loss_val, grads)), ref, rtol=rtol, atol=rtol * 1e-2)
+  # Tolerance: the final rounding plus round-off of the micro-batch results, which may be
+  # fused differently in the scan: two units of the dtype's last place (bf16 8 bits, f16
+  # 11 bits). A running sum in bf16 is 11% off in the value here (measured, n = 256).
+  rtol = {jnp.float32: 1e-5, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}[dtype]
+  assert_close(up((loss_val, grads)), up(ref), rtol=rtol, atol=0)
 
 
 @SETTINGS
@@ -109,15 +119,24 @@ def test_weighted_with_random_token_counts(lengths, n):
   assert np.isfinite(np.asarray(out[0]))
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+AUX_KINDS = ["mean", "sum", "max", "min", "stack"]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
+# Bool max/min in both orders (a wrong starting value shows as a True max or False min).
+@example(3, {"f": None, "i": "sum", "v": "stack", "b": "max", "bv": "min"}, False, 1)
+@example(2, {"f": "max", "i": "min", "v": "mean", "b": "min", "bv": "max"}, True, 2)
 @given(st.sampled_from([1, 2, 3, 6]),
        st.fixed_dictionaries({
-           **{k: st.sampled_from([None, "mean", "sum", "max", "min", "stack"]) for k in "fi"},
+           # Scalars may use the default (None): integer and bool counts sum, floats average.
+           **{k: st.sampled_from([None] + AUX_KINDS) for k in ("f", "i", "b")},
            # A non-scalar leaf has no default reduction: it must be named.
-           "v": st.sampled_from(["mean", "sum", "max", "min", "stack"])}),
+           **{k: st.sampled_from(AUX_KINDS) for k in ("v", "bv")}}),
        st.booleans(), st.integers(0, 2**16))
 def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
+  """Every aux reduction of float, int and bool leaves, scalar and not, against a Python
+  loop over the explicitly sliced micro-batches ``x[i::n]``."""
   k1, k2 = jax.random.split(jax.random.key(seed))
   x = jax.random.normal(k1, (6, 3))
   m = (jax.random.uniform(k2, (6,)) > 0.3).astype(jnp.float32)
@@ -125,7 +144,10 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   def fun(w, batch, count):
     x, m = batch
     num, den = jnp.sum(jnp.tanh(x @ w) * m), jnp.sum(m)
-    aux = {"f": jnp.sum(x), "i": jnp.sum(m).astype(jnp.int32), "v": jnp.max(x, axis=0)}
+    aux = {"f": jnp.sum(x), "i": jnp.sum(m).astype(jnp.int32), "v": jnp.max(x, axis=0),
+           # bools: one that varies between micro-batches, one always False, one always True
+           "b": jnp.any(m == 0),
+           "bv": jnp.stack([x[0, 0] > 0, jnp.any(jnp.abs(x) > 100), jnp.all(jnp.abs(x) < 100)])}
     value = (num, den) if weighted else num / x.shape[0]
     return value, (count + 1, aux)
 
@@ -135,21 +157,23 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
       fun, num_micro_batches=n, reduce=reduce, has_aux=True, state_argnums=2,
       aux_reduce=spec))(w, (x, m), jnp.int32(0))
 
-  # The reference: a Python loop over the same micro-batches.
-  mbs = jaxaccum.split_micro_batches((x, m), num_micro_batches=n)
-  auxes = [fun(w, jax.tree.map(lambda a, i=i: a[i], mbs), 0)[1][1] for i in range(n)]
-  dens = [jnp.sum(mbs[1][i]) for i in range(n)] if weighted else [1.0] * n
+  # The reference: a Python loop over the micro-batches, sliced by hand.
+  mbs = [(x[i::n], m[i::n]) for i in range(n)]
+  auxes = [fun(w, mb, 0)[1][1] for mb in mbs]
+  dens = [float(jnp.sum(mb[1])) for mb in mbs] if weighted else [1.0] * n
   total = sum(dens)
   for key, kind in spec.items():
-    vals = jnp.stack([a[key] for a in auxes])
-    if kind is None:  # the default: integer counts sum, floating scalars average
-      kind = "sum" if key == "i" else "mean"
+    vals = np.stack([np.asarray(a[key]) for a in auxes])
+    if kind is None:  # the default: integer and bool counts sum, floating scalars average
+      kind = "mean" if key == "f" else "sum"
     if kind == "mean":
-      wts = jnp.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
-      expected = jnp.where(total > 0, jnp.sum(vals * wts, 0) / jnp.maximum(total, 1e-30), 0.0)
+      wts = np.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
+      expected = np.sum(vals * wts, 0) / total if total > 0 else np.zeros(vals.shape[1:])
     else:
-      expected = {"sum": lambda v: jnp.sum(v, 0), "max": lambda v: jnp.max(v, 0),
-                  "min": lambda v: jnp.min(v, 0), "stack": lambda v: v}[kind](vals)
+      expected = {"sum": lambda v: np.sum(v.astype(np.float32), 0), "max": lambda v: np.max(v, 0),
+                  "min": lambda v: np.min(v, 0), "stack": lambda v: v}[kind](vals)
+    if kind in ("max", "min", "stack"):  # these keep the leaf's dtype
+      assert aux[key].dtype == auxes[0][key].dtype, (key, kind, aux[key].dtype)
     assert_close(jnp.asarray(aux[key], jnp.float32), jnp.asarray(expected, jnp.float32),
                  err_msg=f"aux {key!r} reduced with {kind!r}")
   assert int(count) == n

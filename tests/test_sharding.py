@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from tests import _hlo
+from tests import _hlo, _problems
 from tests._util import assert_close
 
 BATCH, FEATURES, HIDDEN, CLASSES = 256, 12, 32, 5
@@ -30,23 +30,14 @@ PARAM_SHAPES = {(FEATURES, HIDDEN), (HIDDEN, CLASSES)}
 
 
 def _problem(seed=0):
-  rng = np.random.default_rng(seed)
-  params = {
-      "w1": jnp.asarray(rng.normal(size=(FEATURES, HIDDEN)), jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(HIDDEN, CLASSES)) / 4, jnp.float32),
-  }
-  batch = {
-      "x": jnp.asarray(rng.normal(size=(BATCH, FEATURES)), jnp.float32),
-      "label": jnp.asarray(rng.integers(0, CLASSES, size=BATCH), jnp.int32),
-      "mask": jnp.asarray(rng.uniform(size=BATCH) < 0.6, jnp.float32),
-  }
-  return params, batch
+  """The shared MLP as a classifier, without biases: every parameter is a matrix, which
+  the FSDP layout shards over its rows."""
+  kp, kb = jax.random.split(jax.random.key(seed))
+  params = _problems.mlp_params(kp, (FEATURES, HIDDEN, CLASSES), bias=False)
+  return params, _problems.mlp_batch(kb, BATCH, FEATURES, CLASSES)
 
 
-def _nll(params, batch):
-  logits = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
-  logp = jax.nn.log_softmax(logits)
-  return -jnp.take_along_axis(logp, batch["label"][:, None], axis=1)[:, 0], logits
+_nll = _problems.mlp_nll
 
 
 def mean_loss(params, batch):
@@ -244,25 +235,36 @@ def test_state_keys_and_stacked_aux_under_data_axis():
 
   state = {"ema": jnp.float32(1.0), "steps": jnp.int32(0), "key": jax.random.key(3)}
   key = jax.random.key(7)
-  options = dict(num_micro_batches=n, rng_argnums=2, state_argnums=3, has_aux=True,
-                 aux_reduce="stack")
-  step = jax.jit(jaxaccum.value_and_grad(fun, data_axis="data", mesh=mesh, **options))
+  step = jax.jit(jaxaccum.value_and_grad(
+      fun, num_micro_batches=n, rng_argnums=2, state_argnums=3, has_aux=True,
+      aux_reduce="stack", data_axis="data", mesh=mesh))
   (loss, (new_state, aux)), grads = step(params_s, batch_s, key, state)
 
-  # Loss, gradients, the state (linear in the batch means) and the per-micro-batch means
-  # equal the single-device accumulation; the keys follow the documented folding.
-  ref = jax.jit(jaxaccum.value_and_grad(fun, **options))
-  (ref_loss, (ref_state, ref_aux)), ref_grads = ref(params, batch, key, state)
+  # The reference, by hand: shard d holds rows [d * L, (d + 1) * L) (L = B / 8); a Python
+  # loop threads the state through its micro-batches shard[i::n] in order, with the key
+  # fold_in(fold_in(key, d), i). Then float state is averaged over shards, counters take
+  # the maximum, keys are shard 0's, and stacked aux is averaged over shards.
+  vg = jax.jit(jax.value_and_grad(fun, has_aux=True))
+  rows = BATCH // shards
+  shard_states, per_mb = [], {"draw": [[] for _ in range(n)], "row_mean": [[] for _ in range(n)]}
+  for d in range(shards):
+    shard = jax.tree.map(lambda a, d=d: a[d * rows:(d + 1) * rows], batch)
+    s = state
+    for i, mb in enumerate(_problems.micro_batches(shard, n)):
+      (_, (s, a)), _ = vg(params, mb, jax.random.fold_in(jax.random.fold_in(key, d), i), s)
+      for name in per_mb:
+        per_mb[name][i].append(a[name])
+    shard_states.append(s)
+  ref_loss, ref_grads = _problems.full_batch(mean_loss, params, batch)
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
-  assert_close({k: new_state[k] for k in ("ema", "steps")},
-               {k: ref_state[k] for k in ("ema", "steps")})
+  assert_close(new_state["ema"], np.mean([s["ema"] for s in shard_states]))
+  assert int(new_state["steps"]) == max(int(s["steps"]) for s in shard_states) == n
   np.testing.assert_array_equal(jax.random.key_data(new_state["key"]),  # a key in the state
-                                jax.random.key_data(ref_state["key"]))
-  assert_close(aux["row_mean"], ref_aux["row_mean"])
-  draws = [np.mean([jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, d), i))
-                    for d in range(shards)]) for i in range(n)]
-  assert_close(aux["draw"], np.asarray(draws, np.float32))
+                                jax.random.key_data(shard_states[0]["key"]))
+  for name in per_mb:
+    assert_close(aux[name], np.asarray([np.mean(v) for v in per_mb[name]], np.float32),
+                 err_msg=name)
 
 
 def test_mesh_from_context_and_grad():
