@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-import sysconfig
+import sys
 import time
 from typing import Any
 
@@ -46,9 +46,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import char_lm  # noqa: E402  (the sibling example)
+
 OUT_DIR = pathlib.Path(__file__).resolve().parent / "out"
-VOCAB = 128  # ASCII; every other character maps to UNK
-PAD, UNK = 0, 1
+VOCAB, PAD, UNK = char_lm.VOCAB, char_lm.PAD, char_lm.UNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,37 +79,10 @@ TINY = Config(steps=4, batch_size=16, seq_len=12, d_model=16, max_chars=50_000)
 # ------------------------------------------------------------------------------ data
 
 
-def load_corpus(max_chars: int) -> np.ndarray:
-  """The standard library's ``.py`` files (sorted, site-packages excluded) as token ids."""
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  chunks, total = [], 0
-  for path in sorted(root.rglob("*.py")):
-    if any(part in ("site-packages", "dist-packages") for part in path.parts):
-      continue
-    try:
-      text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-      continue
-    chunks.append(text)
-    total += len(text)
-    if total >= max_chars:
-      break
-  if not chunks:
-    raise FileNotFoundError(f"no Python source files found under {root}")
-  ids = np.frombuffer("\n".join(chunks)[:max_chars].encode("utf-32-le"), np.uint32)
-  ids = np.where(ids < VOCAB, ids, UNK).astype(np.int32)
-  return np.where(ids == PAD, UNK, ids)
-
-
-def sample_batch(rng: np.random.Generator, corpus: np.ndarray, cfg: Config) -> dict:
-  """Random stretches of ``min_len..seq_len`` tokens, right-padded; ``mask`` marks real ones."""
-  lengths = rng.integers(cfg.min_len, cfg.seq_len + 1, size=cfg.batch_size)
-  starts = rng.integers(0, len(corpus) - cfg.seq_len - 1, size=cfg.batch_size)
-  tokens = np.full((cfg.batch_size, cfg.seq_len + 1), PAD, np.int32)
-  for row, (s, n) in enumerate(zip(starts, lengths, strict=True)):
-    tokens[row, : n + 1] = corpus[s: s + n + 1]
-  mask = (np.arange(cfg.seq_len)[None, :] < lengths[:, None]).astype(np.float32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+# The sibling example's data pipeline: the standard library's source as a character corpus,
+# random stretches right-padded with a mask of the real target tokens.
+load_corpus = char_lm.load_corpus
+sample_batch = char_lm.sample_batch
 
 
 # ----------------------------------------------------------------------------- model
