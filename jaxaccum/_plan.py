@@ -627,7 +627,7 @@ def plan_step(
 
   Raises:
     ValueError, TypeError: as for :func:`plan`, and a ``make_step`` that does not return a
-    jitted function.
+      jitted function.
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum

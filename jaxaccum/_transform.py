@@ -730,7 +730,7 @@ def value_and_grad(
 
   Raises:
     ValueError, TypeError: at construction for bad options, and at trace time for a batch
-    that cannot be split or a ``fun`` whose output does not match ``reduce``/``has_aux``.
+      that cannot be split or a ``fun`` whose output does not match ``reduce``/``has_aux``.
 
   >>> import jax, jax.numpy as jnp
   >>> import jaxaccum
