@@ -42,6 +42,7 @@ bench-quick: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 # Compiles for described H100/H200/A100/B200 GPUs on this machine (no GPU needed).
 test-gpu-target: $(GPU_STAMP)

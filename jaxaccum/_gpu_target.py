@@ -24,6 +24,7 @@ jaxaccum ships descriptions of four devices, written from their published proper
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import importlib.resources
 import importlib.util
@@ -32,7 +33,7 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -155,8 +156,8 @@ def _topology(text: str, num_devices: int) -> Any:
   except NotImplementedError:
     raise RuntimeError(
         "JAX refused to build a CUDA topology because it was initialised without "
-        f"JAX_PLATFORMS=cpu (jax_platforms is {jax.config.jax_platforms!r}). Set it before "
-        "JAX initialises: run `JAX_PLATFORMS=cpu python your_script.py`, or put "
+        f"JAX_PLATFORMS=cpu (jax_platforms is {jax.config.values['jax_platforms']!r}). Set it "
+        "before JAX initialises: run `JAX_PLATFORMS=cpu python your_script.py`, or put "
         "`os.environ['JAX_PLATFORMS'] = 'cpu'` at the top of the script, before the first "
         "`jax.devices()`, `jax.jit` call or array is created (in a notebook: restart the "
         "kernel first)."
@@ -187,7 +188,7 @@ def gpu_devices(target: Any, num_devices: int = 1) -> list[Any]:
   return list(_topology(gpu.text, num_devices).devices)
 
 
-def target_mesh(target: Any, shape: Sequence[int] = (1,),
+def target_mesh(target: Any, shape: int | Sequence[int] = (1,),
                 axis_names: Sequence[str] = ("data",)) -> jax.sharding.Mesh:
   """A :class:`jax.sharding.Mesh` of described GPUs, to compile for them without them.
 
@@ -220,7 +221,8 @@ def target_mesh(target: Any, shape: Sequence[int] = (1,),
     x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(x).compile()
   """
-  shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+  # A lone entry is checked with the others just below.
+  shape = tuple(shape) if isinstance(shape, (tuple, list)) else (cast(int, shape),)
   axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
   if not shape or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1
                       for s in shape):
@@ -260,11 +262,12 @@ def capture_gpu_target(device: Any = None) -> str:
     raise ValueError(
         f"capture_gpu_target needs a CUDA GPU, got device {device} (platform "
         f"{device.platform!r}). Run it on the machine with the GPU you want to describe.")
-  from jax._src.lib import _jax as xla_ext  # jaxlib's extension: get_topology_for_devices
+  # jaxlib's compiled extension (no stubs), which has get_topology_for_devices.
+  xla_ext = importlib.import_module("jaxlib._jax")
 
   getter = getattr(xla_ext, "get_topology_for_devices", None)
   if getter is None:
-    from jax._src.lib import xla_client
+    from jaxlib import xla_client
     getter = getattr(xla_client, "get_topology_for_devices", None)
   if getter is None:
     raise ValueError(f"jaxlib {jax.__version__} does not expose get_topology_for_devices.")

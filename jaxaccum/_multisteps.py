@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,11 @@ from jax import lax
 
 from jaxaccum import _info, _reduce, _split
 from jaxaccum._types import PyTree
+
+# The empty AccumInfo's leaves: numpy scalars stand in for the arrays (jax.Array in
+# AccumInfo's fields) so that importing jaxaccum does not start a JAX backend.
+_I0 = cast(jax.Array, np.int32(0))
+_F0 = cast(jax.Array, np.float32(0))
 
 
 class MultiStepsState(NamedTuple):
@@ -80,9 +85,8 @@ class MultiStepsState(NamedTuple):
   num_samples: Any = np.int32(0)
   window_skipped: Any = np.int32(0)
   info: Any = _info.AccumInfo(
-      num_micro_batches=np.int32(0), micro_batch_size=np.float32(0),
-      batch_size=np.float32(0), micro_grad_sq_norm=np.float32(0),
-      batch_grad_sq_norm=np.float32(0), num_samples=np.int32(0), skipped=np.int32(0))
+      num_micro_batches=_I0, micro_batch_size=_F0, batch_size=_F0, micro_grad_sq_norm=_F0,
+      batch_grad_sq_norm=_F0, num_samples=_I0, skipped=_I0)
 
 
 def _fail(pred: jax.Array, message: str, *values: Any) -> None:
@@ -405,15 +409,15 @@ class MultiSteps:
     first = mini_step == 0
     # Whether this call is a sample of the window (a call of weight 0 adds nothing), and
     # its size b_i for the statistics.
-    use = (w > 0) if weighted else jnp.ones([], jnp.bool_)
-    size = w if weighted else jnp.asarray(self._micro_batch_size, self._weight_dtype)
+    use = (w > 0) if w is not None else jnp.ones([], jnp.bool_)
+    size = w if w is not None else jnp.asarray(self._micro_batch_size, self._weight_dtype)
     nonfinite = jnp.zeros([], jnp.bool_)
     if self._skip_nonfinite:
       nonfinite = use & ~_all_finite(updates)
-      if weighted:
+      if w is not None:
         nonfinite = nonfinite | ~jnp.isfinite(w)
       skip = skip | nonfinite
-    if weighted:
+    if w is not None:
       total = jnp.where(first, jnp.zeros_like(w), jnp.asarray(state.acc_weight, w.dtype)) + w
       if self._use_grad_mean:
         frac = jnp.where(use, w / jnp.where(use, total, 1), 0)
@@ -518,7 +522,9 @@ class MultiSteps:
     keyword arguments pass through :func:`optax.chain` and
     :func:`optax.inject_hyperparams` to :meth:`update`.
     """
-    return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+    # update takes only a MultiStepsState, where optax's protocol names any optimizer state.
+    update = cast(optax.TransformUpdateExtraArgsFn, self.update)
+    return optax.GradientTransformationExtraArgs(init=self.init, update=update)
 
 
 def _never_skip(updates: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, tuple]:

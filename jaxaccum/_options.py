@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -143,6 +143,8 @@ def make_options(
     raise TypeError(
         "remat_policy must be a jax.checkpoint policy such as "
         f"jax.checkpoint_policies.dots_saveable, got {remat_policy!r}.")
+  # Checked callable just above; a policy answers whether to save a value (a bool).
+  policy = cast("Callable[..., bool] | None", remat_policy)
   if isinstance(unroll, np.integer):
     unroll = int(unroll)
   if not isinstance(unroll, (bool, numbers.Integral)) or (
@@ -161,7 +163,7 @@ def make_options(
       state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),
       accumulator_dtype=_reduce.check_dtype("accumulator_dtype", accumulator_dtype),
       grads_dtype=_reduce.check_dtype("grads_dtype", grads_dtype),
-      remat=remat or remat_policy is not None, remat_policy=remat_policy,
+      remat=remat or policy is not None, remat_policy=policy,
       unroll=unroll if isinstance(unroll, bool) else int(unroll),
       data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
       skip_nonfinite=skip_nonfinite)

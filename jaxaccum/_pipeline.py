@@ -192,6 +192,7 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
     return stage_fn(jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, rnd, keepdims=False),
                                  local), x)
 
+  fn: Callable[..., Any]  # (params, x) for one round, (params, round, x) for several
   if r == 1:
     fn = jax.checkpoint(stage_fn) if remat else stage_fn
   else:
@@ -286,7 +287,8 @@ def _recompute_in_backward(mapped, body, mesh, axis: str, p_spec: PartitionSpec,
     return mapped(p_leaves, micro), (p_leaves, micro)
 
   def run_bwd(res, g):
-    return backward(*res, g)
+    p_leaves, micro = res
+    return backward(p_leaves, micro, g)
 
   run.defvjp(run_fwd, run_bwd)
   return run
@@ -361,8 +363,9 @@ def _check_stage_params(stage_params: PyTree, s: int, r: int, axis: str) -> None
 def _check_batch(leaves: list, m: int) -> int:
   if not leaves:
     raise ValueError("x has no array leaves; pass the activations entering stage 0.")
-  sizes = {getattr(x, "shape", (None,))[:1] for x in leaves}
-  if len(sizes) != 1 or () in sizes or (None,) in sizes:
+  # Each leaf's leading dimension: () for a scalar or a leaf that is not an array.
+  sizes: set[tuple[int, ...]] = {getattr(x, "shape", ())[:1] for x in leaves}
+  if len(sizes) != 1 or () in sizes:
     shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
     raise ValueError(
         f"x's leaves must all be arrays with the same leading batch axis, got shapes {shapes}.")
@@ -403,8 +406,8 @@ def _retype(x: Any, mesh: Any, axis: str, *, lead: int | None) -> Any:
   if axis not in getattr(mesh, "explicit_axes", ()):
     return x
   sharding = getattr(jax.typeof(x), "sharding", None)
-  have = sharding.spec if getattr(getattr(sharding, "mesh", None), "empty", True) is False \
-      else PartitionSpec()
+  on_mesh = getattr(getattr(sharding, "mesh", None), "empty", True) is False
+  have = sharding.spec if sharding is not None and on_mesh else PartitionSpec()
   entries = list(have) + [None] * (len(x.shape) - len(have))
 
   def strip(entry):

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
@@ -128,7 +128,7 @@ def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
            chosen: int | None, device: str = "", num_devices: int = 1) -> str:
   header = ("N", "micro-batch", "peak", "temp", "arguments", "outputs", "aliased",
             "compile s", "")
-  rows = [header]
+  rows: list[tuple[str, ...]] = [header]
   for c in sorted(candidates):
     verdict = "fits" if c.fits else "too big"
     if c.num_micro_batches == chosen:
@@ -173,7 +173,8 @@ def _check_budget(budget: Any) -> int | None:
         "than one byte (it is not a fraction of the device's memory). Pass bytes, e.g. "
         "memory_budget_bytes=0.5 * 80 * 2**30 for half of 80 GiB."
     )
-  return int(budget)
+  # numbers.Real's stub has no __int__, but every Real converts with int().
+  return int(cast(SupportsInt, budget))
 
 
 def _devices(args: tuple) -> list[Any]:
@@ -626,7 +627,7 @@ def plan_step(
 
   Raises:
     ValueError, TypeError: as for :func:`plan`, and a ``make_step`` that does not return a
-    jitted function.
+      jitted function.
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
@@ -663,7 +664,8 @@ def plan_step(
   meshes = {s.mesh for s in _shardings(placed) if isinstance(s, jax.sharding.NamedSharding)}
   context = None
   if len(meshes) == 1:
-    mesh = meshes.pop()
+    # A concrete Mesh: _place keeps only shardings over target_mesh's devices.
+    mesh = cast(jax.sharding.Mesh, meshes.pop())
     context = functools.partial(jax.set_mesh, mesh)
   return _search(make_step, placed, batch_argnums, memory_budget_bytes, search, target=gpu,
                  verbose=verbose, context=context)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ import numpy as np
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[numbers.Integral]:
   return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
@@ -35,7 +35,7 @@ def _check_int(name: str, value: Any, *, low: int, what: str) -> int:
     raise TypeError(
         f"batch_size_ramp: {name} must be a Python int ({what}), got {value!r} of type "
         f"{type(value).__name__}.")
-  if not low <= value <= _INT32_MAX:
+  if not low <= int(value) <= _INT32_MAX:
     raise ValueError(
         f"batch_size_ramp: {name} must be an int in [{low}, 2**31 - 1] ({what}), got "
         f"{name}={value}.")

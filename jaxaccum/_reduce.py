@@ -168,6 +168,23 @@ def _stack_combine_placeholder(c, axes):
   return c
 
 
+# Reductions with a carry (init gives an array) finalize it; per-micro-batch ones (init gives
+# None) finalize the scan's stacked entries instead.
+def _carry_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
+  assert c is not None, "max and min keep a carry"
+  return c
+
+
+def _stack_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
+  assert st is not None, "stack is a per-micro-batch reduction"
+  return st
+
+
+def _concat_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
+  assert st is not None, "concat is a per-micro-batch reduction"
+  return merge(st)
+
+
 AUX_REDUCTIONS: dict[str, Reduction] = {
     "mean": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _mean_dtype(s.dtype, acc)),
@@ -183,23 +200,23 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         init=_extreme_init("max"),
         update=lambda c, v, w: jnp.maximum(c, v),
         combine=pmax,
-        finalize=lambda c, st, s, d: c),
+        finalize=_carry_finalize),
     "min": Reduction(
         init=_extreme_init("min"),
         update=lambda c, v, w: jnp.minimum(c, v),
         combine=pmin,
-        finalize=lambda c, st, s, d: c),
+        finalize=_carry_finalize),
     "stack": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w: c,
         combine=_stack_combine_placeholder,
-        finalize=lambda c, st, s, d: st,
+        finalize=_stack_finalize,
         per_micro_batch=True, numeric_only=False),
     "concat": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w: c,
         combine=_stack_combine_placeholder,
-        finalize=lambda c, st, s, d: merge(st),
+        finalize=_concat_finalize,
         per_micro_batch=True, numeric_only=False, per_example=True),
 }
 

@@ -77,7 +77,7 @@ def _explicit_spec(x: Any) -> PartitionSpec | None:
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True) or not mesh.explicit_axes:
+  if sharding is None or mesh is None or getattr(mesh, "empty", True) or not mesh.explicit_axes:
     return None
   spec = sharding.spec
   used = {a for entry in spec if entry is not None
@@ -112,13 +112,14 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
   lets the compiler reduce-scatter each micro-batch's gradients instead. Explicit axes
   need nothing: the types already carry the parameters' shardings.
   """
-  if _shard_alike is None or jax.sharding.get_abstract_mesh().manual_axes:
+  shard_alike = _shard_alike
+  if shard_alike is None or jax.sharding.get_abstract_mesh().manual_axes:
     return acc
 
   def one(a, p):
     if not _is_array(p) or _explicit_spec(p) is not None or a.shape != p.shape:
       return a
-    return _shard_alike(a, p)[0]
+    return shard_alike(a, p)[0]
 
   return jax.tree.map(one, acc, params)
 
@@ -154,7 +155,7 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int) -> None:
 # --- Options ------------------------------------------------------------------------------
 
 
-def check_data_axis(data_axis: Any) -> tuple[AxisName, ...] | None:
+def check_data_axis(data_axis: Any) -> tuple[str, ...] | None:
   """Normalizes ``data_axis`` (a mesh axis name or a tuple of them) to a tuple."""
   if data_axis is None:
     return None
@@ -194,7 +195,7 @@ def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any) -> None:
   if missing:
     sizes = ", ".join(f"{a!r}: {s}" for a, s in mesh.shape.items())
     raise ValueError(
-        f"data_axis={axes if len(axes) > 1 else axes[0]!r} names mesh axis "
+        f"data_axis={axes[0] if len(axes) == 1 else axes!r} names mesh axis "
         f"{', '.join(map(repr, missing))}, which is not in the mesh; its axes are {{{sizes}}}. "
         "Pass the name of the axis the batch is sharded over."
     )
@@ -205,7 +206,7 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       raise ValueError(
-          f"data_axis={axes if len(axes) > 1 else axes[0]!r} needs a mesh: pass mesh=... "
+          f"data_axis={axes[0] if len(axes) == 1 else axes!r} needs a mesh: pass mesh=... "
           "to jaxaccum.value_and_grad, or call the step inside `with jax.set_mesh(mesh):`."
       )
   _check_axes_in(axes, mesh)
@@ -294,10 +295,6 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   carry = carry._replace(num=num, den=den, grads=tuple(grads), aux=aux, state=state,
                          stats=stats)
   return carry, stacked, shards
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: str,
@@ -411,11 +408,17 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
     def fun_local(*call_args, **call_kwargs):
       # Inside the differentiated function: the all-gather's transpose reduce-scatters.
       call_args = list(call_args)
-      for k, gs in to_gather.items():
-        container, idx = (call_args, k) if isinstance(k, int) else (call_kwargs, k)
-        leaves, treedef = jax.tree.flatten(container[idx])
-        container[idx] = jax.tree.unflatten(treedef, [
+
+      def gathered(value, gs):
+        leaves, treedef = jax.tree.flatten(value)
+        return jax.tree.unflatten(treedef, [
             _gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)])
+
+      for k, gs in to_gather.items():
+        if isinstance(k, int):
+          call_args[k] = gathered(call_args[k], gs)
+        else:
+          call_kwargs[k] = gathered(call_kwargs[k], gs)
       return fun(*call_args, **call_kwargs)
 
     local_opts = dataclasses.replace(opts, fun=fun_local if to_gather else fun, count=n,

@@ -330,8 +330,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
 
 def _zeros_like_struct(s: Any) -> jax.Array:
   if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-    impl = jax.random.key_impl(jax.random.key(0)) if not hasattr(s.dtype, "_impl") \
-        else s.dtype._impl
+    impl = s.dtype._impl  # a key dtype's PRNG implementation (key_shape, wrap_key_data's impl)
     data = jnp.zeros(s.shape + tuple(impl.key_shape), jnp.uint32)
     return _sharding.conform(jax.random.wrap_key_data(data, impl=impl), s)
   return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
@@ -372,6 +371,12 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None):
     return (jnp.promote_types(s.dtype, jnp.int32) if jnp.issubdtype(s.dtype, jnp.integer)
             else acc_dtype(s.dtype))
 
+  def aux_carry0(kind, s):
+    # Per-micro-batch reductions (stack, concat) keep no carry: the scan emits the leaf.
+    red = _reduce.AUX_REDUCTIONS[kind]
+    init = None if red.per_micro_batch else red.init(s, acc)
+    return None if init is None else _sharding.conform(init, s)
+
   weight_term = aux_weight_term(opts)
   zero_f = jnp.zeros((), jnp.float32)
   zero_i = jnp.zeros((), jnp.int32)
@@ -382,9 +387,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None):
       grads=tuple(_sharding.align(jax.tree.map(
           lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), gs),
           problem.params) for gs in shapes.grads),
-      aux=jax.tree.map(lambda k, s: None if _reduce.AUX_REDUCTIONS[k].per_micro_batch
-                       else _sharding.conform(_reduce.AUX_REDUCTIONS[k].init(s, acc), s),
-                       kinds, shapes.aux),
+      aux=jax.tree.map(aux_carry0, kinds, shapes.aux),
       state=(jax.tree.map(_sharding.conform, problem.state0, shapes.state)
              if problem.state0 else problem.state0),
       stats=Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f),
@@ -601,8 +604,8 @@ def check_active(active: Any, n: int) -> jax.Array:
       isinstance(active, (int, np.integer)) or hasattr(active, "dtype")):
     raise TypeError(
         f"active_micro_batches must be an int or an int32 scalar array, got {_describe(active)}.")
-  if hasattr(active, "dtype") and (np.shape(active) != () or not jnp.issubdtype(
-      active.dtype, jnp.integer)):
+  dtype = getattr(active, "dtype", None)
+  if dtype is not None and (np.shape(active) != () or not jnp.issubdtype(dtype, jnp.integer)):
     raise TypeError(
         f"active_micro_batches must be a scalar integer, got {_describe(active)}.")
   try:
@@ -727,7 +730,7 @@ def value_and_grad(
 
   Raises:
     ValueError, TypeError: at construction for bad options, and at trace time for a batch
-    that cannot be split or a ``fun`` whose output does not match ``reduce``/``has_aux``.
+      that cannot be split or a ``fun`` whose output does not match ``reduce``/``has_aux``.
 
   >>> import jax, jax.numpy as jnp
   >>> import jaxaccum
