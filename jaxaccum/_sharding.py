@@ -439,7 +439,7 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
         largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard), _vary(largs[j], axes))
       problem = _transform.prepare(local_opts, tuple(largs), lkwargs, n)
       act = None if active is None else _transform.check_active(active, n)
-      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, act)
+      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, act, shards)
       carry, stacked, _ = combine(carry, stacked, kinds, axes=axes,
                                   grad_axes=tuple(grad_axes), shards=shards,
                                   reduce_is_sum=opts.single_term and opts.reduce == "sum")

@@ -356,10 +356,14 @@ def info_sizes(opts: Options):
   return None
 
 
-def scan(opts: Options, problem: Problem, active: jax.Array | None):
-  """Step 1: one ``lax.scan`` over the micro-batches. Returns ``(carry, stacked, shapes)``."""
+def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int = 1):
+  """Step 1: one ``lax.scan`` over the micro-batches. Returns ``(carry, stacked, shapes)``.
+
+  ``shards`` is the number of data shards running the same scan (under ``data_axis``):
+  mean terms folded into a sum group divide by the micro-batches run on all of them.
+  """
   n = problem.n
-  count = jnp.asarray(n if active is None else active, jnp.int32)
+  count = jnp.asarray(n if active is None else active, jnp.int32) * shards
   shapes = jax.eval_shape(problem.micro, jnp.int32(0), problem.state0, count)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux)
   acc = opts.accumulator_dtype

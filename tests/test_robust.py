@@ -237,3 +237,30 @@ def test_active_micro_batches_errors():
     vg(W, (x, y), active_micro_batches=0)
   with pytest.raises(TypeError, match="active_micro_batches must be an int"):
     vg(W, (x, y), active_micro_batches=1.5)
+
+
+def test_loss_terms_under_data_axis():
+  """Each shard's micro-batch is one piece: weighted terms pool all pieces, mean terms average
+  the pieces' values, sum terms add them (a reference built piece by piece by hand)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  batch = _data()
+  n, local = 2, B // 8
+  pieces = [jax.tree.map(lambda a, d=d, i=i: a[d * local:(d + 1) * local][i::n], batch)
+            for d in range(8) for i in range(n)]
+
+  def ref(w):
+    terms = [multi(w, p) for p in pieces]
+    ce = sum(t["ce"][0] for t in terms) / sum(t["ce"][1] for t in terms)
+    lb = sum(t["lb"] for t in terms) / len(terms)
+    z = sum(t["z"] for t in terms)
+    return ce + 0.01 * lb + 1e-3 * z
+
+  ref_v, ref_g = jax.value_and_grad(ref)(W)
+  with jax.set_mesh(mesh):
+    sb = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), batch)
+    for with_info in (False, True):  # sum and mean terms share one accumulator, or not
+      out = jax.jit(jaxaccum.value_and_grad(
+          multi, num_micro_batches=n, reduce=REDUCE, loss_weights=WEIGHTS,
+          with_info=with_info, data_axis="data"))(W, sb)
+      chex.assert_trees_all_close(tuple(map(np.asarray, out[:2])), (ref_v, ref_g),
+                                  rtol=1e-5, atol=1e-7)
