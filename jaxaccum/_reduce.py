@@ -6,8 +6,9 @@ Every reduction is a :class:`Reduction` of four pure functions, applied leaf by 
   keeps one entry per micro-batch instead, as ``"stack"`` and ``"concat"`` do);
 * ``update(carry, value, weight)``: adds one micro-batch (``weight`` is the micro-batch's
   denominator under ``reduce="weighted"``, else ``None``);
-* ``combine(carry, axes)``: the one cross-device reduction after the loop under
-  ``data_axis`` (a ``psum``, ``pmax``, ...);
+* ``combine(value, axes, reduce_is_sum)``: the one cross-device reduction after the loop
+  under ``data_axis`` (a ``psum``, ``pmax``, ...), of the carry or, for ``"stack"`` and
+  ``"concat"``, of the scan's stacked entries;
 * ``finalize(carry, stacked, shape, divisor)``: the reduced leaf.
 
 Adding a reduction is one entry in :data:`AUX_REDUCTIONS`. The loss reductions
@@ -123,7 +124,9 @@ class Reduction:
 
   init: Callable[[jax.ShapeDtypeStruct, Any], jax.Array | None]
   update: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
-  combine: Callable[[jax.Array, AxisNames], jax.Array]
+  # Over data shards, once after the loop: the carry, or the stacked entries of a
+  # per-micro-batch reduction. The flag says whether the loss is a sum (reduce="sum").
+  combine: Callable[[jax.Array, AxisNames, bool], jax.Array]
   finalize: Callable[[jax.Array | None, jax.Array | None, jax.ShapeDtypeStruct, Any], jax.Array]
   per_micro_batch: bool = False  # the scan emits the leaf (stack, concat) instead
   numeric_only: bool = True
@@ -164,10 +167,6 @@ def _sum_finalize(c, _, s, divisor):
   return c.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else c
 
 
-def _stack_combine_placeholder(c, axes):
-  return c
-
-
 # Reductions with a carry (init gives an array) finalize it; per-micro-batch ones (init gives
 # None) finalize the scan's stacked entries instead.
 def _carry_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
@@ -189,33 +188,33 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
     "mean": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _mean_dtype(s.dtype, acc)),
         update=_mean_update,
-        combine=lambda c, axes: lax.psum(c, axes),
+        combine=lambda c, axes, is_sum: lax.psum(c, axes),
         finalize=_mean_finalize),
     "sum": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _sum_dtype(s.dtype, acc)),
         update=lambda c, v, w: c + v.astype(c.dtype),
-        combine=lambda c, axes: lax.psum(c, axes),
+        combine=lambda c, axes, is_sum: lax.psum(c, axes),
         finalize=_sum_finalize),
     "max": Reduction(
         init=_extreme_init("max"),
         update=lambda c, v, w: jnp.maximum(c, v),
-        combine=pmax,
+        combine=lambda c, axes, is_sum: pmax(c, axes),
         finalize=_carry_finalize),
     "min": Reduction(
         init=_extreme_init("min"),
         update=lambda c, v, w: jnp.minimum(c, v),
-        combine=pmin,
+        combine=lambda c, axes, is_sum: pmin(c, axes),
         finalize=_carry_finalize),
     "stack": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w: c,
-        combine=_stack_combine_placeholder,
+        combine=lambda st, axes, is_sum: _combine_stack(st, axes, is_sum),
         finalize=_stack_finalize,
         per_micro_batch=True, numeric_only=False),
     "concat": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w: c,
-        combine=_stack_combine_placeholder,
+        combine=lambda st, axes, is_sum: st,  # rows stay on their shard, gathered in order
         finalize=_concat_finalize,
         per_micro_batch=True, numeric_only=False, per_example=True),
 }
@@ -227,14 +226,12 @@ def merge(stacked: jax.Array) -> jax.Array:
   return stacked.swapaxes(0, 1).reshape((n * b,) + stacked.shape[2:])
 
 
-def combine_stacked(kind: str, s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
-  """How a ``"stack"`` entry combines over data shards (``"concat"`` is gathered instead).
+def _combine_stack(s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
+  """How a ``"stack"`` entry combines over data shards.
 
   Stacked entries are averaged over shards (summed under ``reduce="sum"`` and for
   integer leaves; OR-ed for booleans; keys are shard 0's).
   """
-  if kind != "stack":
-    return s
   if _is_key(s.dtype):
     return first_shard(s, axes)
   if s.dtype == jnp.bool_:

@@ -284,12 +284,11 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
     flat, treedef = jax.tree.flatten(acc)
     grads.append(jax.tree.unflatten(treedef, [
         lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]))
-  aux = jax.tree.map(
-      lambda k, c: c if c is None else _reduce.AUX_REDUCTIONS[k].combine(c, axes),
-      kinds, carry.aux)
-  stacked = jax.tree.map(
-      lambda k, s: s if s is None else _reduce.combine_stacked(k, s, axes, reduce_is_sum),
-      kinds, stacked)
+  def leaf(k, c):
+    return c if c is None else _reduce.AUX_REDUCTIONS[k].combine(c, axes, reduce_is_sum)
+
+  aux = jax.tree.map(leaf, kinds, carry.aux)
+  stacked = jax.tree.map(leaf, kinds, stacked)
   state = jax.tree.map(lambda s: _reduce.combine_state(s, axes), carry.state)
   stats = lax.psum(carry.stats, axes)
   carry = carry._replace(num=num, den=den, grads=tuple(grads), aux=aux, state=state,

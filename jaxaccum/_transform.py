@@ -62,11 +62,37 @@ class Group(NamedTuple):
   scaled: tuple[bool, ...]  # per term: scaled by 1 / (micro-batches run) in the body
 
 
+def divisor_key(t: int, term: _reduce.Term) -> Any:
+  """What term ``t`` divides by: "one" (a sum), "count" (a mean over the micro-batches kept)
+  or its own index (a weighted term's total denominator)."""
+  return t if term.kind == "weighted" else ("one" if term.kind == "sum" else "count")
+
+
+def divisor(key: Any, count: Any, dens: tuple, one: Any = None) -> Any:
+  """The divisor that :func:`divisor_key` names; ``None`` for "one" unless ``one`` is given."""
+  if key == "one":
+    return one
+  if key == "count":
+    return count
+  return dens[key]
+
+
+def divide_groups(groups: tuple[Group, ...], accs: tuple, divisor_of: Callable[[Group], Any],
+                  dtype: Any = None) -> PyTree:
+  """The sum over groups of each group's accumulated gradients divided by its divisor."""
+  total = None
+  for g, acc in zip(groups, accs, strict=True):
+    d = divisor_of(g)
+    part = jax.tree.map(lambda a, d=d: a.astype(dtype or a.dtype) if d is None else
+                        _reduce.safe_divide(a.astype(dtype or a.dtype), d), acc)
+    total = part if total is None else jax.tree.map(jnp.add, total, part)
+  return total
+
+
 def make_groups(opts: Options) -> tuple[Group, ...]:
   groups: dict[Any, list[int]] = {}
   for t, term in enumerate(opts.terms):
-    key = t if term.kind == "weighted" else ("one" if term.kind == "sum" else "count")
-    groups.setdefault(key, []).append(t)
+    groups.setdefault(divisor_key(t, term), []).append(t)
   merge = (len(groups) > 1 and "count" in groups and not opts.skip_nonfinite
            and not opts.with_info)
   out = []
@@ -457,22 +483,13 @@ def aux_weight_term(opts: Options) -> int | None:
 def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, keep):
   """Adds one micro-batch gradient, normalised as its reduction says, as a sample."""
   rows = jnp.float32(problem.rows)
-  divs = []
   valid = jnp.bool_(True) if keep is None else keep
-  for g in problem.groups:
-    if g.divisor == "one":
-      divs.append(rows)
-    elif g.divisor == "count":
-      divs.append(jnp.float32(1))
-    else:
-      d = out.dens[g.divisor].astype(jnp.float32)
-      valid = valid & (d > 0)
-      divs.append(d)
-  sample = None
-  for gr, d in zip(out.grads, divs, strict=True):
-    d = jnp.where(d > 0, d, 1.0)
-    part = jax.tree.map(lambda x, d=d: x.astype(jnp.float32) / d, gr)
-    sample = part if sample is None else jax.tree.map(jnp.add, sample, part)
+  for g in problem.groups:  # a micro-batch without tokens is no sample
+    if g.divisor not in ("one", "count"):
+      valid = valid & (out.dens[g.divisor] > 0)
+  # This micro-batch's own normalisation: its rows for sums, 1 for means, its denominators.
+  sample = divide_groups(problem.groups, out.grads,
+                         lambda g: divisor(g.divisor, None, out.dens, one=rows), jnp.float32)
   sq = _sum_sq(sample)
   st = info_sizes(opts)
   size = rows if st is None else out.dens[st].astype(jnp.float32)
@@ -496,17 +513,9 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
   else:
     kept = carry.stats.kept
 
-  def term_div(t):
-    kind = opts.terms[t].kind
-    if kind == "sum":
-      return None
-    if kind == "mean":
-      return kept
-    return carry.den[t]
-
   values = []
   for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
-    d = term_div(t)
+    d = divisor(divisor_key(t, opts.terms[t]), kept, carry.den)
     values.append((c if d is None else _reduce.safe_divide(c, d)).astype(s.dtype))
   if opts.skip_nonfinite:  # every micro-batch skipped: nothing to average
     values = [jnp.where(carry.stats.kept > 0, v, jnp.nan).astype(v.dtype) for v in values]
@@ -518,18 +527,8 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
         jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
     terms_out = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
 
-  def group_div(g):
-    if g.divisor == "one":
-      return None
-    if g.divisor == "count":
-      return kept
-    return carry.den[g.divisor]
-
-  grads = None
-  for g, acc in zip(problem.groups, carry.grads, strict=True):
-    d = group_div(g)
-    part = acc if d is None else jax.tree.map(lambda a, d=d: _reduce.safe_divide(a, d), acc)
-    grads = part if grads is None else jax.tree.map(jnp.add, grads, part)
+  grads = divide_groups(problem.groups, carry.grads,
+                        lambda g: divisor(g.divisor, kept, carry.den))
   grads_s = shapes.grads[0]
   grads = jax.tree.map(
       lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
@@ -559,17 +558,10 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
 
 def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.AccumInfo:
   st = carry.stats
+  # G_B as a mean: sum terms divide by the rows kept, so that samples and batch share units.
   rows_total = jnp.float32(problem.rows) * kept.astype(jnp.float32)
-  gb = None
-  for g, acc in zip(problem.groups, carry.grads, strict=True):
-    if g.divisor == "one":
-      d = rows_total
-    elif g.divisor == "count":
-      d = kept
-    else:
-      d = carry.den[g.divisor]
-    part = jax.tree.map(lambda a, d=d: _reduce.safe_divide(a.astype(jnp.float32), d), acc)
-    gb = part if gb is None else jax.tree.map(jnp.add, gb, part)
+  gb = divide_groups(problem.groups, carry.grads,
+                     lambda g: divisor(g.divisor, kept, carry.den, one=rows_total), jnp.float32)
   samples = st.samples
   micro_sq = _reduce.safe_divide(st.sq, samples.astype(jnp.float32))
   b = _reduce.safe_divide(samples.astype(jnp.float32), st.inv_size)
