@@ -41,22 +41,59 @@ keys through ``rng_argnums`` when shards must draw independently.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
 from jax import lax
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
+from jaxlib.mlir.dialects import sdy
 
 from jaxaccum import _reduce, _split
 from jaxaccum._types import AxisName, PyTree
 
-try:  # Sharding propagation hint for Auto mesh axes; optional.
-  from jax.experimental.shard_alike import shard_alike as _shard_alike
-except ImportError:  # pragma: no cover
-  _shard_alike = None
+# --- "Shard like": a sharding propagation hint for Auto mesh axes -------------------------
+#
+# jax.experimental.shard_alike (jax <= 0.10) is gone in later releases; this primitive does
+# what it did on every supported jax, with the public extension API: it lowers to one Shardy
+# sharding group per pair, which makes the partitioner give both values the same sharding.
+# It changes no value; under the GSPMD partitioner (Shardy off) it is only the identity.
+
+_tie_p = jax.extend.core.Primitive("jaxaccum_shard_like")
+_tie_p.multiple_results = True
+_tie_p.def_impl(lambda x, y: (x, y))
+_tie_p.def_abstract_eval(lambda x, y: (x, y))
+_tie_groups = itertools.count()
+
+
+def _tie_lowering(ctx, x, y):
+  if jax.config.values.get("jax_use_shardy_partitioner", True):
+    group = next(_tie_groups)
+    sdy.sharding_group(x, group)
+    sdy.sharding_group(y, group)
+  return x, y
+
+
+def _tie_batched(args, dims):
+  x, y = args
+  if dims[0] == dims[1]:
+    return _tie_p.bind(x, y), dims
+  return (x, y), dims  # a hint only: drop it rather than move an axis
+
+
+mlir.register_lowering(_tie_p, _tie_lowering)
+ad.deflinear(_tie_p, lambda cts: list(cts))
+batching.primitive_batchers[_tie_p] = _tie_batched
+
+
+def shard_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x``, with a hint that the partitioner should shard it like ``like`` (same shape)."""
+  return _tie_p.bind(x, like)[0]
 
 
 
@@ -108,18 +145,17 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
   Under ``jax.jit`` with ``Auto`` axes a tracer carries no sharding, so the compiler picks
   the accumulator's layout; left alone it may keep a replicated full-size accumulator for
   FSDP-sharded parameters and all-reduce every micro-batch's gradients into it. Marking
-  the accumulator "sharded like its parameter" (``shard_alike``) keeps it sharded and
+  the accumulator "sharded like its parameter" (:func:`shard_like`) keeps it sharded and
   lets the compiler reduce-scatter each micro-batch's gradients instead. Explicit axes
   need nothing: the types already carry the parameters' shardings.
   """
-  shard_alike = _shard_alike
-  if shard_alike is None or jax.sharding.get_abstract_mesh().manual_axes:
+  if jax.sharding.get_abstract_mesh().manual_axes:
     return acc
 
   def one(a, p):
     if not _is_array(p) or _explicit_spec(p) is not None or a.shape != p.shape:
       return a
-    return shard_alike(a, p)[0]
+    return shard_like(a, p)
 
   return jax.tree.map(one, acc, params)
 

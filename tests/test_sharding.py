@@ -202,6 +202,31 @@ def test_fsdp_reduce_scatters_once_per_micro_batch_and_gathers_only_parameters()
   _assert_same_shardings(grads, params)
 
 
+@pytest.mark.parametrize("use_data_axis", [False, True], ids=["plain", "data_axis"])
+def test_fsdp_accumulators_keep_their_parameters_sharding_under_auto_axes(use_data_axis):
+  """Under Auto axes a traced parameter carries no sharding, so only a hint ties each
+  accumulator to its parameter; without it the compiler is free to keep a replicated
+  full-size accumulator (and does, from jax 0.12 on). Checked on the returned gradients'
+  shardings and on the compiled program's output buffers: one shard per gradient."""
+  params, batch = _problem()
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
+  mesh, params, batch, data_axis = _setup("dp_fsdp", AxisType.Auto, params, batch)
+  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4, **options))
+  memory = step.lower(params, batch).compile().memory_analysis()
+  shard_bytes = sum(p.addressable_shards[0].data.nbytes for p in jax.tree.leaves(params))
+  full_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert shard_bytes < full_bytes
+  # The outputs on each device: one shard of every gradient, the loss and the output
+  # tuple's table (a few bytes); a full-size gradient would add full_bytes - shard_bytes.
+  extra = memory.output_size_in_bytes - shard_bytes
+  assert 4 <= extra <= 64 < full_bytes - shard_bytes, (extra, shard_bytes, full_bytes)
+  loss, grads = step(params, batch)
+  _assert_same_shardings(grads, params)
+  assert_close(loss, ref_loss)
+  assert_close(grads, ref_grads)
+
+
 def test_a_naive_contiguous_split_is_caught():
   """The check above is not vacuous: reshape(N, B // N) moves the batch between devices."""
   params, batch = _problem()
