@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 GPU_VENV  := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: demo test test-gpu-target lint bench bench-quick clean docs typecheck test-min dist dist-check
+.PHONY: demo test test-gpu-target lint bench bench-quick clean docs typecheck test-min test-latest dist dist-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,21 @@ test-min:
 	$(MIN_VENV)/bin/python -m pip list 2>/dev/null | grep -E -i '^(jax|jaxlib|optax|flax|chex|numpy|equinox) '
 	$(MIN_VENV)/bin/python -m pytest -n $(MIN_JOBS) -q
 
+# The suite on the newest Python this machine has, with the newest releases pip resolves there
+# (jax 0.12 and later need Python >= 3.12), in its own environment (.venv-latest): what a new
+# user's virtual environment gets. LATEST_PYTHON picks the interpreter; LATEST_JOBS the workers.
+LATEST_VENV := .venv-latest
+LATEST_JOBS ?= 2
+LATEST_PYTHON ?= $(shell $(PYTHON) tools/latest_python.py)
+test-latest:
+	@test -n "$(LATEST_PYTHON)" || { echo "no newer Python found: set LATEST_PYTHON"; exit 1; }
+	test -x $(LATEST_VENV)/bin/python || $(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST_VENV)/bin/python --version
+	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E -i '^(jax|jaxlib|optax|flax|chex|numpy|equinox) '
+	$(LATEST_VENV)/bin/python -m pytest -n $(LATEST_JOBS) -q
+
 # A wheel and an sdist in dist/, checked by twine.
 dist: $(STAMP)
 	rm -rf dist
@@ -92,4 +107,4 @@ dist-check: dist
 	cd /tmp && $(CURDIR)/.venv-dist/bin/python -c '$(DIST_IMPORT)'
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) $(MIN_VENV) .venv-dist .pytest_cache .ruff_cache .hypothesis site dist
+	rm -rf $(VENV) $(GPU_VENV) $(MIN_VENV) $(LATEST_VENV) .venv-dist .pytest_cache .ruff_cache .hypothesis site dist
