@@ -270,12 +270,13 @@ def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
   return "mean"
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -> PyTree:
   """Expands ``spec`` (a string, or a pytree prefix of aux with strings or None) to aux.
 
   Returns a pytree with the structure of ``aux_shapes`` whose leaves are reduction names;
   ``None`` becomes each leaf's default (:func:`_default_kind`). Checks that every leaf can
-  be reduced as asked.
+  be reduced as asked; ``rows``, the rows of one micro-batch, is the leading size that a
+  per-example (``"concat"``) leaf must have.
   """
   def is_spec_leaf(x):
     return x is None or isinstance(x, str)
@@ -326,9 +327,18 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
       )
     if AUX_REDUCTIONS[kind].per_example and s.shape == ():
       raise ValueError(
-          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce 'concat' has no "
+          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind!r} has no "
           "per-example rows to put back in batch order. Use 'stack' for one entry per "
           "micro-batch, or 'mean'/'sum'.")
+    if AUX_REDUCTIONS[kind].per_example and rows is not None and s.shape[0] != rows:
+      raise ValueError(
+          f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce "
+          f"{kind!r} puts per-example rows back in batch order, so its leading axis must be "
+          f"the micro-batch's {rows} rows (a leading axis of another size, such as per-token "
+          "values flattened to (rows * tokens,) or a (tokens,) vector, would be interleaved "
+          "as if it were rows). Keep the rows axis first, e.g. return shape (rows, tokens) "
+          "instead of the flattened (rows * tokens,), or use aux_reduce 'stack' for one entry "
+          "per micro-batch.")
     kinds.append(kind)
   return jax.tree.unflatten(treedef, kinds)
 
