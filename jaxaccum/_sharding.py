@@ -401,6 +401,12 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
 
   to_gather = {k: g for k, g in gathers.items()
                if k not in roles.batch and k not in roles.batch_names and any(g)}
+  # A traced count enters as a replicated input: shard_map cannot close over a tracer
+  # typed with Explicit mesh axes.
+  act = None if active is None else _transform.check_active(active, n)
+  if act is not None:
+    arrays.append(act)
+    in_specs.append(PartitionSpec())
   meta: dict[str, Any] = {}
 
   def make_local(fun):
@@ -424,6 +430,10 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
                                      size=None, data_axis=None, mesh=None)
 
     def local(*local_arrays):
+      if act is not None:
+        *local_arrays, local_act = local_arrays
+      else:
+        local_act = None
       it = iter(local_arrays)
       values = []
       for (leaves, treedef) in flat:
@@ -437,12 +447,11 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       for j in roles.rng:
         largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard), _vary(largs[j], axes))
       problem = _transform.prepare(local_opts, tuple(largs), lkwargs, n)
-      act = None if active is None else _transform.check_active(active, n)
-      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, act, shards)
+      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, local_act, shards)
       carry, stacked, _ = combine(carry, stacked, kinds, axes=axes,
                                   grad_axes=tuple(grad_axes), shards=shards,
                                   reduce_is_sum=opts.single_term and opts.reduce == "sum")
-      static = None if (opts.skip_nonfinite or act is not None) else n * shards
+      static = None if (opts.skip_nonfinite or local_act is not None) else n * shards
       value, extra, grads, info = _transform.finalize(
           local_opts, problem, carry, stacked, shapes, kinds, kept_static=static)
       # Concatenated aux rows stay on their shard: the output spec gathers them in order.
