@@ -20,12 +20,12 @@ Two things live here.
    gather reduce-scatters its gradient once per micro-batch into an accumulator of the
    shard's size, and only the remaining data axes are reduced after the loop.
 
-Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``):
-``fun`` sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live
-on its shard (the split is the same column-major one, applied per shard). ``"mean"``
-divides the summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weighted"``
-sums numerator gradients and denominators over all shards and micro-batches before
-dividing; ``"sum"`` sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"`` reduce over shards
+Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``): ``fun``
+sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live on its
+shard (the split is the same column-major one, applied per shard). ``"mean"`` divides the
+summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weighted"`` sums numerator
+gradients and denominators over all shards and micro-batches before dividing; ``"sum"``
+sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"``/``"all"``/``"any"`` reduce over shards
 the same way; ``"stack"`` entries are averaged over shards (summed under ``reduce="sum"``
 and for integer leaves; OR-ed for booleans; keys are shard 0's): stacked scalars, such as a
 per-micro-batch loss, come out right, while stacked per-row arrays keep one shard's
@@ -33,9 +33,9 @@ micro-batch shape and are combined element-wise, not gathered. Under ``reduce="w
 stacked entries are averaged over shards without weights. Mutable state is threaded per
 shard; at the end its floating leaves are averaged over shards, integer leaves (counters)
 take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``) is
-folded with the shard index and then the micro-batch index; keys carried in the state
-(e.g. ``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass
-keys through ``rng_argnums`` when shards must draw independently.
+folded with the shard index and then the micro-batch index; keys carried in the state (e.g.
+``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass keys
+through ``rng_argnums`` when shards must draw independently.
 """
 
 from __future__ import annotations
@@ -455,7 +455,7 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       value, extra, grads, info = _transform.finalize(
           local_opts, problem, carry, stacked, shapes, kinds, kept_static=static)
       # Concatenated aux rows stay on their shard: the output spec gathers them in order.
-      rows_mask = jax.tree.map(lambda k: k == "concat", kinds)
+      rows_mask = jax.tree.map(lambda k: _reduce.AUX_REDUCTIONS[k].per_example, kinds)
       if problem.state0:
         no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
         mask = (no_rows, rows_mask) if opts.has_aux else no_rows
