@@ -170,3 +170,24 @@ def test_a_traced_active_count_under_data_axis_runs_the_first_k_micro_batches(ax
       loop = [jax.value_and_grad(ref_loss)(W, (x[i::n], y[i::n])) for i in range(k)]
       _close((out[0][0], out[1]), jax.tree.map(lambda *v, k=k: sum(v) / k, *loop))
     assert step._cache_size() == 1
+
+
+def test_info_counts_each_shards_piece_of_a_micro_batch_under_data_axis():
+  """num_micro_batches is k * D: the pieces that skipped and num_samples count as well."""
+  n, shards = 4, 8
+  mesh = jax.make_mesh((shards,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = _data()
+  x = x.at[5, 0].set(jnp.nan)  # shard 1 (rows 4..7), its piece of micro-batch 1
+  vg = jaxaccum.value_and_grad(ref_loss, num_micro_batches=n, data_axis="data",
+                               with_info=True, skip_nonfinite=True)
+  with jax.set_mesh(mesh):
+    b = jax.device_put((x, y), jax.NamedSharding(mesh, P("data")))
+    step = jax.jit(lambda w, b, k: vg(w, b, active_micro_batches=k))
+    for k in (1, 2, n):
+      loss, grads, info = step(W, b, jnp.int32(k))
+      skipped = int(k > 1)  # micro-batch 1 runs only when k > 1
+      assert (int(info.num_micro_batches), int(info.skipped), int(info.num_samples)) == (
+          k * shards, skipped, k * shards - skipped)
+      rows = np.concatenate([np.arange(i, 32, n) for i in range(k)])
+      rows = rows[rows != 5]  # micro-batches of one row per shard: only row 5 goes
+      _close((loss, grads), jax.value_and_grad(ref_loss)(W, (x[rows], y[rows])))
