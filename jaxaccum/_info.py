@@ -39,8 +39,10 @@ class AccumInfo(NamedTuple):
   ``lax.scan`` and to checkpoint.
 
   Attributes:
-    num_micro_batches: int32, the micro-batches that ran (``active_micro_batches`` when
-      given, else ``N``), skipped ones included.
+    num_micro_batches: int32, the micro-batches that ran (``k``: ``active_micro_batches``
+      when given, else ``N``), skipped ones included. Under ``data_axis`` each of the ``D``
+      data shards runs its own piece of every micro-batch and each piece counts, ``k * D``:
+      the pieces that ``skipped`` and ``num_samples`` count, and the count a mean divides by.
     micro_batch_size: float32, ``b``: rows per micro-batch per data shard; under
       ``reduce="weighted"`` the harmonic mean of the samples' denominators.
     batch_size: float32, ``B``: rows of the micro-batches that ran (the total denominator
@@ -50,7 +52,8 @@ class AccumInfo(NamedTuple):
       summed gradient divided by ``B`` under ``reduce="sum"``).
     num_samples: int32, the samples behind ``micro_grad_sq_norm``: micro-batches times
       data shards, less skipped ones and those with denominator 0.
-    skipped: int32, micro-batches dropped by ``skip_nonfinite=True`` (0 otherwise).
+    skipped: int32, micro-batches (pieces, under ``data_axis``) dropped by
+      ``skip_nonfinite=True`` (0 otherwise).
     terms: the value of each loss term, each normalised by its own rule, when ``reduce``
       is a dict of terms; ``None`` otherwise.
   """

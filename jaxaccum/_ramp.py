@@ -163,8 +163,12 @@ def batch_size_ramp(
           f"a batch_size_ramp schedule takes an integer step, got dtype {step.dtype}.")
     if jnp.issubdtype(step.dtype, jnp.floating):
       step = jnp.floor(step)
+      low, high = -1, _INT32_MAX
+    else:  # bounds the step's own dtype holds: in int8, 2**31 - 1 would wrap to -1
+      info = jnp.iinfo(step.dtype)
+      low, high = max(-1, int(info.min)), min(_INT32_MAX, int(info.max))
     # Clip before the cast so that a huge or negative step cannot wrap.
-    step = jnp.clip(step, -1, _INT32_MAX).astype(jnp.int32)
+    step = jnp.clip(step, low, high).astype(jnp.int32)
     index = jnp.searchsorted(jnp.asarray(boundaries_np), step, side="right")
     return jnp.asarray(values_np)[index]
 

@@ -131,18 +131,20 @@ class Reduction:
   per_micro_batch: bool = False  # the scan emits the leaf (stack, concat) instead
   numeric_only: bool = True
   per_example: bool = False  # the leaf has the micro-batch's leading axis
+  bool_only: bool = False  # a logical reduction (all, any): boolean leaves only
 
 
-def _extreme_init(kind: str):
+def _extreme_init(lowest: bool):
+  """The carry of a running maximum (``lowest``: start at the dtype's lowest) or minimum."""
   def init(s, acc):
     dtype = jnp.dtype(s.dtype)
     if dtype == jnp.bool_:
-      fill = kind == "min"
+      fill = not lowest
     elif jnp.issubdtype(dtype, jnp.inexact):
-      fill = -jnp.inf if kind == "max" else jnp.inf
+      fill = -jnp.inf if lowest else jnp.inf
     else:
       info = jnp.iinfo(dtype)
-      fill = info.min if kind == "max" else info.max
+      fill = info.min if lowest else info.max
     return jnp.full(s.shape, fill, dtype)
   return init
 
@@ -170,7 +172,7 @@ def _sum_finalize(c, _, s, divisor):
 # Reductions with a carry (init gives an array) finalize it; per-micro-batch ones (init gives
 # None) finalize the scan's stacked entries instead.
 def _carry_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
-  assert c is not None, "max and min keep a carry"
+  assert c is not None, "max, min, all and any keep a carry"
   return c
 
 
@@ -196,15 +198,25 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         combine=lambda c, axes, is_sum: lax.psum(c, axes),
         finalize=_sum_finalize),
     "max": Reduction(
-        init=_extreme_init("max"),
+        init=_extreme_init(lowest=True),
         update=lambda c, v, w: jnp.maximum(c, v),
         combine=lambda c, axes, is_sum: pmax(c, axes),
         finalize=_carry_finalize),
     "min": Reduction(
-        init=_extreme_init("min"),
+        init=_extreme_init(lowest=False),
         update=lambda c, v, w: jnp.minimum(c, v),
         combine=lambda c, axes, is_sum: pmin(c, axes),
         finalize=_carry_finalize),
+    "all": Reduction(
+        init=lambda s, acc: jnp.ones(s.shape, jnp.bool_),
+        update=lambda c, v, w: c & v,
+        combine=lambda c, axes, is_sum: pmin(c, axes),
+        finalize=_carry_finalize, bool_only=True),
+    "any": Reduction(
+        init=lambda s, acc: jnp.zeros(s.shape, jnp.bool_),
+        update=lambda c, v, w: c | v,
+        combine=lambda c, axes, is_sum: pmax(c, axes),
+        finalize=_carry_finalize, bool_only=True),
     "stack": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w: c,
@@ -251,7 +263,8 @@ def combine_state(s: jax.Array, axes: AxisNames) -> jax.Array:
 
 
 def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
-  """The default reduction of an aux leaf: scalars only; counts sum, floats average."""
+  """The default reduction of an aux leaf: scalars only; counts sum, floats average, flags
+  are AND-ed (a bool such as ``jnp.all(jnp.isfinite(x))`` keeps its full-batch value)."""
   if s.shape != ():
     raise ValueError(
         f"aux leaf {path or '(root)'} has shape {tuple(s.shape)}, and the default aux "
@@ -265,17 +278,20 @@ def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
   if _is_key(s.dtype):
     return "mean"  # rejected below: keys can only be stacked
   dtype = jnp.dtype(s.dtype)
-  if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer):
+  if dtype == jnp.bool_:
+    return "all"
+  if jnp.issubdtype(dtype, jnp.integer):
     return "sum"
   return "mean"
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -> PyTree:
   """Expands ``spec`` (a string, or a pytree prefix of aux with strings or None) to aux.
 
   Returns a pytree with the structure of ``aux_shapes`` whose leaves are reduction names;
   ``None`` becomes each leaf's default (:func:`_default_kind`). Checks that every leaf can
-  be reduced as asked.
+  be reduced as asked; ``rows``, the rows of one micro-batch, is the leading size that a
+  per-example (``"concat"``) leaf must have.
   """
   def is_spec_leaf(x):
     return x is None or isinstance(x, str)
@@ -318,6 +334,11 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
     kind = name if name is not None else _default_kind(where, s)
     dtype = jnp.dtype(s.dtype) if not _is_key(s.dtype) else s.dtype
     numeric = not _is_key(dtype) and (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.number))
+    if AUX_REDUCTIONS[kind].bool_only and dtype != jnp.bool_:
+      raise TypeError(
+          f"aux leaf {where or '(root)'} has dtype {dtype}, but aux_reduce {kind!r} is a "
+          "logical reduction of booleans. Return a bool (e.g. x != 0) or choose 'max', "
+          "'min', 'sum' or 'mean'.")
     if AUX_REDUCTIONS[kind].numeric_only and not numeric:
       raise TypeError(
           f"aux leaf {where or '(root)'} has dtype {dtype}, which cannot be reduced with "
@@ -326,9 +347,18 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree) -> PyTree:
       )
     if AUX_REDUCTIONS[kind].per_example and s.shape == ():
       raise ValueError(
-          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce 'concat' has no "
+          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind!r} has no "
           "per-example rows to put back in batch order. Use 'stack' for one entry per "
           "micro-batch, or 'mean'/'sum'.")
+    if AUX_REDUCTIONS[kind].per_example and rows is not None and s.shape[0] != rows:
+      raise ValueError(
+          f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce "
+          f"{kind!r} puts per-example rows back in batch order, so its leading axis must be "
+          f"the micro-batch's {rows} rows (a leading axis of another size, such as per-token "
+          "values flattened to (rows * tokens,) or a (tokens,) vector, would be interleaved "
+          "as if it were rows). Keep the rows axis first, e.g. return shape (rows, tokens) "
+          "instead of the flattened (rows * tokens,), or use aux_reduce 'stack' for one entry "
+          "per micro-batch.")
     kinds.append(kind)
   return jax.tree.unflatten(treedef, kinds)
 

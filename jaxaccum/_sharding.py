@@ -20,12 +20,12 @@ Two things live here.
    gather reduce-scatters its gradient once per micro-batch into an accumulator of the
    shard's size, and only the remaining data axes are reduced after the loop.
 
-Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``):
-``fun`` sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live
-on its shard (the split is the same column-major one, applied per shard). ``"mean"``
-divides the summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weighted"``
-sums numerator gradients and denominators over all shards and micro-batches before
-dividing; ``"sum"`` sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"`` reduce over shards
+Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``): ``fun``
+sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live on its
+shard (the split is the same column-major one, applied per shard). ``"mean"`` divides the
+summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weighted"`` sums numerator
+gradients and denominators over all shards and micro-batches before dividing; ``"sum"``
+sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"``/``"all"``/``"any"`` reduce over shards
 the same way; ``"stack"`` entries are averaged over shards (summed under ``reduce="sum"``
 and for integer leaves; OR-ed for booleans; keys are shard 0's): stacked scalars, such as a
 per-micro-batch loss, come out right, while stacked per-row arrays keep one shard's
@@ -33,9 +33,9 @@ micro-batch shape and are combined element-wise, not gathered. Under ``reduce="w
 stacked entries are averaged over shards without weights. Mutable state is threaded per
 shard; at the end its floating leaves are averaged over shards, integer leaves (counters)
 take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``) is
-folded with the shard index and then the micro-batch index; keys carried in the state
-(e.g. ``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass
-keys through ``rng_argnums`` when shards must draw independently.
+folded with the shard index and then the micro-batch index; keys carried in the state (e.g.
+``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass keys
+through ``rng_argnums`` when shards must draw independently.
 """
 
 from __future__ import annotations
@@ -437,6 +437,12 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
 
   to_gather = {k: g for k, g in gathers.items()
                if k not in roles.batch and k not in roles.batch_names and any(g)}
+  # A traced count enters as a replicated input: shard_map cannot close over a tracer
+  # typed with Explicit mesh axes.
+  act = None if active is None else _transform.check_active(active, n)
+  if act is not None:
+    arrays.append(act)
+    in_specs.append(PartitionSpec())
   meta: dict[str, Any] = {}
 
   def make_local(fun):
@@ -460,6 +466,10 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
                                      size=None, data_axis=None, mesh=None)
 
     def local(*local_arrays):
+      if act is not None:
+        *local_arrays, local_act = local_arrays
+      else:
+        local_act = None
       it = iter(local_arrays)
       values = []
       for (leaves, treedef) in flat:
@@ -473,16 +483,15 @@ def data_parallel(opts: Any, args: tuple, kwargs: dict, active: Any):
       for j in roles.rng:
         largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard), _vary(largs[j], axes))
       problem = _transform.prepare(local_opts, tuple(largs), lkwargs, n)
-      act = None if active is None else _transform.check_active(active, n)
-      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, act, shards)
+      carry, stacked, shapes, kinds = _transform.scan(local_opts, problem, local_act, shards)
       carry, stacked, _ = combine(carry, stacked, kinds, axes=axes,
                                   grad_axes=tuple(grad_axes), shards=shards,
                                   reduce_is_sum=opts.single_term and opts.reduce == "sum")
-      static = None if (opts.skip_nonfinite or act is not None) else n * shards
+      static = None if (opts.skip_nonfinite or local_act is not None) else n * shards
       value, extra, grads, info = _transform.finalize(
           local_opts, problem, carry, stacked, shapes, kinds, kept_static=static)
       # Concatenated aux rows stay on their shard: the output spec gathers them in order.
-      rows_mask = jax.tree.map(lambda k: k == "concat", kinds)
+      rows_mask = jax.tree.map(lambda k: _reduce.AUX_REDUCTIONS[k].per_example, kinds)
       if problem.state0:
         no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
         mask = (no_rows, rows_mask) if opts.has_aux else no_rows

@@ -391,7 +391,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
   n = problem.n
   count = jnp.asarray(n if active is None else active, jnp.int32) * shards
   shapes = jax.eval_shape(problem.micro, jnp.int32(0), problem.state0, count)
-  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows)
   acc = opts.accumulator_dtype
 
   def acc_dtype(dtype):

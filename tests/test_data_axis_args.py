@@ -140,3 +140,54 @@ def test_the_shard_map_advice_gives_the_full_batch(reduce):
           lambda w, b: jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce=reduce,
                                                data_axis="data")(w, b),
           in_specs=(P(), P("data")), out_specs=P()))(W, b)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=["explicit", "auto"])
+def test_a_traced_active_count_under_data_axis_runs_the_first_k_micro_batches(axis_type):
+  """k is an argument of the jitted step: one program for every k, on both mesh types."""
+  n = 4
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+  x, y = _data()
+
+  def loss(w, batch):
+    x, y = batch
+    return ref_loss(w, batch), {"rows": jnp.int32(x.shape[0]), "max_y": jnp.max(y)}
+
+  vg = jaxaccum.value_and_grad(loss, num_micro_batches=n, data_axis="data", has_aux=True,
+                               aux_reduce={"rows": "sum", "max_y": "max"})
+  with jax.set_mesh(mesh):
+    b = jax.device_put((x, y), jax.NamedSharding(mesh, P("data")))
+    step = jax.jit(lambda w, b, k: vg(w, b, active_micro_batches=k))
+    for k in (1, 3, n):
+      out = step(W, b, jnp.int32(k))
+      # The first k micro-batches, sliced by hand: rows i, i + N, ... for i < k.
+      rows = tuple(jnp.concatenate([a[i::n] for i in range(k)]) for a in (x, y))
+      (value, _), grads = jax.value_and_grad(loss, has_aux=True)(W, rows)
+      aux = {"rows": jnp.int32(rows[0].shape[0]), "max_y": jnp.max(rows[1])}
+      _close(out, ((value, aux), grads))
+      # and a loop over the same micro-batches, each the mean of its own rows
+      loop = [jax.value_and_grad(ref_loss)(W, (x[i::n], y[i::n])) for i in range(k)]
+      _close((out[0][0], out[1]), jax.tree.map(lambda *v, k=k: sum(v) / k, *loop))
+    assert step._cache_size() == 1
+
+
+def test_info_counts_each_shards_piece_of_a_micro_batch_under_data_axis():
+  """num_micro_batches is k * D: the pieces that skipped and num_samples count as well."""
+  n, shards = 4, 8
+  mesh = jax.make_mesh((shards,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = _data()
+  x = x.at[5, 0].set(jnp.nan)  # shard 1 (rows 4..7), its piece of micro-batch 1
+  vg = jaxaccum.value_and_grad(ref_loss, num_micro_batches=n, data_axis="data",
+                               with_info=True, skip_nonfinite=True)
+  with jax.set_mesh(mesh):
+    b = jax.device_put((x, y), jax.NamedSharding(mesh, P("data")))
+    step = jax.jit(lambda w, b, k: vg(w, b, active_micro_batches=k))
+    for k in (1, 2, n):
+      loss, grads, info = step(W, b, jnp.int32(k))
+      skipped = int(k > 1)  # micro-batch 1 runs only when k > 1
+      assert (int(info.num_micro_batches), int(info.skipped), int(info.num_samples)) == (
+          k * shards, skipped, k * shards - skipped)
+      rows = np.concatenate([np.arange(i, 32, n) for i in range(k)])
+      rows = rows[rows != 5]  # micro-batches of one row per shard: only row 5 goes
+      _close((loss, grads), jax.value_and_grad(ref_loss)(W, (x[rows], y[rows])))

@@ -129,7 +129,8 @@ AUX_KINDS = ["mean", "sum", "max", "min", "stack"]
 @example(2, {"f": "max", "i": "min", "v": "mean", "b": "min", "bv": "max"}, True, 2)
 @given(st.sampled_from([1, 2, 3, 6]),
        st.fixed_dictionaries({
-           # Scalars may use the default (None): integer and bool counts sum, floats average.
+           # Scalars may use the default (None): integer counts sum, floats average, bools
+           # are AND-ed.
            **{k: st.sampled_from([None] + AUX_KINDS) for k in ("f", "i", "b")},
            # A non-scalar leaf has no default reduction: it must be named.
            **{k: st.sampled_from(AUX_KINDS) for k in ("v", "bv")}}),
@@ -164,15 +165,16 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   total = sum(dens)
   for key, kind in spec.items():
     vals = np.stack([np.asarray(a[key]) for a in auxes])
-    if kind is None:  # the default: integer and bool counts sum, floating scalars average
-      kind = "mean" if key == "f" else "sum"
+    if kind is None:  # the default: integer counts sum, floats average, bools are AND-ed
+      kind = {"f": "mean", "b": "all"}.get(key, "sum")
     if kind == "mean":
       wts = np.asarray(dens).reshape((n,) + (1,) * (vals.ndim - 1))
       expected = np.sum(vals * wts, 0) / total if total > 0 else np.zeros(vals.shape[1:])
     else:
       expected = {"sum": lambda v: np.sum(v.astype(np.float32), 0), "max": lambda v: np.max(v, 0),
-                  "min": lambda v: np.min(v, 0), "stack": lambda v: v}[kind](vals)
-    if kind in ("max", "min", "stack"):  # these keep the leaf's dtype
+                  "min": lambda v: np.min(v, 0), "stack": lambda v: v,
+                  "all": lambda v: np.all(v, 0)}[kind](vals)
+    if kind in ("max", "min", "stack", "all"):  # these keep the leaf's dtype
       assert aux[key].dtype == auxes[0][key].dtype, (key, kind, aux[key].dtype)
     assert_close(jnp.asarray(aux[key], jnp.float32), jnp.asarray(expected, jnp.float32),
                  err_msg=f"aux {key!r} reduced with {kind!r}")

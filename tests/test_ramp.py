@@ -123,3 +123,21 @@ def test_ramp_as_active_micro_batches_runs_the_rows_of_the_first_k_in_one_progra
     rows = jax.tree.map(lambda x, k=k: jnp.concatenate([x[i::n] for i in range(k)]), batch)
     chex.assert_trees_all_close(step(w, batch, jnp.int32(s)),
                                 jax.value_and_grad(loss)(w, rows), rtol=1e-5)
+
+
+INT_DTYPES = (jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16, jnp.uint32)
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_integer_step_dtype_gives_the_formula(dtype):
+  # The clip to int32's range must happen in a type that holds it: in int8 or uint16 the
+  # bound 2**31 - 1 wraps, and in uint32 a step above it must not come back negative.
+  ramp = jaxaccum.batch_size_ramp(1, 8, 100)
+  info = np.iinfo(jnp.dtype(dtype))
+  probe = sorted({s for s in (0, 1, 14, 15, 50, 99, 100, 101, 127, 255, 1000, 65535,
+                              2**31 - 1, info.max, info.min) if info.min <= s <= info.max})
+  expected = [reference_linear(1, 8, 100, 0, s) for s in probe]
+  steps = jnp.asarray(probe, dtype)
+  assert steps.dtype == jnp.dtype(dtype)
+  np.testing.assert_array_equal(jax.jit(jax.vmap(ramp))(steps), expected)
+  assert [int(ramp(s)) for s in steps] == expected  # eager, one scalar at a time
