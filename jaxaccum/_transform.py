@@ -680,12 +680,15 @@ def value_and_grad(
         cost one backward pass each per micro-batch.
     loss_weights: with a dict ``reduce``, the weight of each term (default 1).
     aux_reduce: how each aux leaf is reduced: ``"mean"`` (weighted by the denominator
-      under ``reduce="weighted"``), ``"sum"``, ``"max"``, ``"min"``, ``"stack"`` (a leading
+      when the loss has exactly one weighted term), ``"sum"``, ``"max"``, ``"min"``,
+      ``"all"``/``"any"`` (logical AND / OR of boolean leaves), ``"stack"`` (a leading
       axis of size ``N``, one entry per micro-batch) or ``"concat"`` (per-example rows back
-      in batch order: the full batch's aux). A string applies to all of aux; a pytree
-      prefix of aux with names (or ``None`` for the default) chooses per subtree. The
-      default (``None``) is ``"mean"`` for floating scalars and ``"sum"`` for integer and
-      boolean scalars (counts); a non-scalar leaf must be named.
+      in batch order: the full batch's aux; the leaf's leading axis must be the
+      micro-batch's rows). A string applies to all of aux; a pytree prefix of aux with
+      names (or ``None`` for the default) chooses per subtree. The default (``None``) is
+      ``"mean"`` for floating scalars, ``"sum"`` for integer scalars (counts) and ``"all"``
+      for boolean scalars; a non-scalar leaf must be named. A float that is a sum over
+      rows (a summed metric) must be named ``"sum"``.
     rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
       Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``.
     state_argnums: positional argument(s) holding mutable state (e.g. Linen
