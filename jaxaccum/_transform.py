@@ -6,7 +6,7 @@ The accumulation runs in three steps, each a function of named values:
    loss terms, denominators, gradients, aux and statistics into a :class:`Carry` and
    threads the mutable state;
 2. ``reduce``: under ``data_axis``, one cross-device reduction of the carry after the loop
-   (:func:`jaxaccum._sharding.combine`); nothing otherwise;
+   (:func:`jaxaccum._data_parallel.combine`); nothing otherwise;
 3. :func:`finalize`: divides by what the reductions say (micro-batches kept, total
    denominators) and builds :func:`jax.value_and_grad`'s output.
 
@@ -577,19 +577,20 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
 
 
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
-               n: int | None = None, combine: Callable[..., Any] | None = None):
+               n: int | None = None, shards: int = 1,
+               combine: Callable[..., Any] | None = None):
   """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
 
-  ``combine(carry, stacked, kinds)``, given by the data-parallel mode, reduces the carry
-  across devices once after the loop and returns ``(carry, stacked, shards)``.
+  ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
+  or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
+  once after the loop and returns ``(carry, stacked)``.
   """
   problem = prepare(opts, args, kwargs, n)
   if active is not None:
     active = check_active(active, problem.n)
-  carry, stacked, shapes, kinds = scan(opts, problem, active)
-  shards = 1
+  carry, stacked, shapes, kinds = scan(opts, problem, active, shards)
   if combine is not None:
-    carry, stacked, shards = combine(carry, stacked, kinds)
+    carry, stacked = combine(carry, stacked, kinds)
   static = None if (opts.skip_nonfinite or active is not None) else problem.n * shards
   return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
 
@@ -761,8 +762,10 @@ def transform(opts: Options) -> Callable[..., Any]:
   @functools.wraps(opts.fun)
   def value_and_grad_fn(*args, active_micro_batches=None, **kwargs):
     if opts.data_axis is not None:
-      value, extra, grads, info = _sharding.data_parallel(opts, args, kwargs,
-                                                          active_micro_batches)
+      from jaxaccum import _data_parallel  # noqa: PLC0415 (moves with the public API)
+
+      value, extra, grads, info = _data_parallel.data_parallel(opts, args, kwargs,
+                                                               active_micro_batches)
     else:
       value, extra, grads, info = accumulate(opts, args, kwargs, active_micro_batches)
     grads = grads[0] if opts.argnums_is_int else grads
