@@ -178,23 +178,31 @@ def test_optimizer_steps_equal_full_batch(name, n):
   assert_close(arrays(acc_model), arrays(ref_model), err_msg="whole model state")
 
 
-def test_grad_and_has_aux_equal_full_batch():
-  model, _ = make("mlp")
-  batch = data("mlp", 0)
+class GradEquivalenceTest(chex.TestCase):
+  """jaxaccum.nnx.grad with aux equals nnx.grad on the full batch, jitted or not."""
 
-  def loss_fn(model, batch):
-    logits = model(batch[0])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-    return loss, {"logit_mean": logits.mean(), "logits": logits}
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_grad_and_has_aux_equal_full_batch(self):
+    model, _ = make("mlp")
+    batch = data("mlp", 0)
 
-  step = nnx.jit(jaxaccum.nnx.grad(loss_fn, num_micro_batches=4, has_aux=True,
-                                   aux_reduce={"logit_mean": "mean", "logits": "stack"}))
-  grads, aux = step(model, batch)
-  ref_grads, ref_aux = nnx.jit(nnx.grad(loss_fn, has_aux=True))(model, batch)
-  assert_close(grads, ref_grads)
-  assert_close(aux["logit_mean"], ref_aux["logit_mean"])
-  # Stacked aux: micro-batch i holds rows i, i + 4.
-  assert_close(aux["logits"], jnp.stack([ref_aux["logits"][i::4] for i in range(4)]))
+    def loss_fn(model, batch):
+      logits = model(batch[0])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+      return loss, {"logit_mean": logits.mean(), "logits": logits}
+
+    grad_fn = jaxaccum.nnx.grad(loss_fn, num_micro_batches=4, has_aux=True,
+                                aux_reduce={"logit_mean": "mean", "logits": "stack"})
+    graphdef, state = nnx.split(model)  # the state crosses the (possibly jitted) boundary
+    grads, aux = self.variant(lambda state, batch: grad_fn(nnx.merge(graphdef, state), batch))(
+        state, batch)
+    ref_grads, ref_aux = nnx.jit(nnx.grad(loss_fn, has_aux=True))(model, batch)
+    chex.assert_trees_all_close(
+        (grads, aux["logit_mean"]), (ref_grads, ref_aux["logit_mean"]), rtol=1e-5, atol=1e-6)
+    # Stacked aux: micro-batch i holds rows i, i + 4.
+    chex.assert_trees_all_close(
+        aux["logits"], jnp.stack([ref_aux["logits"][i::4] for i in range(4)]), rtol=1e-5,
+        atol=1e-6)
 
 
 def test_transformer_weighted_token_loss_steps_equal_full_batch():

@@ -22,7 +22,7 @@ from absl.testing import parameterized
 import jaxaccum
 from tests import _problems
 from tests._problems import micro_batch, micro_batches, mlp_loss
-from tests._util import assert_close
+from tests._util import assert_close  # tolerance relative to each leaf's largest entry
 
 B = 16
 RTOL, ATOL = 1e-5, 1e-6  # float32; see the module docstring
@@ -322,15 +322,15 @@ def test_remat_same_numbers_less_temporary_memory():
   remat = jaxaccum.value_and_grad(
       deep_loss, num_micro_batches=2,
       remat_policy=jax.checkpoint_policies.save_only_these_names("layer_out"))
-  assert_close(jax.jit(remat)(params, x), jax.jit(plain)(params, x))
-  assert_close(jax.jit(remat)(params, x), jax.value_and_grad(deep_loss)(params, x))
+  assert_all_close(jax.jit(remat)(params, x), jax.jit(plain)(params, x))
+  assert_all_close(jax.jit(remat)(params, x), jax.value_and_grad(deep_loss)(params, x))
 
   def temp(f):
     return jax.jit(f).lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
   assert temp(remat) < 0.8 * temp(plain), (temp(remat), temp(plain))
   whole = jaxaccum.value_and_grad(deep_loss, num_micro_batches=2, remat=True)
-  assert_close(jax.jit(whole)(params, x), jax.jit(plain)(params, x))
+  assert_all_close(jax.jit(whole)(params, x), jax.jit(plain)(params, x))
   assert temp(whole) < temp(plain)
 
 
@@ -338,7 +338,7 @@ def test_unroll_gives_the_same_numbers():
   params, batch = make_mlp(15)
   out = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=8, unroll=2))(
       params, batch)
-  assert_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+  assert_all_close(out, jax.value_and_grad(mlp_loss)(params, batch))
 
 
 def test_bf16_gradients_accumulate_in_float32():
@@ -416,7 +416,7 @@ def test_remat_with_static_and_non_array_arguments():
   f = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=4, remat=True),
               static_argnums=(2, 3))
   for train in (True, False):
-    assert_close(f(params, batch, train, "mlp"),
+    assert_all_close(f(params, batch, train, "mlp"),
                  jax.value_and_grad(loss)(params, batch, train, "mlp"))
 
 
@@ -434,7 +434,7 @@ def test_integer_and_boolean_aux_sums_do_not_wrap():
 def test_grad_with_empty_or_zero_state_argnums():
   params, batch = make_mlp(20)
   g = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=2, state_argnums=()))(params, batch)
-  assert_close(g, jax.grad(mlp_loss)(params, batch))
+  assert_all_close(g, jax.grad(mlp_loss)(params, batch))
 
   def stateful(count, params, batch):  # state as argument 0
     return mlp_loss(params, batch), count + 1
@@ -442,7 +442,7 @@ def test_grad_with_empty_or_zero_state_argnums():
   g, count = jax.jit(jaxaccum.grad(stateful, num_micro_batches=2, argnums=1, batch_argnums=2,
                                    state_argnums=0))(jnp.int32(0), params, batch)
   assert int(count) == 2
-  assert_close(g, jax.grad(mlp_loss)(params, batch))
+  assert_all_close(g, jax.grad(mlp_loss)(params, batch))
 
 
 def test_weighted_aux_ignores_micro_batches_of_weight_zero():
@@ -455,9 +455,9 @@ def test_weighted_aux_ignores_micro_batches_of_weight_zero():
   m = jnp.array([1.0, 0.0] * 4)  # micro-batch 1 of 2 (odd rows) has no weight at all
   (value, aux), g = jax.jit(jaxaccum.value_and_grad(
       loss, num_micro_batches=2, reduce="weighted", has_aux=True))(jnp.float32(2.0), (x, m))
-  assert_close(value, jnp.sum(2.0 * x * m) / jnp.sum(m))
-  assert_close(g, jnp.sum(x * m) / jnp.sum(m))
-  assert_close(aux["mean_x"], jnp.sum(x * m) / jnp.sum(m))  # 3.0, not NaN
+  assert_all_close(value, jnp.sum(2.0 * x * m) / jnp.sum(m))
+  assert_all_close(g, jnp.sum(x * m) / jnp.sum(m))
+  assert_all_close(aux["mean_x"], jnp.sum(x * m) / jnp.sum(m))  # 3.0, not NaN
 
 
 def test_int64_denominator_under_x64():
