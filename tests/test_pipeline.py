@@ -477,4 +477,11 @@ def test_pipeline_lm_example_matches_the_unpipelined_run(tmp_path):
   assert ref.shape == got.shape == (3,) and np.all(np.isfinite(ref))
   # Same gradients up to float32 round-off, so the same Adam trajectory over 3 steps.
   np.testing.assert_allclose(got, ref, rtol=1e-5)
-  assert ref[-1] < ref[0]
+  held = out["held_out"]
+  np.testing.assert_allclose(held["pipelined"], held["unpipelined"], rtol=1e-5)
+  # Training lowers the loss on a batch it never saw (the training curve compares losses
+  # of different batches, so its ends may not be ordered), by far more than the two runs
+  # differ anywhere.
+  gap = max(float(np.max(np.abs(got - ref))), abs(held["pipelined"] - held["unpipelined"]))
+  for run in ("pipelined", "unpipelined"):
+    assert held["initial"] - held[run] > 100 * gap, (run, held, gap)
