@@ -32,7 +32,6 @@ ordinary, stage-replicated array.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-PyTree = Any
+from jaxaccum import _reduce, _sharding, _split
+from jaxaccum._types import PyTree
 
 
 def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
@@ -164,8 +164,9 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
     s = the_mesh.shape[stage_axis]
     _check_stage_params(stage_params, s, r, stage_axis)
     x_leaves, x_def = jax.tree.flatten(x)
-    b = _check_batch(x_leaves, m)
-    micro = [_retype(_split(leaf, m), the_mesh, stage_axis, lead=None) for leaf in x_leaves]
+    _check_batch(x, m)
+    micro = [_retype(_split.split(leaf, m), the_mesh, stage_axis, lead=None)
+             for leaf in x_leaves]
     p_leaves, p_def = jax.tree.flatten(stage_params)
     lead = 0 if r == 1 else 1  # the dimension of the stage parameters sharded over stages
     p_leaves = [_retype(leaf, the_mesh, stage_axis, lead=lead) for leaf in p_leaves]
@@ -179,7 +180,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
       mapped = _recompute_in_backward(mapped, body, the_mesh, stage_axis, p_spec,
                                       len(p_leaves), len(micro))
     out = mapped(tuple(p_leaves), tuple(micro))
-    return jax.tree.unflatten(x_def, [_merge(y, b) for y in out])
+    return jax.tree.unflatten(x_def, [_reduce.merge(y) for y in out])
 
   return pipe
 
@@ -210,17 +211,21 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
       local = [p[:, 0] for p in p_leaves]  # this stage's R chunks
     # Marked stage-varying here, once: the transpose (a psum of their cotangent over the
     # stage axis) then runs once after the backward loop, not at every tick.
-    micro = tuple(_vary(u, axis) for u in micro)
+    micro = tuple(_sharding._vary(micro, (axis,)))
+    first = [_split.take(u, jnp.int32(0)) for u in micro]
     first_params = jax.tree.unflatten(p_def, local if r == 1 else [p[0] for p in local])
-    _check_stage_output(stage_fn, first_params,
-                        jax.tree.unflatten(x_def, [u[0] for u in micro]))
+    _check_stage_output(stage_fn, first_params, jax.tree.unflatten(x_def, first))
+    # A stage's output varies over every manual axis its inputs vary over: the stage axis,
+    # and the data axes of an enclosing shard_map (value_and_grad(data_axis=...)).
+    varying = tuple(sorted(frozenset().union(
+        *(_sharding._varying(v) for v in (*local, *micro))), key=str))
 
     def tick(carry, t):
       state, buffer = carry
       u = t - stage  # this stage's position in the schedule
       rnd = jnp.clip(u // period, 0, r - 1)
       busy = (u >= 0) & (u % period < m) & (u // period < r)
-      fresh = [lax.dynamic_index_in_dim(v, t % m, keepdims=False) for v in micro]
+      fresh = [_split.take(v, t % m) for v in micro]
       if r == 1:
         received = state
       else:
@@ -244,10 +249,9 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
       nxt = tuple(lax.ppermute(y, axis, perm) for y in out) if perm else tuple(out)
       return (nxt, buffer), tuple(out)
 
-    init = tuple(jnp.zeros_like(u[0]) for u in micro)
-    buffer = () if r == 1 else tuple(jnp.zeros((period, *u.shape[1:]), u.dtype)
-                                     for u in micro)
-    buffer = tuple(_vary(b, axis) for b in buffer)
+    init = tuple(jnp.zeros_like(u) for u in first)
+    buffer = () if r == 1 else tuple(jnp.zeros((period, *u.shape), u.dtype) for u in first)
+    init, buffer = _sharding._vary((init, buffer), varying)
     _, ys = lax.scan(tick, (init, buffer), jnp.arange(ticks, dtype=jnp.int32))
     # The last stage's outputs for micro-batches 0..M-1 in the last round.
     done = (r - 1) * period + s - 1
@@ -298,13 +302,13 @@ def _recompute_in_backward(mapped, body, mesh, axis: str, p_spec: PartitionSpec,
 
 
 def _check_count(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-        f"{name} must be a positive Python int, got {value!r} of type "
-        f"{type(value).__name__}. Pass a static integer such as {name}=8.")
-  if value < 1:
-    raise ValueError(f"{name} must be a positive integer, got {name}={value}.")
-  return int(value)
+  """:func:`jaxaccum._split.check_count` for a count that is required (it lets ``None`` pass)."""
+  if value is None:
+    raise TypeError(f"{name} must be a positive Python int, got None. Pass a static integer "
+                    f"such as {name}=8.")
+  count = _split.check_count(name, value)
+  assert count is not None
+  return count
 
 
 def _resolve_mesh(mesh: Any, axis: str) -> Any:
@@ -360,23 +364,11 @@ def _check_stage_params(stage_params: PyTree, s: int, r: int, axis: str) -> None
           "scan over it inside stage_fn.")
 
 
-def _check_batch(leaves: list, m: int) -> int:
-  if not leaves:
+def _check_batch(x: PyTree, m: int) -> None:
+  """The core's checks: array leaves sharing a leading axis that ``m`` divides."""
+  if not jax.tree.leaves(x):
     raise ValueError("x has no array leaves; pass the activations entering stage 0.")
-  # Each leaf's leading dimension: () for a scalar or a leaf that is not an array.
-  sizes: set[tuple[int, ...]] = {getattr(x, "shape", ())[:1] for x in leaves}
-  if len(sizes) != 1 or () in sizes:
-    shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
-    raise ValueError(
-        f"x's leaves must all be arrays with the same leading batch axis, got shapes {shapes}.")
-  (b,) = sizes.pop()
-  if b % m:
-    divisors = [d for d in range(1, b + 1) if b % d == 0]
-    raise ValueError(
-        f"x has a batch of {b} rows, which num_micro_batches={m} does not divide: every "
-        f"micro-batch needs the same number of rows. Use a batch size that is a multiple "
-        f"of {m}, or num_micro_batches among the divisors of {b}: {divisors}.")
-  return b
+  _split.resolve_count(_split.batch_size({"x": x}), m, None)
 
 
 def _check_stage_output(stage_fn, params, first) -> None:
@@ -425,22 +417,3 @@ def _retype(x: Any, mesh: Any, axis: str, *, lead: int | None) -> Any:
   target = (jax.sharding.NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh)
             else spec)
   return jax.sharding.reshard(x, target)
-
-
-def _vary(x: jax.Array, axis: str) -> jax.Array:
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  varying = set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
-  return x if axis in varying else lax.pcast(x, axis, to="varying")
-
-
-def _split(x: jax.Array, m: int) -> jax.Array:
-  """``(B, ...) -> (M, B // M, ...)``, micro-batch ``i`` = rows ``i, i + M, ...``."""
-  b = x.shape[0]
-  return jnp.swapaxes(x.reshape(b // m, m, *x.shape[1:]), 0, 1)
-
-
-def _merge(y: jax.Array, b: int) -> jax.Array:
-  """Inverse of :func:`_split`."""
-  return jnp.swapaxes(y, 0, 1).reshape(b, *y.shape[2:])
-

@@ -26,6 +26,7 @@ This module does not import flax itself: it works on any ``TrainState``-like obj
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _split, _transform
+from jaxaccum import _options, _sharding, _split, _transform
 from jaxaccum._multisteps import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
@@ -175,80 +176,6 @@ def value_and_grad(
   return core
 
 
-def _aux_kinds(spec: Any, aux: PyTree) -> PyTree:
-  """The reduction of each aux leaf: ``aux_reduce`` expanded, defaults by dtype."""
-
-  def kind(name, x):
-    if name is not None:
-      return name
-    dtype = jnp.asarray(x).dtype
-    return "sum" if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_ else "mean"
-
-  if spec is None or isinstance(spec, str):
-    return jax.tree.map(lambda x: kind(spec, x), aux)
-  return jax.tree.map(lambda name, sub: jax.tree.map(lambda x: kind(name, x), sub), spec, aux,
-                      is_leaf=lambda x: x is None or isinstance(x, str))
-
-
-def _cross_replica(axis_name: AxisNames, reduce: Any, aux_reduce: Any, loss: Any, grads: PyTree,
-                   aux: PyTree, new_model_state: PyTree, den: Any):
-  """Combines one replica's accumulated results with the others' over ``axis_name``."""
-  if reduce == "sum":
-    combine = functools.partial(lax.psum, axis_name=axis_name)
-  elif reduce == "weighted":
-    den = jnp.asarray(den, jnp.float32)
-    total = lax.psum(den, axis_name)
-
-    def combine(x):
-      s = lax.psum(x * den.astype(x.dtype), axis_name)
-      return jnp.where(total > 0, s / jnp.where(total > 0, total, 1).astype(x.dtype), 0)
-  else:
-    combine = functools.partial(lax.pmean, axis_name=axis_name)
-
-  def aux_leaf(kind, x):
-    x = jnp.asarray(x)
-    is_bool = x.dtype == jnp.bool_
-    if kind in ("max", "min"):
-      op = lax.pmax if kind == "max" else lax.pmin
-      return op(x.astype(jnp.int32), axis_name).astype(x.dtype) if is_bool else op(x, axis_name)
-    if kind == "sum" or jnp.issubdtype(x.dtype, jnp.integer) or is_bool:
-      return lax.psum(x.astype(jnp.int32) if is_bool else x, axis_name)
-    if kind == "mean":
-      return combine(x) if reduce == "weighted" else lax.pmean(x, axis_name)
-    return x  # "stack" and "concat" keep the replica's own entries
-
-  def state_leaf(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return lax.pmean(x, axis_name)
-    return x
-
-  aux = jax.tree.map(aux_leaf, _aux_kinds(aux_reduce, aux), aux)
-  return (combine(loss), jax.tree.map(combine, grads), aux,
-          jax.tree.map(state_leaf, new_model_state))
-
-
-def _with_denominator(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-  """Adds the denominator of ``reduce="weighted"`` to aux, so replicas can be weighted."""
-
-  @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      return out
-    value, extra = out
-    if not (isinstance(value, (tuple, list)) and len(value) == 2):
-      return out
-    den = value[1]
-    if has_aux:
-      if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
-        return out
-      return value, (extra[0], (extra[1], den))
-    return value, (extra, den)
-
-  return wrapped
-
-
 def make_train_step(
     fun: Callable[..., Any],
     *,
@@ -268,17 +195,18 @@ def make_train_step(
   :func:`jax.pmap` with ``axis_name``).
 
   Under :func:`jax.pmap` or :func:`jax.shard_map` each replica accumulates its own rows.
-  With ``axis_name`` set, the replicas' results are combined over that axis once per step,
-  after the micro-batch loop, as the Flax ImageNet example does: the gradients and the loss
-  (``pmean`` for ``reduce="mean"``, ``psum`` for ``"sum"``, and for ``"weighted"`` each
-  replica weighted by its denominator, the exact global token mean); each aux leaf as its
-  ``aux_reduce`` says (``"mean"`` averaged, weighted by the denominators under
-  ``"weighted"``; ``"sum"`` and integer leaves summed; ``"max"``/``"min"`` the maximum or
-  minimum; ``"stack"``/``"concat"`` left as the replica's own); and the floating leaves of
-  the collections (``batch_stats`` averaged; integer leaves kept). Every replica then
-  applies the same update and the replicas stay identical. Without ``axis_name`` nothing
-  is exchanged: under ``pmap`` each replica applies the gradient of its own rows only, and
-  the replicas drift apart.
+  With ``axis_name`` set, the replicas' accumulators are combined over that axis once per
+  step, after the micro-batch loop, by the rules of ``data_axis`` (see the devices guide),
+  the replicas playing the data shards: means divide by the micro-batches kept on all
+  replicas (``skip_nonfinite`` skips per micro-batch, so a replica that kept fewer weighs
+  less, and one that kept none adds nothing), ``"weighted"`` divides by the total
+  denominator, ``"sum"`` sums; aux leaves as their ``aux_reduce`` says (``"concat"`` rows
+  stay on their replica); the collections' floating leaves (``batch_stats``) are averaged
+  and integer leaves take the maximum; the :class:`jaxaccum.AccumInfo` counts every
+  replica's micro-batches. Every replica then applies the same update and the replicas stay
+  identical. PRNG keys are used as passed (fold in ``jax.lax.axis_index`` for masks that
+  differ across replicas). Without ``axis_name`` nothing is exchanged: under ``pmap`` each
+  replica applies the gradient of its own rows only, and the replicas drift apart.
 
   Args:
     fun: the loss, ``fun(params, batch, model_state, rngs)``.
@@ -292,14 +220,14 @@ def make_train_step(
 
   Returns:
     ``train_step(state, batch, rngs) -> (new_state, loss)`` (``(loss, aux)`` with
-    ``has_aux=True``, and the replica's :class:`jaxaccum.AccumInfo` as a third element
-    with ``with_info=True``), where ``rngs`` is a dict of PRNG keys such as
+    ``has_aux=True``, and the :class:`jaxaccum.AccumInfo` as a third element with
+    ``with_info=True``), where ``rngs`` is a dict of PRNG keys such as
     ``{"dropout": key}``.
 
   Raises:
     TypeError: ``collections`` is not a sequence of names, or ``state`` lacks one of them.
     ValueError: ``axis_name`` with a ``reduce`` other than ``"mean"``, ``"sum"`` or
-      ``"weighted"``.
+      ``"weighted"``, or with ``data_axis``.
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import flax.linen as nn
@@ -331,14 +259,18 @@ def make_train_step(
         f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
         f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
         "use one of those reductions.")
-  weighted_replicas = axis_name is not None and reduce == "weighted"
-  user_aux_reduce = options.get("aux_reduce")
-  if weighted_replicas:
-    # Each replica's denominator rides along as a summed aux leaf.
-    options["aux_reduce"] = (user_aux_reduce, "sum") if has_aux else "sum"
-    vg = value_and_grad(_with_denominator(fun, has_aux), has_aux=True, **options)
+  if axis_name is not None and options.get("data_axis") is not None:
+    raise ValueError(
+        f"axis_name={axis_name!r} and data_axis={options['data_axis']!r} were both given: "
+        "axis_name combines the replicas of an enclosing jax.pmap or jax.shard_map, "
+        "data_axis maps over the mesh itself. Pass one of them.")
+  vg = value_and_grad(fun, has_aux=has_aux, **options)
+  if axis_name is None:
+    accumulated = vg
   else:
-    vg = value_and_grad(fun, has_aux=has_aux, **options)
+    axes = _sharding.check_data_axis(axis_name)
+    assert axes is not None
+    accumulated = _across_replicas(vg._jaxaccum_options, axes)  # type: ignore[attr-defined]
 
   def train_step(state, batch, rngs):
     missing = [c for c in collections if not hasattr(state, c)]
@@ -349,20 +281,36 @@ def make_train_step(
           "collection (class TrainState(train_state.TrainState): batch_stats: Any), or "
           "pass collections=() for a model without mutable collections.")
     model_state = {c: getattr(state, c) for c in collections}
-    (loss, extra), grads, *info = vg(state.params, batch, model_state, rngs)
-    den = None
-    if weighted_replicas:
-      new_model_state, aux = extra
-      aux, den = aux if has_aux else (None, aux)
-    else:
-      new_model_state, aux = extra if has_aux else (extra, None)
-    if axis_name is not None:
-      loss, grads, aux, new_model_state = _cross_replica(
-          axis_name, reduce, user_aux_reduce, loss, grads, aux, new_model_state, den)
+    (loss, extra), grads, *info = accumulated(state.params, batch, model_state, rngs)
+    new_model_state, aux = extra if has_aux else (extra, None)
     state = state.apply_gradients(grads=grads, **new_model_state)
     return (state, ((loss, aux) if has_aux else loss), *info)
 
   return train_step
+
+
+def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[..., Any]:
+  """The core run of ``opts`` on one replica, its carry combined over ``axes`` after the loop.
+
+  The same steps as ``data_axis``, with the replicas made by the enclosing ``pmap`` or
+  ``shard_map``: the parameters and the collections are marked varying over ``axes`` (so
+  that the backward pass of a micro-batch gives the replica's own gradients, not their sum),
+  and :func:`jaxaccum._sharding.combine` reduces the accumulators once.
+  """
+
+  def run(params, batch, model_state, rngs):
+    shards = math.prod(lax.axis_size(a) for a in axes)
+    grad_axes = (axes,) * len(jax.tree.leaves(params))
+    combine = functools.partial(
+        _sharding.combine, axes=axes, grad_axes=grad_axes, shards=shards,
+        reduce_is_sum=opts.single_term and opts.reduce == "sum")
+    args = (_sharding._vary(params, axes), batch, _sharding._vary(model_state, axes), rngs)
+    value, extra, grads, info = _transform.accumulate(opts, args, {}, combine=combine)
+    (grads,) = grads  # argnums=0: the parameters' gradients
+    out = ((value, extra), grads)
+    return (*out, info) if opts.with_info else out
+
+  return run
 
 
 def apply_gradients(state: Any, *, grads: PyTree, weight: Any = None, **kwargs: Any) -> Any:

@@ -15,6 +15,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax.training import train_state
@@ -225,3 +226,163 @@ def test_bad_input():
         plain, data(0), {"dropout": jax.random.key(0)})
   with pytest.raises(TypeError, match=r"collections must be a sequence of collection names"):
     jaxaccum.linen.make_train_step(loss_fn, num_micro_batches=2, collections="batch_stats")
+
+
+# --- make_train_step(axis_name=...) under jax.pmap: the core's cross-device rules ----------
+#
+# References: jax.value_and_grad on the rows that survive (a micro-batch with a NaN row is
+# skipped whole; replica r holds rows r*B/2 .. (r+1)*B/2 - 1 and its micro-batch i the local
+# rows i::N), and the core's value_and_grad(data_axis=...) on the same data.
+
+R, NR = 2, 2  # replicas, micro-batches per replica
+LR = 0.1
+
+
+class Regressor(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1)(jnp.tanh(nn.Dense(4)(x)))[:, 0]
+
+
+REGRESSOR = Regressor()
+
+
+def _regression_loss(reduce):
+  def loss_fn(params, batch, model_state, rngs):
+    x, y = batch
+    sq = (REGRESSOR.apply({"params": params}, x) - y) ** 2
+    value = {"mean": jnp.mean(sq), "sum": jnp.sum(sq), "weighted": (jnp.sum(sq), sq.size)}
+    return value[reduce], model_state
+  return loss_fn
+
+
+def _regression_data(b=8):
+  kx, ky = jax.random.split(jax.random.key(3))
+  return jax.random.normal(kx, (b, 3)), jax.random.normal(ky, (b,))
+
+
+def _replicate(tree):
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + jnp.shape(a)), tree)
+
+
+def _per_replica(tree):
+  return jax.tree.map(lambda a: a.reshape((R, a.shape[0] // R) + a.shape[1:]), tree)
+
+
+def _pmap_step(loss_fn, state, batch, **options):
+  step = jaxaccum.linen.make_train_step(loss_fn, num_micro_batches=NR, axis_name="batch",
+                                        **options)
+  return jax.pmap(step, axis_name="batch", devices=jax.devices()[:R])(
+      _replicate(state), _per_replica(batch), {})
+
+
+# Local rows (0..3 of each replica) of micro-batch 0: rows 0 and 2.
+NAN_CASES = {
+    "replica0-all-nan": ((0, 1, 2, 3), (4, 5, 6, 7)),
+    "replica0-keeps-one": ((0, 2), (1, 3, 4, 5, 6, 7)),
+    "replicas-keep-one-and-zero": ((0, 2, 4, 5, 6, 7), (1, 3)),
+}
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "weighted"])
+@pytest.mark.parametrize("case", list(NAN_CASES))
+def test_axis_name_skip_nonfinite_weighs_replicas_by_micro_batches_kept(case, reduce):
+  nan_rows, kept_rows = NAN_CASES[case]
+  x, y = _regression_data()
+  x = x.at[jnp.array(nan_rows)].set(jnp.nan)
+  params = REGRESSOR.init(jax.random.key(0), x[:1])["params"]
+  state = train_state.TrainState.create(apply_fn=REGRESSOR.apply, params=params,
+                                        tx=optax.sgd(LR))
+  new, loss = _pmap_step(_regression_loss(reduce), state, (x, y), collections=(),
+                         reduce=reduce, skip_nonfinite=True)
+
+  # Reference: the finite rows only, through plain jax.value_and_grad.
+  keep = jnp.array(kept_rows)
+  full = _regression_loss("sum" if reduce == "sum" else "mean")
+  (ref_loss, _), ref_grads = jax.value_and_grad(full, has_aux=True)(
+      params, (x[keep], y[keep]), {}, {})
+  ref_params = jax.tree.map(lambda p, g: p - LR * g, params, ref_grads)
+  for r in range(R):
+    chex.assert_trees_all_close(loss[r], ref_loss, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(jax.tree.map(lambda a, r=r: a[r], new.params), ref_params,
+                                rtol=1e-5, atol=1e-6)
+
+
+class BNRegressor(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(4)(x))
+    return nn.Dense(1)(jnp.tanh(h))[:, 0]
+
+
+def test_axis_name_equals_the_core_data_axis_mode():
+  """Loss, gradients, aux of every kind, batch statistics and info, with a skipped
+  micro-batch on one replica, against value_and_grad(data_axis='data') on the same rows."""
+  model = BNRegressor()
+  x, y = _regression_data(16)
+  x = x.at[jnp.array([1, 5])].set(jnp.inf)  # replica 0, local micro-batch 1 of 2
+  variables = model.init(jax.random.key(1), x[:2])
+  params, stats = variables["params"], variables["batch_stats"]
+
+  def loss_fn(params, batch, model_state, rngs):
+    x, y = batch
+    pred, new_state = model.apply({"params": params, **model_state}, x,
+                                  mutable=list(model_state))
+    sq = (pred - y) ** 2
+    aux = {"mse": jnp.mean(sq), "rows": jnp.sum(jnp.isfinite(pred)), "worst": jnp.max(sq),
+           "per_mb": jnp.mean(pred), "pred": pred}
+    return (jnp.sum(sq), jnp.sum(jnp.abs(y) > 0.5) + 1), (new_state, aux)
+
+  options = dict(num_micro_batches=NR, reduce="weighted", has_aux=True, skip_nonfinite=True,
+                 with_info=True, aux_reduce={"mse": "mean", "rows": "sum", "worst": "max",
+                                             "per_mb": "stack", "pred": "concat"})
+  mesh = jax.make_mesh((R,), ("data",), devices=jax.devices()[:R])
+  core = jax.jit(jaxaccum.linen.value_and_grad(loss_fn, data_axis="data", mesh=mesh,
+                                               **options))
+  ((ref_loss, (ref_state, ref_aux)), ref_grads, ref_info) = core(
+      params, (x, y), {"batch_stats": stats}, {})
+
+  class State(train_state.TrainState):
+    batch_stats: Any
+
+  state = State.create(apply_fn=model.apply, params=params, tx=optax.sgd(LR), batch_stats=stats)
+  step = jaxaccum.linen.make_train_step(loss_fn, axis_name="batch", **options)
+  new, (loss, aux), info = jax.pmap(step, axis_name="batch", devices=jax.devices()[:R])(
+      _replicate(state), _per_replica((x, y)), {})
+  ref_params = jax.tree.map(lambda p, g: p - LR * g, params, ref_grads)
+  assert int(ref_info.skipped) == 1
+  for r in range(R):
+    def at(tree, r=r):
+      return jax.tree.map(lambda a: a[r], tree)
+    chex.assert_trees_all_close(loss[r], ref_loss, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(at(new.params), ref_params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(at(new.batch_stats), ref_state["batch_stats"], rtol=1e-5,
+                                atol=1e-6)
+    scalars = {k: v for k, v in at(aux).items() if k != "pred"}
+    chex.assert_trees_all_close(scalars, {k: v for k, v in ref_aux.items() if k != "pred"},
+                                rtol=1e-5, atol=1e-6)
+    # "concat" rows stay on their replica: replica r holds its own rows of the full result.
+    chex.assert_trees_all_close(aux["pred"][r], np.asarray(ref_aux["pred"])[r * 8:(r + 1) * 8],
+                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(at(info), ref_info, rtol=1e-5, atol=1e-6)
+
+
+def test_axis_name_under_shard_map_equals_full_batch():
+  """Replicated parameters inside shard_map: each replica's gradients are its own (not
+  already summed over the replicas by the backward pass) until the one combine."""
+  x, y = _regression_data()
+  params = REGRESSOR.init(jax.random.key(0), x[:1])["params"]
+  state = train_state.TrainState.create(apply_fn=REGRESSOR.apply, params=params,
+                                        tx=optax.sgd(LR))
+  mesh = jax.make_mesh((R,), ("batch",), devices=jax.devices()[:R],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  step = jaxaccum.linen.make_train_step(_regression_loss("mean"), num_micro_batches=NR,
+                                        axis_name="batch", collections=())
+  mapped = jax.shard_map(lambda s, b: step(s, b, {}), mesh=mesh,
+                         in_specs=(jax.P(), jax.P("batch")), out_specs=jax.P())
+  new, loss = jax.jit(mapped)(state, (x, y))
+  (ref_loss, _), ref_grads = jax.value_and_grad(_regression_loss("mean"), has_aux=True)(
+      params, (x, y), {}, {})
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(new.params, jax.tree.map(lambda p, g: p - LR * g, params,
+                                                       ref_grads), rtol=1e-5, atol=1e-6)
