@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _options, _sharding, _split, _transform
+from jaxaccum import _data_parallel, _options, _sharding, _split, _transform
 from jaxaccum._multisteps import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
@@ -295,17 +295,18 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
   The same steps as ``data_axis``, with the replicas made by the enclosing ``pmap`` or
   ``shard_map``: the parameters and the collections are marked varying over ``axes`` (so
   that the backward pass of a micro-batch gives the replica's own gradients, not their sum),
-  and :func:`jaxaccum._sharding.combine` reduces the accumulators once.
+  and :func:`jaxaccum._data_parallel.combine` reduces the accumulators once.
   """
 
   def run(params, batch, model_state, rngs):
     shards = math.prod(lax.axis_size(a) for a in axes)
     grad_axes = (axes,) * len(jax.tree.leaves(params))
     combine = functools.partial(
-        _sharding.combine, axes=axes, grad_axes=grad_axes, shards=shards,
+        _data_parallel.combine, axes=axes, grad_axes=grad_axes,
         reduce_is_sum=opts.single_term and opts.reduce == "sum")
     args = (_sharding._vary(params, axes), batch, _sharding._vary(model_state, axes), rngs)
-    value, extra, grads, info = _transform.accumulate(opts, args, {}, combine=combine)
+    value, extra, grads, info = _transform.accumulate(opts, args, {}, shards=shards,
+                                                      combine=combine)
     (grads,) = grads  # argnums=0: the parameters' gradients
     out = ((value, extra), grads)
     return (*out, info) if opts.with_info else out
