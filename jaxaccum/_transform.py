@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _options, _reduce, _sharding, _split
+from jaxaccum import _info, _options, _reduce, _sharding, _split, _stats
 from jaxaccum._options import _UNSET, Options
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import ArgNames, ArgNums, DTypeLike, PyTree
@@ -362,19 +362,6 @@ def _zeros_like_struct(s: Any) -> jax.Array:
   return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
 
 
-def _sum_sq(tree: PyTree) -> jax.Array:
-  leaves = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)]
-  return functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
-
-
-def _nonfinite(tree: PyTree) -> jax.Array:
-  """True if any leaf holds a NaN or an infinity: ``sum(x * 0)`` is 0 exactly otherwise."""
-  leaves = [jnp.sum(x.astype(jnp.float32) * 0) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  total = functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
-  return ~jnp.isfinite(total)
-
-
 def info_sizes(opts: Options):
   """Which term's denominator measures a sample's size (None: rows)."""
   if opts.single_term and opts.terms[0].kind == "weighted":
@@ -431,8 +418,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     out = problem.micro(i, carry.state, count)
     keep = None
     if opts.skip_nonfinite:
-      bad = _nonfinite((out.nums, [d for d in out.dens if d is not None], out.grads))
-      keep = ~bad
+      keep = _stats.all_finite((out.nums, [d for d in out.dens if d is not None], out.grads))
 
     def add(c, v):
       v = v.astype(c.dtype)
@@ -490,7 +476,7 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
   # This micro-batch's own normalisation: its rows for sums, 1 for means, its denominators.
   sample = divide_groups(problem.groups, out.grads,
                          lambda g: divisor(g.divisor, None, out.dens, one=rows), jnp.float32)
-  sq = _sum_sq(sample)
+  sq = _stats.sq_norm(sample)
   st = info_sizes(opts)
   size = rows if st is None else out.dens[st].astype(jnp.float32)
   size = jnp.where(valid, size, 1.0)
@@ -570,7 +556,7 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
       micro_batch_size=b,
       batch_size=st.size,
       micro_grad_sq_norm=micro_sq,
-      batch_grad_sq_norm=_sum_sq(gb),
+      batch_grad_sq_norm=_stats.sq_norm(gb),
       num_samples=samples,
       skipped=st.skipped,
   )
