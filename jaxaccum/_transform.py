@@ -878,8 +878,7 @@ def transform(opts: Options) -> Callable[..., Any]:
     else:
       value, extra, grads, info = accumulate(opts, args, kwargs, active_micro_batches)
     grads = grads[0] if opts.argnums_is_int else grads
-    out = ((value, extra), grads) if opts.has_extra else (value, grads)
-    return (*out, info) if opts.with_info else out
+    return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
 
   value_and_grad_fn._jaxaccum_options = opts  # type: ignore[attr-defined]
   return value_and_grad_fn
@@ -900,13 +899,27 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """
   vg = value_and_grad(fun, **options)
   opts: Options = vg._jaxaccum_options  # type: ignore[attr-defined]
+  return grad_of(vg, fun, has_extra=opts.has_extra, with_info=opts.with_info)
+
+
+def pack(value: Any, extra: Any, grads: Any, info: Any, *, has_extra: bool,
+         with_info: bool) -> tuple:
+  """:func:`value_and_grad`'s output: ``(value, grads)``, ``((value, extra), grads)``, and
+  ``info`` last with ``with_info``. The adapters return theirs through it too."""
+  out = ((value, extra), grads) if has_extra else (value, grads)
+  return (*out, info) if with_info else out
+
+
+def grad_of(vg: Callable[..., Any], fun: Callable[..., Any], *, has_extra: bool,
+            with_info: bool) -> Callable[..., Any]:
+  """The ``grad`` of a ``value_and_grad`` (:func:`pack`'s output): ``grads``, or
+  ``(grads, extra)`` with ``has_extra``; with ``with_info``, ``(grads_part, info)``."""
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):
     out = vg(*args, **kwargs)
-    value, grads = out[0], out[1]
-    part = (grads, value[1]) if opts.has_extra else grads
-    return (part, out[2]) if opts.with_info else part
+    part = (out[1], out[0][1]) if has_extra else out[1]
+    return (part, out[2]) if with_info else part
 
   return grad_fn
 

@@ -149,12 +149,5 @@ def filter_grad(
   if fun is None:
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
-  has_extra = has_aux or bool(options.get("state_argnums"))
-
-  @functools.wraps(fun)
-  def grad_fn(*args, **kwargs):
-    value, grads, *info = vg(*args, **kwargs)
-    grads_part = (grads, value[1]) if has_extra else grads
-    return (grads_part, *info) if info else grads_part
-
-  return grad_fn
+  return _transform.grad_of(vg, fun, has_extra=has_aux or bool(options.get("state_argnums")),
+                            with_info=options.get("with_info", False))

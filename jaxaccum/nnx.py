@@ -466,8 +466,8 @@ def value_and_grad(
     (value, extra), grads, *info = out
     new_rest, aux = extra if has_aux else (extra, None)
     nnx.update(tuple(nodes), new_rest)
-    grads = grads[0]
-    return (((value, aux) if has_aux else value), grads, *info)
+    return _transform.pack(value, aux, grads[0], info[0] if info else None,
+                           has_extra=has_aux, with_info=bool(info))
 
   return value_and_grad_fn
 
@@ -517,12 +517,5 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  has_aux = options.get("has_aux", False)
-
-  @functools.wraps(fun)
-  def grad_fn(*args, **kwargs):
-    value, grads, *info = vg(*args, **kwargs)
-    grads_part = (grads, value[1]) if has_aux else grads
-    return (grads_part, *info) if info else grads_part
-
-  return grad_fn
+  return _transform.grad_of(vg, fun, has_extra=options.get("has_aux", False),
+                            with_info=options.get("with_info", False))
