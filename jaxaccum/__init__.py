@@ -23,6 +23,7 @@ from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
+from jaxaccum._transform import BatchBroadcastWarning as BatchBroadcastWarning
 from jaxaccum._transform import grad as grad
 from jaxaccum._transform import value_and_grad as value_and_grad
 
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = (
     "AccumInfo",
+    "BatchBroadcastWarning",
     "MultiSteps",
     "MultiStepsState",
     "NoiseScale",

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _info, _reduce, _split
+from jaxaccum import _info, _reduce, _split, _stats
 from jaxaccum._types import PyTree
 
 # The empty AccumInfo's leaves: numpy scalars stand in for the arrays (jax.Array in
@@ -413,7 +413,7 @@ class MultiSteps:
     size = w if w is not None else jnp.asarray(self._micro_batch_size, self._weight_dtype)
     nonfinite = jnp.zeros([], jnp.bool_)
     if self._skip_nonfinite:
-      nonfinite = use & ~_all_finite(updates)
+      nonfinite = use & ~_stats.all_finite(updates)
       if w is not None:
         nonfinite = nonfinite | ~jnp.isfinite(w)
       skip = skip | nonfinite
@@ -440,7 +440,7 @@ class MultiSteps:
     acc_inv = jnp.asarray(state.acc_inv_size, jnp.float32)
     if self._with_info:  # one more pass over the gradients: their squared norm
       num_samples = jnp.where(first, 0, num_samples) + use
-      acc_sq = jnp.where(first, 0, acc_sq) + jnp.where(use, _sq_norm(updates), 0)
+      acc_sq = jnp.where(first, 0, acc_sq) + jnp.where(use, _stats.sq_norm(updates), 0)
       acc_inv = jnp.where(first, 0, acc_inv) + jnp.where(
           use, 1 / jnp.where(use, size, 1), 0).astype(jnp.float32)
     window_skipped = jnp.asarray(state.window_skipped, jnp.int32)
@@ -457,7 +457,7 @@ class MultiSteps:
           batch_size=jnp.asarray(batch_size, jnp.float32),
           micro_grad_sq_norm=jnp.where(has, acc_sq / jnp.maximum(num_samples, 1), 0).astype(
               jnp.float32),
-          batch_grad_sq_norm=_sq_norm(mean),
+          batch_grad_sq_norm=_stats.sq_norm(mean),
           num_samples=num_samples.astype(jnp.int32),
           skipped=window_skipped.astype(jnp.int32),
       )
@@ -530,20 +530,6 @@ class MultiSteps:
 def _never_skip(updates: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, tuple]:
   del updates, gradient_step, params
   return jnp.zeros([], jnp.bool_), ()
-
-
-def _sq_norm(tree: Any) -> jax.Array:
-  """The squared L2 norm of a pytree of arrays, in float32 (NaN if an entry is NaN)."""
-  leaves = [jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-  return sum(leaves, jnp.zeros([], jnp.float32))
-
-
-def _all_finite(tree: Any) -> jax.Array:
-  """Whether every entry of every floating leaf is finite (one reduction per leaf)."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], jnp.bool_)
 
 
 def _empty_info() -> _info.AccumInfo:

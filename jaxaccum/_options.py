@@ -40,6 +40,7 @@ class Options:
   argnums_is_int: bool
   batch_argnums: tuple[int, ...]
   batch_argnames: tuple[str, ...]
+  batch_optional: bool  # the default batch_argnums=1 with batch_argnames: only if it exists
   has_aux: bool
   reduce: Any
   terms: tuple[_reduce.Term, ...]
@@ -74,9 +75,13 @@ class Options:
     """Resolves the role argnums against one call's arguments and checks them."""
     def res(name, argnums):
       return _split.resolve_argnums(name, argnums, nargs, kwargs)
-    roles = Roles(res("argnums", self.argnums), res("batch_argnums", self.batch_argnums),
-                  res("rng_argnums", self.rng_argnums),
-                  res("state_argnums", self.state_argnums), self.batch_argnames)
+    diff, rng, state = (res("argnums", self.argnums), res("rng_argnums", self.rng_argnums),
+                        res("state_argnums", self.state_argnums))
+    if self.batch_optional:  # f(params, x, *, labels) splits x; f(params, *, batch) nothing
+      batch = (1,) if nargs > 1 and 1 not in diff + rng + state else ()
+    else:
+      batch = res("batch_argnums", self.batch_argnums)
+    roles = Roles(diff, batch, rng, state, self.batch_argnames)
     _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
                            "rng_argnums": roles.rng, "state_argnums": roles.state})
     missing = [k for k in self.batch_argnames if k not in kwargs]
@@ -101,7 +106,15 @@ def arg_label(fun: Any, j: int) -> str:
   return f"argument {j}"
 
 
-_UNSET: Any = object()
+class _DefaultArgnum(int):
+  """The default ``batch_argnums=1`` (it prints as ``1``), told apart from a given ``1``.
+
+  With ``batch_argnames`` the default applies only where argument 1 exists and has no
+  other role; a ``batch_argnums=1`` that the caller gave always applies.
+  """
+
+
+BATCH_ARGNUMS = _DefaultArgnum(1)
 
 
 def make_options(
@@ -117,8 +130,7 @@ def make_options(
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
   count, size = _split.check_counts(num_micro_batches, micro_batch_size)
   names = _split.normalize_argnames("batch_argnames", batch_argnames)
-  if batch_argnums is _UNSET:
-    batch_argnums = () if names else 1
+  optional = batch_argnums is BATCH_ARGNUMS and bool(names)
   batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
   if not batch and not names:
     raise ValueError(
@@ -157,8 +169,8 @@ def make_options(
       fun=fun, count=count, size=size,
       argnums=_split.normalize_argnums("argnums", argnums, allow_empty=False),
       argnums_is_int=not isinstance(argnums, (tuple, list)),
-      batch_argnums=batch, batch_argnames=names, has_aux=has_aux, reduce=reduce,
-      terms=terms, aux_reduce=aux_reduce,
+      batch_argnums=batch, batch_argnames=names, batch_optional=optional, has_aux=has_aux,
+      reduce=reduce, terms=terms, aux_reduce=aux_reduce,
       rng_argnums=_split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True),
       state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),
       accumulator_dtype=_reduce.check_dtype("accumulator_dtype", accumulator_dtype),

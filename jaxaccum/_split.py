@@ -99,10 +99,10 @@ def resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int,
             "loss_fn(params, batch); or the batch is passed by keyword"
             f"{passed}: name it with batch_argnames='batch' (and batch_argnums=() if no "
             "positional argument is a batch).")
-      raise ValueError(
-          f"{name}={a} is out of range: the function was called with {nargs} positional "
-          f"argument(s), so valid indices are 0..{nargs - 1}. {hint}"
-      )
+      called = (f"the function was called with {nargs} positional argument(s), so valid "
+                f"indices are 0..{nargs - 1}" if nargs else
+                "the function was called with no positional arguments")
+      raise ValueError(f"{name}={a} is out of range: {called}. {hint}")
     out.append(a % nargs)
   return tuple(out)
 
@@ -139,32 +139,35 @@ def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
         )
 
 
-def batch_size(batch_args: dict[Any, PyTree]) -> int:
+def batch_size(batch_args: dict[Any, PyTree], hint: str = "") -> int:
   """The common leading size of every leaf of the batch arguments.
 
   ``batch_args`` maps an argument's position (named "argument j" in errors) or its name
-  (e.g. "batch") to the pytree passed there.
+  (e.g. "batch") to the pytree passed there. An argument without leaves (``None``, an
+  empty container) is passed as it is to every micro-batch, as :func:`jax.vmap` does; at
+  least one argument must have leaves.
   """
   sizes: dict[str, int] = {}
   for key, tree in batch_args.items():
     label = key if isinstance(key, str) else f"argument {key}"
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves:
-      raise ValueError(
-          f"the batch {label} has no array leaves, got {type(tree).__name__} {tree!r}. Pass "
-          "the data to split into micro-batches there, e.g. (x, y) or "
-          "{'image': x, 'label': y}."
-      )
-    for path, leaf in leaves:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
       where = f"{label}{jax.tree_util.keystr(path)}"
       shape = np.shape(leaf)
       if len(shape) == 0:
         raise ValueError(
             f"batch leaf {where} is a scalar (shape ()), so it has no batch axis to split. "
             "Every leaf of a batch argument needs a leading batch axis; pass per-step "
-            "constants as a separate, non-batch argument."
+            f"constants as a separate, non-batch argument.{hint}"
         )
       sizes[where] = shape[0]
+  if not sizes:
+    key, tree = next(iter(batch_args.items()))
+    label = key if isinstance(key, str) else f"argument {key}"
+    raise ValueError(
+        f"the batch {label} has no array leaves, got {type(tree).__name__} {tree!r}. Pass "
+        "the data to split into micro-batches there, e.g. (x, y) or "
+        f"{{'image': x, 'label': y}}.{hint}"
+    )
   if len(set(sizes.values())) > 1:
     groups: dict[int, list[str]] = {}
     for where, size in sizes.items():

@@ -18,6 +18,7 @@ one backward pass per micro-batch, as :func:`jax.value_and_grad`.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,10 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _options, _reduce, _sharding, _split
-from jaxaccum._options import _UNSET, Options
+from jaxaccum import _info, _options, _reduce, _sharding, _split, _stats
+from jaxaccum._options import BATCH_ARGNUMS, Options
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import ArgNames, ArgNums, DTypeLike, PyTree
+
+
+class BatchBroadcastWarning(UserWarning):
+  """An array with the batch's rows reaches ``fun`` whole, not split into micro-batches.
+
+  Each micro-batch then sees all ``B`` rows of it next to its own ``B / N``, and
+  broadcasting the two gives a wrong loss without an error. Emitted once per trace, for
+  arrays ``fun`` closes over and for arguments that are neither batch nor differentiated
+  nor state. If the array really is a constant that happens to have ``B`` rows (a table),
+  silence it with ``warnings.filterwarnings("ignore", category=BatchBroadcastWarning)``.
+  """
 
 
 class Stats(NamedTuple):
@@ -159,6 +171,23 @@ def _term_value(opts: Options, term: _reduce.Term, value: Any):
   return num, None
 
 
+def _check_unnamed_terms(reduce: dict, value: dict, path: tuple = (), top: Any = None) -> None:
+  """Raises if ``value`` holds a loss term that the dict ``reduce`` does not name."""
+  top = reduce if top is None else top
+  for key in value:
+    if key not in reduce:
+      label = "".join(f"[{k!r}]" for k in (*path, key)) if path else repr(key)
+      example = (f"reduce={{{', '.join(f'{k!r}: {v!r}' for k, v in top.items())}, "
+                 f"{key!r}: ...}}" if not path else f"reduce{label[:-len(repr(key)) - 2]}"
+                 f"[{key!r}] = ...")
+      raise TypeError(
+          f"fun returned loss term {label}, which reduce={top!r} does not name, so it "
+          f"would be dropped. Name it in reduce ({example}), or drop it from the returned "
+          "dict; a value to report but not train on goes in aux (has_aux=True).")
+    if isinstance(reduce[key], dict) and isinstance(value[key], dict):
+      _check_unnamed_terms(reduce[key], value[key], (*path, key), top)
+
+
 def unpack(opts: Options, out: Any):
   """Splits fun's output into (term numerators, term denominators, new_state, aux)."""
   if opts.has_extra:
@@ -190,13 +219,16 @@ def unpack(opts: Options, out: Any):
       n, d = _term_value(opts, term, v)
       nums.append(n)
       dens.append(d)
+    _check_unnamed_terms(opts.reduce, value)
     nums, dens = tuple(nums), tuple(dens)
   if opts.state_argnums:
     if opts.has_aux:
       if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
+        got = _describe(extra) if hasattr(extra, "shape") else type(extra).__name__
         raise TypeError(
-            "with state_argnums and has_aux=True, fun must return (value, (new_state, aux)); "
-            f"got aux part {_describe(extra)}.")
+            "with state_argnums and has_aux=True, fun must return (value, (new_state, aux)), "
+            f"got (value, {got}). If fun returns (value, new_state) with no aux, drop "
+            "has_aux=True.")
       new_state, aux = extra
     else:
       new_state, aux = extra, None
@@ -213,14 +245,43 @@ def unpack(opts: Options, out: Any):
   return nums, dens, new_state, aux
 
 
-def _check_keys(opts: Options, argnum: int, tree: PyTree) -> None:
+def _check_keys(opts: Options, argnum: int, tree: PyTree, size: int,
+                batch: tuple[int, ...]) -> None:
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not _split.is_key(leaf):
+      shape = np.shape(leaf)
+      typed = jnp.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key)
+      per_example = shape[:1] == (size,) and (
+          len(shape) == 1 and typed or len(shape) == 2 and _split.is_key(leaf[0]))
+      hint = (
+          f" Its leading axis of size {size} is the batch's: per-example keys are "
+          "per-example data. Pass them as a batch argument (batch_argnums="
+          f"{tuple(sorted((*batch, argnum)))}) instead of rng_argnums, and each "
+          "micro-batch gets its own rows of keys." if per_example else
+          " Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree "
+          "of them; micro-batch i gets fold_in(key, i), so there is no need to split it.")
       raise TypeError(
           f"rng_argnums names {opts.label(argnum)}, but its leaf "
           f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a single PRNG "
-          "key. Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree "
-          "of them; micro-batch i gets fold_in(key, i), so there is no need to split it.")
+          f"key.{hint}")
+
+
+def _check_inexact(opts: Options, argnum: int, tree: PyTree) -> None:
+  """Every differentiated leaf must be real or complex, as :func:`jax.grad` requires."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+      try:
+        dtype = jnp.asarray(leaf).dtype
+      except TypeError:
+        continue  # not an array: jax.vjp names it
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"argnums names {opts.label(argnum)}, but its leaf "
+          f"{jax.tree_util.keystr(path) or '(root)'} has dtype {dtype}: jax.grad requires "
+          "real- or complex-valued inputs (input dtype that is a sub-dtype of np.inexact). "
+          "Cast it to a floating dtype (e.g. .astype(jnp.float32)), or pass it as an "
+          "argument that is not differentiated.")
 
 
 def _check_state(opts: Options, positions: tuple[int, ...], state_in: tuple,
@@ -280,6 +341,11 @@ class Problem(NamedTuple):
   state0: tuple
   micro: Callable[[jax.Array, tuple, Any], Micro]  # (i, state, count) -> Micro
   groups: tuple[Group, ...]
+  # Array leaves of the call by role, for the check of whole-batch arrays: (label, leaf)
+  # of the arguments passed whole, and the leaves of parameters, state and keys.
+  whole: tuple = ()
+  own: tuple = ()
+  batch: tuple[int, ...] = ()
 
 
 def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> Problem:
@@ -287,11 +353,16 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   roles = opts.roles(len(args), kwargs)
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
-  size = _split.batch_size(batches)
+  hint = (" The batch is argument 1 by default (batch_argnums=1) when it is passed: pass "
+          "batch_argnums=() if only batch_argnames name the batch." if opts.batch_optional
+          else "")
+  size = _split.batch_size(batches, hint)
   if n is None:
     n = _split.resolve_count(size, opts.count, opts.size)
   for j in roles.rng:
-    _check_keys(opts, j, args[j])
+    _check_keys(opts, j, args[j], size, roles.batch)
+  for j in roles.diff:
+    _check_inexact(opts, j, args[j])
   _sharding.check_split_sharding(batches, n)
   split = {j: _split.split(args[j], n) for j in roles.batch}
   split_kw = {k: _split.split(kwargs[k], n) for k in roles.batch_names}
@@ -348,7 +419,60 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
       new_state = state
     return Micro(nums, dens, new_state, aux, tuple(grads))
 
-  return Problem(n, size // n, params, state0, micro, groups)
+  whole, own = [], []
+  for key, tree in [*enumerate(args), *kwargs.items()]:
+    if key in roles.batch or key in roles.batch_names:
+      continue
+    if key in roles.diff or key in roles.state or key in roles.rng:
+      own += jax.tree.leaves(tree)
+      continue
+    label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
+    whole += [(label + jax.tree_util.keystr(p), x)
+              for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+  return Problem(n, size // n, params, state0, micro, groups, tuple(whole), tuple(own),
+                 roles.batch)
+
+
+def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
+                     shards: int = 1) -> None:
+  """Warns once if ``fun`` gets an array with the batch's rows that is not split.
+
+  ``consts`` are the values that one traced micro-batch call closes over: the arguments
+  passed whole and the arrays ``fun`` closes over (the split batch has ``B / N`` rows).
+  Parameters, state and keys never warn, whatever their shape.
+  """
+  size = problem.n * problem.rows
+  rows = {size} if problem.n > 1 else set()
+  if shards > 1:
+    rows.add(size * shards)  # under data_axis: the global batch, closed over whole
+
+  def same(c, x):  # NumPy arguments reach the trace as copies
+    return c is x or (isinstance(x, np.ndarray) and np.shape(c) == x.shape
+                      and getattr(c, "dtype", None) == x.dtype)
+
+  found = []
+  for c in consts:
+    shape = tuple(np.shape(c))
+    if not shape or shape[0] not in rows or any(same(c, x) for x in problem.own):
+      continue
+    label = next((lab for lab, x in problem.whole if same(c, x)), None)
+    if label is None:
+      found.append(f"an array of shape {shape} that fun closes over has the batch's "
+                   f"{shape[0]} rows")
+    else:
+      found.append(f"{label}, an array of shape {shape}, has the batch's {shape[0]} rows")
+  if not found:
+    return
+  pos = sorted({int(f.split(" ")[1]) for f in found if f.startswith("argument ")})
+  hint = (f" (batch_argnums={tuple(sorted({*problem.batch, *pos}))})" if pos else "")
+  warnings.warn(
+      f"{'; '.join(dict.fromkeys(found))}, but it is not split into micro-batches: each "
+      f"micro-batch of {problem.rows} row(s) sees all of it, and broadcasting it against "
+      "the micro-batch's rows gives a wrong loss without an error. Pass it as a batch "
+      f"argument{hint}: take it as an argument of fun and name it in batch_argnums (or "
+      "batch_argnames). If it is a constant that happens to have this many rows, silence "
+      "this with warnings.filterwarnings('ignore', category=jaxaccum.BatchBroadcastWarning).",
+      BatchBroadcastWarning, stacklevel=2)
 
 
 # --- Step 1: scan -----------------------------------------------------------------------------
@@ -360,19 +484,6 @@ def _zeros_like_struct(s: Any) -> jax.Array:
     data = jnp.zeros(s.shape + tuple(impl.key_shape), jnp.uint32)
     return _sharding.conform(jax.random.wrap_key_data(data, impl=impl), s)
   return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
-
-
-def _sum_sq(tree: PyTree) -> jax.Array:
-  leaves = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)]
-  return functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
-
-
-def _nonfinite(tree: PyTree) -> jax.Array:
-  """True if any leaf holds a NaN or an infinity: ``sum(x * 0)`` is 0 exactly otherwise."""
-  leaves = [jnp.sum(x.astype(jnp.float32) * 0) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  total = functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
-  return ~jnp.isfinite(total)
 
 
 def info_sizes(opts: Options):
@@ -390,7 +501,9 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
   """
   n = problem.n
   count = jnp.asarray(n if active is None else active, jnp.int32) * shards
-  shapes = jax.eval_shape(problem.micro, jnp.int32(0), problem.state0, count)
+  traced, shapes = jax.make_jaxpr(problem.micro, return_shape=True)(
+      jnp.int32(0), problem.state0, count)
+  warn_whole_batch(opts, problem, traced.consts, shards)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows)
   acc = opts.accumulator_dtype
 
@@ -431,8 +544,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     out = problem.micro(i, carry.state, count)
     keep = None
     if opts.skip_nonfinite:
-      bad = _nonfinite((out.nums, [d for d in out.dens if d is not None], out.grads))
-      keep = ~bad
+      keep = _stats.all_finite((out.nums, [d for d in out.dens if d is not None], out.grads))
 
     def add(c, v):
       v = v.astype(c.dtype)
@@ -490,7 +602,7 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
   # This micro-batch's own normalisation: its rows for sums, 1 for means, its denominators.
   sample = divide_groups(problem.groups, out.grads,
                          lambda g: divisor(g.divisor, None, out.dens, one=rows), jnp.float32)
-  sq = _sum_sq(sample)
+  sq = _stats.sq_norm(sample)
   st = info_sizes(opts)
   size = rows if st is None else out.dens[st].astype(jnp.float32)
   size = jnp.where(valid, size, 1.0)
@@ -570,7 +682,7 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
       micro_batch_size=b,
       batch_size=st.size,
       micro_grad_sq_norm=micro_sq,
-      batch_grad_sq_norm=_sum_sq(gb),
+      batch_grad_sq_norm=_stats.sq_norm(gb),
       num_samples=samples,
       skipped=st.skipped,
   )
@@ -625,7 +737,7 @@ def value_and_grad(
     num_micro_batches: int | None = None,
     micro_batch_size: int | None = None,
     argnums: ArgNums = 0,
-    batch_argnums: ArgNums = _UNSET,
+    batch_argnums: ArgNums = BATCH_ARGNUMS,
     batch_argnames: ArgNames | None = None,
     has_aux: bool = False,
     reduce: str | dict[str, Any] = "mean",
@@ -658,9 +770,12 @@ def value_and_grad(
     micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
     argnums: which positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: which positional argument(s) carry the batch: pytrees whose leaves share
-      a leading batch axis. Default 1, or none when ``batch_argnames`` is given.
+      a leading batch axis (``None`` entries, empty pytrees, are passed as they are, as
+      :func:`jax.vmap` does). Default 1; with ``batch_argnames`` the default applies when
+      argument 1 is passed and has no other role, and ``batch_argnums=()`` names none.
     batch_argnames: keyword argument(s) that carry the batch, split like ``batch_argnums``
-      (``loss_fn(params, x, labels=y)`` with ``batch_argnums=1, batch_argnames="labels"``).
+      (``loss_fn(params, x, labels=y)`` with ``batch_argnames="labels"`` splits ``x`` and
+      ``labels``).
       Other arguments, positional or keyword, are passed whole to every micro-batch.
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
       (see ``aux_reduce``).
@@ -769,8 +884,7 @@ def transform(opts: Options) -> Callable[..., Any]:
     else:
       value, extra, grads, info = accumulate(opts, args, kwargs, active_micro_batches)
     grads = grads[0] if opts.argnums_is_int else grads
-    out = ((value, extra), grads) if opts.has_extra else (value, grads)
-    return (*out, info) if opts.with_info else out
+    return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
 
   value_and_grad_fn._jaxaccum_options = opts  # type: ignore[attr-defined]
   return value_and_grad_fn
@@ -791,13 +905,27 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """
   vg = value_and_grad(fun, **options)
   opts: Options = vg._jaxaccum_options  # type: ignore[attr-defined]
+  return grad_of(vg, fun, has_extra=opts.has_extra, with_info=opts.with_info)
+
+
+def pack(value: Any, extra: Any, grads: Any, info: Any, *, has_extra: bool,
+         with_info: bool) -> tuple:
+  """:func:`value_and_grad`'s output: ``(value, grads)``, ``((value, extra), grads)``, and
+  ``info`` last with ``with_info``. The adapters return theirs through it too."""
+  out = ((value, extra), grads) if has_extra else (value, grads)
+  return (*out, info) if with_info else out
+
+
+def grad_of(vg: Callable[..., Any], fun: Callable[..., Any], *, has_extra: bool,
+            with_info: bool) -> Callable[..., Any]:
+  """The ``grad`` of a ``value_and_grad`` (:func:`pack`'s output): ``grads``, or
+  ``(grads, extra)`` with ``has_extra``; with ``with_info``, ``(grads_part, info)``."""
 
   @functools.wraps(fun)
   def grad_fn(*args, **kwargs):
     out = vg(*args, **kwargs)
-    value, grads = out[0], out[1]
-    part = (grads, value[1]) if opts.has_extra else grads
-    return (part, out[2]) if opts.with_info else part
+    part = (out[1], out[0][1]) if has_extra else out[1]
+    return (part, out[2]) if with_info else part
 
   return grad_fn
 

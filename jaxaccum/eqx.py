@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 
 from jaxaccum import _transform
 
@@ -92,7 +93,10 @@ def filter_value_and_grad(
 
   @functools.wraps(fun)  # the core names arguments by fun's parameter names
   def inner(diff, *args, **kwargs):
-    return fun(eqx.combine(diff, _STATIC.get()), *args, **kwargs)
+    out = fun(eqx.combine(diff, _STATIC.get()), *args, **kwargs)
+    if not options.get("state_argnums"):
+      _check_no_state(out, args, has_aux)
+    return out
 
   core = _transform.value_and_grad(inner, argnums=0, has_aux=has_aux, **options)
 
@@ -106,6 +110,21 @@ def filter_value_and_grad(
       _STATIC.reset(token)
 
   return value_and_grad_fn
+
+
+def _check_no_state(out: Any, args: tuple, has_aux: bool) -> None:
+  """An ``eqx.nn.State`` returned without ``state_argnums`` gets an error naming it."""
+  is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+  extra = out[1] if isinstance(out, (tuple, list)) and len(out) == 2 else None
+  if not any(is_state(x) for x in jax.tree.leaves(extra, is_leaf=is_state)):
+    return
+  where = [j for j, a in enumerate(args, start=1) if is_state(a)]
+  pos = f"state_argnums={where[0]}" if where else "state_argnums=<its position>"
+  wants = "(value, (new_state, aux))" if has_aux else "(value, new_state)"
+  raise TypeError(
+      f"fun returned an eqx.nn.State, but state_argnums is not set: pass the position of the "
+      f"state argument, {pos}, and return {wants}. The state is then threaded through the "
+      "micro-batches (micro-batch i + 1 sees micro-batch i's) and returned updated.")
 
 
 def filter_grad(
@@ -130,12 +149,5 @@ def filter_grad(
   if fun is None:
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
-  has_extra = has_aux or bool(options.get("state_argnums"))
-
-  @functools.wraps(fun)
-  def grad_fn(*args, **kwargs):
-    value, grads, *info = vg(*args, **kwargs)
-    grads_part = (grads, value[1]) if has_extra else grads
-    return (grads_part, *info) if info else grads_part
-
-  return grad_fn
+  return _transform.grad_of(vg, fun, has_extra=has_aux or bool(options.get("state_argnums")),
+                            with_info=options.get("with_info", False))

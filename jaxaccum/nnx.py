@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxaccum import _split, _transform
+from jaxaccum import _options, _split, _transform
 
 __all__ = ("grad", "value_and_grad")
 
@@ -224,7 +224,7 @@ def value_and_grad(
     fun: Callable[..., Any],
     *,
     wrt: Any = nnx.Param,
-    batch_argnums: int | Sequence[int] | None = None,
+    batch_argnums: int | Sequence[int] | None = _options.BATCH_ARGNUMS,
     batch_argnames: str | Sequence[str] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
@@ -258,8 +258,9 @@ def value_and_grad(
       paths from the model's root, as with :func:`flax.nnx.value_and_grad`. Default
       ``nnx.Param``.
     batch_argnums: position(s) in ``fun``'s arguments (the model is 0) of the batch
-      arguments; ``loss_fn(model, x, y)`` takes ``batch_argnums=(1, 2)``. Default ``1``, or
-      none when only ``batch_argnames`` is given.
+      arguments; ``loss_fn(model, x, y)`` takes ``batch_argnums=(1, 2)``. Default ``1``;
+      with ``batch_argnames`` the default applies when argument 1 is passed, and
+      ``batch_argnums=()`` names none.
     batch_argnames: name(s) of keyword arguments that are split like ``batch_argnums``,
       e.g. ``batch_argnames="labels"`` for ``fun(model, x, labels=y)``.
     rng_argnums: position(s) (1 or more) of plain PRNG keys; micro-batch ``i`` gets
@@ -319,18 +320,25 @@ def value_and_grad(
     raise TypeError(
         f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
         f"{type(fun).__name__}.")
-  user_batch = ((1,) if batch_argnums is None and batch_argnames is None else
-                _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True))
+  if batch_argnums is None:
+    batch_argnums = _options.BATCH_ARGNUMS
+  # As in the core: with batch_argnames, the default batch argument 1 applies when passed.
+  optional = batch_argnums is _options.BATCH_ARGNUMS and batch_argnames is not None
+  user_batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
   user_rng = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
-  needed = 1 + max((j for j in user_batch + user_rng if j >= 0), default=0)
+  needed = 1 + max((j for j in (() if optional else user_batch) + user_rng if j >= 0),
+                   default=0)
   found = _split.short_signature(fun, needed)
   if found:
     raise TypeError(
         f"fun must take the model and the batch as its first "
         f"{'two' if needed == 2 else needed} positional arguments, fun(model, batch, ...), "
-        f"but {found}. Pack the inputs and targets into one batch pytree such as (x, y), "
-        "or name keyword batch arguments with batch_argnames=('batch',).")
-  both = sorted(set(user_batch) & set(user_rng))
+        f"but {found}. If fun closes over the batch (def loss_fn(model): ... batch ...), it "
+        "cannot be split: take it as an argument, fun(model, batch), and call the "
+        "accumulated function with the full batch. Pack the inputs and targets into one "
+        "batch pytree such as (x, y), or name keyword batch arguments with "
+        "batch_argnames=('batch',).")
+  both = [] if optional else sorted(set(user_batch) & set(user_rng))
   if both:
     raise ValueError(
         f"rng_argnums={rng_argnums!r} names argument {both[0]}, which is the batch "
@@ -382,7 +390,7 @@ def value_and_grad(
   core_options = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
   if user_rng:
     core_options["rng_argnums"] = shift(user_rng)
-  if batch_argnums is not None or batch_argnames is None:
+  if not optional:
     core_options["batch_argnums"] = shift(user_batch)
   if batch_argnames is not None:
     core_options["batch_argnames"] = batch_argnames
@@ -404,16 +412,13 @@ def value_and_grad(
           f"the first argument ({_arg_label(names, 0)}) must be an NNX object such as an "
           f"nnx.Module, got {_split.describe(model)}. For plain pytrees of parameters use "
           "jaxaccum.value_and_grad.")
-    batch_pos = _positions("batch_argnums", user_batch, len(args), fun_name, names)
     rng_pos = _positions("rng_argnums", user_rng, len(args), fun_name, names)
+    batch_pos = (((1,) if len(args) > 1 and 1 not in rng_pos else ()) if optional else
+                 _positions("batch_argnums", user_batch, len(args), fun_name, names))
     for j in batch_pos + rng_pos:
       if _has_node(args[j]):
-        role = "batch_argnums" if j in batch_pos else "rng_argnums"
-        raise TypeError(
-            f"the {_ordinal(j)} argument ({_arg_label(names, j)}), named by {role}, must be "
-            f"a pytree of arrays, got the NNX object {type(args[j]).__name__} in it. NNX "
-            "objects are threaded through the micro-batches, never split: call it as "
-            "fun(model, batch, ...), or drop the argument from " + role + ".")
+        _raise_node_in_batch(args, j, "batch_argnums" if j in batch_pos else "rng_argnums",
+                             batch_argnums is _options.BATCH_ARGNUMS, names)
     for name in batch_names:
       if name in kwargs and _has_node(kwargs[name]):
         raise TypeError(
@@ -461,10 +466,26 @@ def value_and_grad(
     (value, extra), grads, *info = out
     new_rest, aux = extra if has_aux else (extra, None)
     nnx.update(tuple(nodes), new_rest)
-    grads = grads[0]
-    return (((value, aux) if has_aux else value), grads, *info)
+    return _transform.pack(value, aux, grads[0], info[0] if info else None,
+                           has_extra=has_aux, with_info=bool(info))
 
   return value_and_grad_fn
+
+
+def _raise_node_in_batch(args: tuple, j: int, role: str, default: bool, names: list[str]):
+  what = f"the {_ordinal(j)} argument ({_arg_label(names, j)})"
+  node = type(args[j]).__name__
+  if default and role == "batch_argnums":
+    raise TypeError(
+        f"{what} is the batch by default (batch_argnums=1), but it holds the NNX object "
+        f"{node}, which cannot be split. If fun closes over the batch (def loss_fn(model, "
+        "...): ... batch ...), take it as an argument instead, fun(model, batch, ...), and "
+        "call the accumulated function with the full batch; if the batch is at another "
+        "position or passed by keyword, name it with batch_argnums or batch_argnames.")
+  raise TypeError(
+      f"{what}, named by {role}, must be a pytree of arrays, got the NNX object {node} in "
+      "it. NNX objects are threaded through the micro-batches, never split: call it as "
+      f"fun(model, batch, ...), or drop the argument from {role}.")
 
 
 def _labels(name: str, tree: Any) -> list[str]:
@@ -496,12 +517,5 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  has_aux = options.get("has_aux", False)
-
-  @functools.wraps(fun)
-  def grad_fn(*args, **kwargs):
-    value, grads, *info = vg(*args, **kwargs)
-    grads_part = (grads, value[1]) if has_aux else grads
-    return (grads_part, *info) if info else grads_part
-
-  return grad_fn
+  return _transform.grad_of(vg, fun, has_extra=options.get("has_aux", False),
+                            with_info=options.get("with_info", False))
