@@ -237,7 +237,7 @@ class Collectives:
   def summary(self) -> str:
     """A table per kind: ops, bytes, in a loop, deepest loop, executions per call."""
     header = ("kind", "ops", "bytes", "in a loop", "loop depth", "runs per call")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for kind in KINDS:
       ops = [c for c in self.ops if c.kind == kind]
       if not ops:
