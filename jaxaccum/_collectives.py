@@ -91,7 +91,8 @@ class Collective:
       enclosing loops' trip counts), or ``None`` where a loop's trip count is not in the text.
     replica_groups: the device groups that communicate, as logical device ids (positions in
       the program's device assignment: for a program on one mesh, ``mesh.devices.flat``
-      order), or ``None`` where the text does not give them (collective permutes).
+      order); ``()`` where the text says every device (``replica_groups={}``) and no mesh
+      is known; ``None`` where the text does not give them (collective permutes).
     source_target_pairs: a collective permute's ``(source, target)`` pairs, else ``None``.
     mesh_axes: the mesh axes the op communicates over, in mesh order, where they can be told
       (from the text's ``mesh[...] {...}`` form, or by matching the device groups against the
@@ -491,7 +492,7 @@ def _program_mesh(compiled: Any) -> tuple[tuple[str, int], ...] | None:
   for which in ("input_shardings", "output_shardings"):
     try:
       shardings += jax.tree.leaves(getattr(compiled, which))
-    except Exception:  # noqa: BLE001 -- a backend that does not say
+    except Exception:  # a backend that does not say
       continue
   meshes = {_mesh_shape(s.mesh) for s in shardings
             if isinstance(s, jax.sharding.NamedSharding)}

@@ -495,7 +495,9 @@ def plan(
       which the planner chooses.
 
   Returns:
-    A :class:`Plan`; ``print(plan)`` shows the table of compiled candidates.
+    A :class:`Plan`; ``print(plan)`` shows the table of compiled candidates (with the number
+    of collectives inside loops for each), ``plan.collectives`` the chosen program's
+    collectives (see :func:`jaxaccum.collectives`).
 
   Raises:
     ValueError: a non-positive budget, no budget on a backend that reports no limit, a budget
