@@ -7,6 +7,9 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
+from jaxaccum._collectives import Collective as Collective
+from jaxaccum._collectives import Collectives as Collectives
+from jaxaccum._collectives import collectives as collectives
 from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
@@ -50,6 +53,8 @@ def __getattr__(name: str):
 __all__ = (
     "AccumInfo",
     "BatchBroadcastWarning",
+    "Collective",
+    "Collectives",
     "MultiSteps",
     "MultiStepsState",
     "NoiseScale",
@@ -58,6 +63,7 @@ __all__ = (
     "PlanCandidate",
     "batch_size_ramp",
     "capture_gpu_target",
+    "collectives",
     "grad",
     "merge_micro_batches",
     "pipeline",

@@ -35,7 +35,9 @@ from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
-from jaxaccum import _gpu_target, _sharding, _split
+from jaxaccum import _collectives, _gpu_target, _sharding, _split
+from jaxaccum._collectives import Collectives
+from jaxaccum._collectives import format_bytes as _fmt_bytes
 from jaxaccum._transform import value_and_grad
 
 # The default budget keeps this fraction of the device's `bytes_limit` free for what the
@@ -62,6 +64,9 @@ class PlanCandidate(NamedTuple):
     output_bytes: bytes of its outputs.
     alias_bytes: bytes of outputs that reuse donated inputs.
     fits: ``peak_bytes <= memory_budget_bytes``.
+    in_loop_collectives: how many collective ops of the compiled program sit inside a loop
+      (each runs once per iteration: per micro-batch, or per layer of a scanned model), as
+      :func:`jaxaccum.collectives` counts them.
   """
 
   num_micro_batches: int
@@ -73,6 +78,7 @@ class PlanCandidate(NamedTuple):
   output_bytes: int
   alias_bytes: int
   fits: bool
+  in_loop_collectives: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,9 @@ class Plan:
       ``"NVIDIA H100 80GB HBM3"``), followed by ``" (described)"`` when it was compiled for a
       described GPU (``target=...``) rather than a device present on this machine.
     num_devices: how many devices the program was compiled for.
+    collectives: the chosen program's collectives (a :class:`jaxaccum.Collectives`, as
+      :func:`jaxaccum.collectives` reads them), for a described GPU too: what a step
+      communicates, and how much of it inside the micro-batch loop.
 
   ``str(plan)`` (or :meth:`table`) is a readable table of the candidates.
   """
@@ -107,6 +116,8 @@ class Plan:
   jitted: Any = dataclasses.field(repr=False, compare=False)
   device: str = ""
   num_devices: int = 1
+  collectives: Collectives = dataclasses.field(
+      default_factory=lambda: Collectives(ops=()), repr=False, compare=False)
 
   def table(self) -> str:
     """The candidates as a text table, the chosen row marked."""
@@ -117,17 +128,10 @@ class Plan:
     return self.table()
 
 
-def _fmt_bytes(n: int) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{n} B"
-
-
 def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
            chosen: int | None, device: str = "", num_devices: int = 1) -> str:
   header = ("N", "micro-batch", "peak", "temp", "arguments", "outputs", "aliased",
-            "compile s", "")
+            "in-loop collectives", "compile s", "")
   rows: list[tuple[str, ...]] = [header]
   for c in sorted(candidates):
     verdict = "fits" if c.fits else "too big"
@@ -136,13 +140,13 @@ def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
     rows.append((str(c.num_micro_batches), str(c.micro_batch_size), _fmt_bytes(c.peak_bytes),
                  _fmt_bytes(c.temp_bytes), _fmt_bytes(c.argument_bytes),
                  _fmt_bytes(c.output_bytes), _fmt_bytes(c.alias_bytes),
-                 f"{c.compile_seconds:.2f}", verdict))
+                 str(c.in_loop_collectives), f"{c.compile_seconds:.2f}", verdict))
   widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
   on = f" on {num_devices} x {device}" if device else ""
   lines = [f"memory plan{on}: batch of {batch_size} rows, budget {_fmt_bytes(budget)} "
            f"({budget:,} bytes) per device"]
   for r in rows:
-    cells = [r[0].rjust(widths[0])] + [r[k].rjust(widths[k]) for k in range(1, 8)] + [r[8]]
+    cells = [r[k].rjust(widths[k]) for k in range(len(header) - 1)] + [r[-1]]
     lines.append("  ".join(cells).rstrip())
   n_divisors = len(_split.divisors(batch_size))
   if chosen is not None:
@@ -308,7 +312,7 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
         f"the batch of {size} rows is sharded over {shards} devices, which does not divide "
         "it: no micro-batch count splits it in place. Use a batch size that is a multiple of "
         f"{shards}.")
-  cache: dict[int, tuple[PlanCandidate, Any, Any]] = {}
+  cache: dict[int, tuple[PlanCandidate, Any, Any, Collectives]] = {}
   expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
   progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
 
@@ -324,11 +328,13 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
         )
       with context() if context is not None else contextlib.nullcontext():
         compiled = jitted.lower(*args).compile()
-      seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        colls = _collectives.from_compiled(compiled)
       mem = _memory(compiled, platform)
       row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n,
-                          compile_seconds=seconds, fits=mem["peak_bytes"] <= budget, **mem)
-      cache[n] = (row, compiled, jitted)
+                          compile_seconds=seconds, fits=mem["peak_bytes"] <= budget,
+                          in_loop_collectives=colls.count(in_loop=True), **mem)
+      cache[n] = (row, compiled, jitted, colls)
       progress.add(row)
     return cache[n][0].fits
 
@@ -380,10 +386,11 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
         f"\n{_table(rows, size, budget, None, device, len(devices))}"
     )
   n = counts[found]
-  row, compiled, jitted = cache[n]
+  row, compiled, jitted, colls = cache[n]
   return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=row.peak_bytes,
               candidates=rows, batch_size=size, memory_budget_bytes=budget,
-              compiled=compiled, jitted=jitted, device=device, num_devices=len(devices))
+              compiled=compiled, jitted=jitted, device=device, num_devices=len(devices),
+              collectives=colls)
 
 
 def _falls(peaks: dict[int, int]) -> bool:
@@ -488,7 +495,9 @@ def plan(
       which the planner chooses.
 
   Returns:
-    A :class:`Plan`; ``print(plan)`` shows the table of compiled candidates.
+    A :class:`Plan`; ``print(plan)`` shows the table of compiled candidates (with the number
+    of collectives inside loops for each), ``plan.collectives`` the chosen program's
+    collectives (see :func:`jaxaccum.collectives`).
 
   Raises:
     ValueError: a non-positive budget, no budget on a backend that reports no limit, a budget

@@ -12,7 +12,6 @@ temp memory affine in ``M + S - 1`` and lowered by ``remat``.
 """
 
 import functools
-import re
 
 import chex
 import jax
@@ -23,7 +22,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from tests import _hlo
 from tests._util import assert_close
 
 D, H, VOCAB = 8, 16, 11  # boundary width, stage hidden width, classes
@@ -183,7 +181,7 @@ def test_circular_schedule_matches_the_sequential_model(shape, m, r, stage):
   assert_close(value, ref_value, rtol=1e-5)
   assert_close(grads, ref_grads, rtol=1e-5)
   _assert_same_shardings(grads[0], args[0])
-  permutes = [c for c in _hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
+  permutes = jaxaccum.collectives(compiled).select("collective-permute")
   assert len(permutes) == 2 and all(c.in_loop for c in permutes), permutes
 
 
@@ -338,29 +336,6 @@ def test_forward_scan_runs_the_ticks_of_the_schedule(s, m, r):
 # ------------------------------------------------------------------- compiled programs
 
 
-def _replica_groups(line):
-  """The device groups of a collective's HLO line, from either spelling of them."""
-  m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
-  if m:
-    return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if m:  # mesh['axis_0'=2,'axis_1'=4] {'axis_0'}: devices in iota order, grouped over axes
-    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-    names, over = list(sizes), re.findall(r"'(\w+)'", m.group(2))
-    ids = np.arange(np.prod([int(v) for v in sizes.values()])).reshape(
-        [int(v) for v in sizes.values()])
-    keep = [names.index(a) for a in names if a not in over]
-    ids = ids.transpose(keep + [names.index(a) for a in over])
-    return ids.reshape(-1, int(np.prod([int(sizes[a]) for a in over]))).tolist()
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  assert m, f"no replica groups in {line}"
-  groups, size = int(m.group(1)), int(m.group(2))
-  ids = np.arange(groups * size).reshape([int(d) for d in m.group(3).split(",")])
-  if m.group(4):
-    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-  return ids.reshape(groups, size).tolist()
-
-
 def _spans_stage(groups, mesh):
   stage = {d.id: int(np.argwhere(mesh.devices == d)[0][mesh.axis_names.index("stage")])
            for d in mesh.devices.flat}
@@ -371,20 +346,20 @@ def _spans_stage(groups, mesh):
 def test_compiled_loop_has_one_permute_per_tick_and_no_stage_all_reduce(shape, m):
   axis_type = AxisType.Auto if len(shape) == 2 else AxisType.Explicit
   compiled, _, _ = _compiled(shape, m, axis_type=axis_type)
-  colls = _hlo.collectives(compiled.as_text())
+  colls = jaxaccum.collectives(compiled)
   permutes = [c for c in colls if c.kind == "collective-permute"]
   # One in the forward scan, its transpose in the backward scan; both inside the loops.
   assert len(permutes) == 2 and all(c.in_loop for c in permutes), colls
   mesh = _mesh(shape, axis_type)
   in_loop = [c for c in colls if c.kind == "all-reduce" and c.in_loop
-             and _spans_stage(_replica_groups(c.line), mesh)]
+             and _spans_stage(c.replica_groups, mesh)]
   assert not in_loop, f"all-reduce over the stage axis inside the loop: {in_loop}"
   # The stage axis is reduced only outside: the outputs (forward) and dx (backward).
   # (On the data x stage mesh with Auto axes, the compiler reduces the stages' weight
   # gradients over "data" at every tick; jaxaccum.value_and_grad(data_axis=...) does it
   # once per step instead, see test_token_weighted_loss_inside_value_and_grad.)
   outside = [c for c in colls if c.kind == "all-reduce" and not c.in_loop
-             and _spans_stage(_replica_groups(c.line), mesh)]
+             and _spans_stage(c.replica_groups, mesh)]
   assert len(outside) == 2, colls
   assert not [c for c in colls if c.kind in ("all-gather", "all-to-all", "reduce-scatter")]
 

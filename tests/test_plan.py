@@ -274,6 +274,58 @@ def test_sharded_batch_is_planned_per_device():
   assert p.peak_bytes < xla_bytes(compile_vg(1, params, batch))
 
 
+def _in_loop_all_reduces(text):
+  """All-reduce ops inside the bodies of the ENTRY computation's while loops and the
+  computations those bodies call (a plain reading of the text, for comparison)."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m:
+      name = m.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  entry = next(n for n in comps if f"ENTRY %{n} " in text or f"ENTRY {n} " in text)
+  todo = [b for line in comps[entry] for b in re.findall(r"\bbody=%?([\w.\-]+)", line)]
+  seen = set()
+  while todo:
+    c = todo.pop()
+    if c not in seen and c in comps:
+      seen.add(c)
+      todo += [b for line in comps[c] for b in re.findall(r"\b(?:body|calls)=%?([\w.\-]+)", line)]
+  return sum(len(re.findall(r"\sall-reduce(?:-start)?\(", "\n".join(comps[c]))) for c in seen)
+
+
+@pytest.mark.parametrize("data_axis", [None, "data"])
+def test_plan_reports_the_collectives_of_each_candidate(data_axis):
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  params, batch = make_mlp()
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                        params)
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split), batch)
+  options = {} if data_axis is None else dict(data_axis=data_axis, mesh=mesh)
+  p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, search="all", **options)
+  assert [c.num_micro_batches for c in p.candidates] == [1, 2, 4, 8]
+  table = p.table().splitlines()
+  assert "in-loop collectives" in table[1]
+  for c in p.candidates:
+    fn = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=c.num_micro_batches,
+                                         **options))
+    text = fn.lower(params, batch).compile().as_text()
+    assert c.in_loop_collectives == _in_loop_all_reduces(text), c
+    # Without data_axis XLA reduces the gradients inside the micro-batch loop; with it, once
+    # after the loop.
+    assert (c.in_loop_collectives > 0) == (data_axis is None and c.num_micro_batches > 1), c
+    row = next(r for r in table if re.match(rf"\s*{c.num_micro_batches}\s", r))
+    assert row.split()[-5 if "chosen" in row else -3] == str(c.in_loop_collectives), row
+  # The chosen program's own collectives, read from the compiled program the plan returns.
+  assert p.collectives == jaxaccum.collectives(p.compiled)
+  assert p.collectives.count("all-reduce") == len(
+      re.findall(r"\sall-reduce(?:-start)?\(", p.compiled.as_text())) > 0
+  assert p.collectives.count(in_loop=True) == p.candidates[0].in_loop_collectives
+
+
 def test_budget_too_small_says_by_how_much():
   params, batch = make_mlp()
   budget = 1000

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from tests import _hlo, _problems
+from tests import _problems
 from tests._util import assert_close
 
 BATCH, FEATURES, HIDDEN, CLASSES = 256, 12, 32, 5
@@ -90,13 +90,15 @@ def _setup(kind, axis_type, params, batch):
 
 
 def _compile(step, *args):
-  return _hlo.collectives(step.lower(*args).compile().as_text())
+  colls = jaxaccum.collectives(step, *args)
+  assert colls.num_loops, "no while loop in the compiled program: the accumulation scan is missing"
+  return colls
 
 
 def _assert_no_batch_movement(colls, where):
   moved = [c for c in colls if c.kind in ("all-to-all", "collective-permute")]
   moved += [c for c in colls if c.kind == "all-gather"
-            and not set(_hlo.shapes(c.shape)) <= PARAM_SHAPES]
+            and not set(c.shapes) <= PARAM_SHAPES]
   assert not moved, f"{where}: the program moves batch data: {moved}"
 
 
