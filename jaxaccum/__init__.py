@@ -7,6 +7,8 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
+from jaxaccum._api import grad as grad
+from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
 from jaxaccum._collectives import collectives as collectives
@@ -27,8 +29,6 @@ from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._transform import BatchBroadcastWarning as BatchBroadcastWarning
-from jaxaccum._transform import grad as grad
-from jaxaccum._transform import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,8 @@
 
 :class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
 runs the same steps on each shard with a resolved count) uses :func:`dataclasses.replace`.
-Adding an option touches :func:`make_options` and the field list, nothing else.
+Adding an option touches the signature of :func:`jaxaccum.value_and_grad` (which passes
+its arguments here as they are), :func:`make_options` and the field list, nothing else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum import _reduce, _split
+from jaxaccum import _reduce, _sharding, _split
 from jaxaccum._types import AxisName
 
 
@@ -124,8 +125,6 @@ def make_options(
     grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
     with_info: Any, skip_nonfinite: Any) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`."""
-  from jaxaccum import _sharding  # noqa: PLC0415 (a cycle: _sharding uses Options)
-
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
   count, size = _split.check_counts(num_micro_batches, micro_batch_size)

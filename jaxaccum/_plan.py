@@ -36,9 +36,9 @@ from typing import Any, NamedTuple, SupportsInt, cast
 import jax
 
 from jaxaccum import _collectives, _gpu_target, _sharding, _split
+from jaxaccum._api import value_and_grad
 from jaxaccum._collectives import Collectives
 from jaxaccum._collectives import format_bytes as _fmt_bytes
-from jaxaccum._transform import value_and_grad
 
 # The default budget keeps this fraction of the device's `bytes_limit` free for what the
 # compiled program's own figure does not count: allocator fragmentation, buffers alive outside

@@ -25,7 +25,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from jaxaccum import _transform
+from jaxaccum import _api
 
 __all__ = ("filter_grad", "filter_value_and_grad")
 
@@ -98,7 +98,7 @@ def filter_value_and_grad(
       _check_no_state(out, args, has_aux)
     return out
 
-  core = _transform.value_and_grad(inner, argnums=0, has_aux=has_aux, **options)
+  core = _api.value_and_grad(inner, argnums=0, has_aux=has_aux, **options)
 
   @functools.wraps(fun)
   def value_and_grad_fn(model, *args, **kwargs):
@@ -149,5 +149,5 @@ def filter_grad(
   if fun is None:
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
-  return _transform.grad_of(vg, fun, has_extra=has_aux or bool(options.get("state_argnums")),
+  return _api.Grad(vg, has_extra=has_aux or bool(options.get("state_argnums")),
                             with_info=options.get("with_info", False))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _data_parallel, _options, _sharding, _split, _transform
+from jaxaccum import _api, _data_parallel, _options, _sharding, _split, _transform
 from jaxaccum._multisteps import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
@@ -169,7 +169,7 @@ def value_and_grad(
           "fixed, fun(params, batch, model_state, rngs, ...), with params differentiated, "
           "model_state threaded and the keys of rngs folded per micro-batch.")
   _check_fun(fun)
-  core = _transform.value_and_grad(
+  core = _api.value_and_grad(
       _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
       rng_argnums=3, has_aux=has_aux, **options)
 
@@ -270,7 +270,7 @@ def make_train_step(
   else:
     axes = _sharding.check_data_axis(axis_name)
     assert axes is not None
-    accumulated = _across_replicas(vg._jaxaccum_options, axes)  # type: ignore[attr-defined]
+    accumulated = _across_replicas(vg.options, axes)
 
   def train_step(state, batch, rngs):
     missing = [c for c in collections if not hasattr(state, c)]

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxaccum import _options, _split, _transform
+from jaxaccum import _api, _options, _split
 
 __all__ = ("grad", "value_and_grad")
 
@@ -394,7 +394,7 @@ def value_and_grad(
     core_options["batch_argnums"] = shift(user_batch)
   if batch_argnames is not None:
     core_options["batch_argnames"] = batch_argnames
-  core = _transform.value_and_grad(inner, **core_options)
+  core = _api.value_and_grad(inner, **core_options)
   batch_names = ((batch_argnames,) if isinstance(batch_argnames, str)
                  else tuple(batch_argnames or ()))
   fun_name = getattr(fun, "__name__", "fun")
@@ -466,7 +466,7 @@ def value_and_grad(
     (value, extra), grads, *info = out
     new_rest, aux = extra if has_aux else (extra, None)
     nnx.update(tuple(nodes), new_rest)
-    return _transform.pack(value, aux, grads[0], info[0] if info else None,
+    return _api.pack(value, aux, grads[0], info[0] if info else None,
                            has_extra=has_aux, with_info=bool(info))
 
   return value_and_grad_fn
@@ -517,5 +517,5 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  return _transform.grad_of(vg, fun, has_extra=options.get("has_aux", False),
+  return _api.Grad(vg, has_extra=options.get("has_aux", False),
                             with_info=options.get("with_info", False))

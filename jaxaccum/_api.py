@@ -1,0 +1,221 @@
+"""The public transforms, ``jaxaccum.value_and_grad`` and ``jaxaccum.grad``, as objects.
+
+:func:`value_and_grad` validates its options once (:class:`jaxaccum._options.Options`) and
+returns a :class:`ValueAndGrad`: a callable object that holds them (as equinox's
+``filter_value_and_grad`` returns a Module and flax's ``nnx.grad`` a wrapped function). A
+call runs the core (:func:`jaxaccum._transform.accumulate`) or, under ``data_axis``, the
+data-parallel driver (:func:`jaxaccum._data_parallel.data_parallel`), and returns what
+:func:`jax.value_and_grad` would (:func:`pack`). :class:`Grad` drops the value; the adapters
+(``jaxaccum.nnx``, ``jaxaccum.eqx``, ``jaxaccum.linen``) build on the same two objects.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxaccum import _data_parallel, _options, _transform
+from jaxaccum._options import Options
+from jaxaccum._types import ArgNames, ArgNums, DTypeLike
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    num_micro_batches: int | None = None,
+    micro_batch_size: int | None = None,
+    argnums: ArgNums = 0,
+    batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
+    batch_argnames: ArgNames | None = None,
+    has_aux: bool = False,
+    reduce: str | dict[str, Any] = "mean",
+    loss_weights: dict[str, float] | None = None,
+    aux_reduce: Any = None,
+    rng_argnums: ArgNums | None = None,
+    state_argnums: ArgNums | None = None,
+    accumulator_dtype: DTypeLike | None = None,
+    grads_dtype: DTypeLike | None = None,
+    remat: bool = False,
+    remat_policy: Callable[..., bool] | None = None,
+    unroll: int | bool = 1,
+    data_axis: str | Sequence[str] | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    with_info: bool = False,
+    skip_nonfinite: bool = False,
+) -> Callable[..., Any]:
+  """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
+
+  The batch arguments are split into ``N`` micro-batches (micro-batch ``i`` holds rows
+  ``i, i + N, i + 2N, ...``, which keeps a sharded batch axis sharded). One
+  :func:`jax.lax.scan` runs forward and backward on each micro-batch and sums the
+  gradients in a float32 accumulator; the result is the full-batch loss and gradients,
+  with :func:`jax.value_and_grad`'s output structure. Peak memory holds one micro-batch of
+  activations. Call it inside your jitted train step.
+
+  Args:
+    fun: the loss, ``fun(params, batch, ...)``. What it returns depends on ``reduce``.
+    num_micro_batches: the number ``N`` of micro-batches; must divide the batch size.
+    micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
+    argnums: which positional argument(s) to differentiate, as in :func:`jax.grad`.
+    batch_argnums: which positional argument(s) carry the batch: pytrees whose leaves share
+      a leading batch axis (``None`` entries, empty pytrees, are passed as they are, as
+      :func:`jax.vmap` does). Default 1; with ``batch_argnames`` the default applies when
+      argument 1 is passed and has no other role, and ``batch_argnums=()`` names none.
+    batch_argnames: keyword argument(s) that carry the batch, split like ``batch_argnums``
+      (``loss_fn(params, x, labels=y)`` with ``batch_argnames="labels"`` splits ``x`` and
+      ``labels``).
+      Other arguments, positional or keyword, are passed whole to every micro-batch.
+    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
+      (see ``aux_reduce``).
+    reduce: how ``fun``'s value combines across micro-batches.
+
+      * ``"mean"``: ``fun`` returns the mean loss over its micro-batch; the result is the
+        full-batch mean (micro-batches have equal sizes, so the mean of means is exact).
+      * ``"sum"``: ``fun`` returns a sum; the result is the full-batch sum.
+      * ``"weighted"``: ``fun`` returns ``(numerator, denominator)``, e.g. the summed token
+        loss and the number of real tokens. The loss is ``sum(numerator) /
+        sum(denominator)`` and the gradients ``sum(grad numerator) / sum(denominator)``:
+        the exact full-batch token mean however unevenly tokens fall across micro-batches.
+        A total denominator of 0 gives loss 0 and zero gradients.
+      * a dict of these, for a loss of several terms: ``fun`` returns a dict with the same
+        keys (``(numerator, denominator)`` for weighted terms) and each term is normalised
+        by its own rule over the whole batch; the value is their weighted total
+        (``loss_weights``) and the gradients its gradients. Terms with different divisors
+        cost one backward pass each per micro-batch.
+    loss_weights: with a dict ``reduce``, the weight of each term (default 1).
+    aux_reduce: how each aux leaf is reduced: ``"mean"`` (weighted by the denominator
+      when the loss has exactly one weighted term), ``"sum"``, ``"max"``, ``"min"``,
+      ``"all"``/``"any"`` (logical AND / OR of boolean leaves), ``"stack"`` (a leading
+      axis of size ``N``, one entry per micro-batch) or ``"concat"`` (per-example rows back
+      in batch order: the full batch's aux; the leaf's leading axis must be the
+      micro-batch's rows). A string applies to all of aux; a pytree prefix of aux with
+      names (or ``None`` for the default) chooses per subtree. The default (``None``) is
+      ``"mean"`` for floating scalars, ``"sum"`` for integer scalars (counts) and ``"all"``
+      for boolean scalars; a non-scalar leaf must be named. A float that is a sum over
+      rows (a summed metric) must be named ``"sum"``.
+    rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
+      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``.
+    state_argnums: positional argument(s) holding mutable state (e.g. Linen
+      ``batch_stats``) that ``fun`` returns updated: ``fun`` then returns
+      ``(value, new_state)``, or ``(value, (new_state, aux))`` with ``has_aux=True``.
+      Micro-batch ``i + 1`` sees micro-batch ``i``'s state.
+    accumulator_dtype: dtype of the gradient and loss accumulators. ``None`` (default)
+      accumulates bfloat16/float16 values in float32 and wider ones in their own dtype.
+    grads_dtype: dtype of the returned gradients; ``None`` gives each gradient its
+      parameter's dtype, as :func:`jax.grad` does.
+    remat: wrap the per-micro-batch computation in :func:`jax.checkpoint`.
+    remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
+    unroll: passed to :func:`jax.lax.scan`.
+    data_axis: data-parallel mode: the mesh axis name (or names) that the batch is sharded
+      over. Each device accumulates the gradients of its own rows and they are reduced
+      once per step, after the loop. ``fun`` sees ``B / (N * D)`` rows per call on each of
+      the ``D`` data shards. Arrays ``fun`` closes over and non-batch keyword arguments
+      are replicated. See the devices guide.
+    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
+      :func:`jax.set_mesh`.
+    with_info: also return a :class:`jaxaccum.AccumInfo` (gradient noise statistics,
+      counts): the function returns ``(value_part, grads, info)``.
+    skip_nonfinite: a micro-batch whose value, denominator or any gradient is NaN or
+      infinite adds nothing (value, gradients, denominators, aux, state update); means
+      divide by the micro-batches kept and ``info.skipped`` counts the others. If every
+      micro-batch is skipped the gradients are zeros and the value is NaN.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``(value, grads)``, or
+    ``((value, aux), grads)`` when ``has_aux`` or ``state_argnums`` is set, where the aux
+    part is ``aux``, ``new_state`` or ``(new_state, aux)``; with ``with_info=True`` a
+    third element, the :class:`jaxaccum.AccumInfo`. It takes one more, optional keyword
+    argument, ``active_micro_batches``: an int or int32 scalar ``k`` in ``1..N``; only
+    micro-batches ``0..k-1`` run (the others cost no compute) and the reductions divide
+    by what ran, in the same compiled program for every ``k`` (traced values outside the
+    range are clipped to it). Stacked and concatenated aux entries of micro-batches that
+    did not run are zeros.
+
+  Raises:
+    ValueError, TypeError: at construction for bad options, and at trace time for a batch
+      that cannot be split or a ``fun`` whose output does not match ``reduce``/``has_aux``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> def loss_fn(w, batch):
+  ...   x, y = batch
+  ...   return jnp.mean((x @ w - y) ** 2)
+  >>> w = jnp.ones(3)
+  >>> batch = (jnp.arange(24.0).reshape(8, 3), jnp.arange(8.0))
+  >>> step = jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=4))
+  >>> loss, grads = step(w, batch)
+  >>> ref_loss, ref_grads = jax.value_and_grad(loss_fn)(w, batch)
+  >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(grads, ref_grads))
+  (True, True)
+  """
+  return ValueAndGrad(_options.make_options(**locals()))
+
+
+def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+  """Like :func:`jax.grad`, accumulated over micro-batches; options as :func:`value_and_grad`.
+
+  Returns a function giving ``grads``, or ``(grads, aux)`` when ``has_aux`` or
+  ``state_argnums`` is set (the aux part as in :func:`value_and_grad`); with
+  ``with_info=True``, ``(grads_part, info)``.
+
+  >>> import jax.numpy as jnp
+  >>> import jaxaccum
+  >>> loss_fn = lambda w, x: jnp.mean((x * w) ** 2)
+  >>> jaxaccum.grad(loss_fn, micro_batch_size=2)(jnp.array(2.0), jnp.arange(4.0))
+  Array(14., dtype=float32)
+  """
+  vg = value_and_grad(fun, **options)
+  return Grad(vg, has_extra=vg.options.has_extra, with_info=vg.options.with_info)
+
+
+class ValueAndGrad:
+  """What :func:`value_and_grad` returns: ``fun`` accumulated, with its validated options.
+
+  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns
+  ``(value, grads)`` as :func:`value_and_grad` documents. ``options`` holds the frozen
+  :class:`jaxaccum._options.Options`; ``__wrapped__`` is ``fun``, so ``inspect.signature``
+  and ``functools`` see ``fun``'s name, docstring and parameters.
+  """
+
+  def __init__(self, options: Options):
+    self.options = options
+    functools.update_wrapper(self, options.fun)
+
+  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
+    opts = self.options
+    run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
+    value, extra, grads, info = run(opts, args, kwargs, active_micro_batches)
+    grads = grads[0] if opts.argnums_is_int else grads
+    return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.value_and_grad of {self.options.fun!r}>"
+
+
+class Grad:
+  """The ``grad`` of a function that returns :func:`pack`'s output: ``grads``, or
+  ``(grads, extra)`` with ``has_extra``; with ``with_info``, ``(grads_part, info)``."""
+
+  def __init__(self, value_and_grad: Callable[..., Any], *, has_extra: bool, with_info: bool):
+    self.value_and_grad = value_and_grad
+    self.has_extra, self.with_info = has_extra, with_info
+    functools.update_wrapper(self, value_and_grad)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    out = self.value_and_grad(*args, **kwargs)
+    part = (out[1], out[0][1]) if self.has_extra else out[1]
+    return (part, out[2]) if self.with_info else part
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.grad of {self.value_and_grad!r}>"
+
+
+def pack(value: Any, extra: Any, grads: Any, info: Any, *, has_extra: bool,
+         with_info: bool) -> tuple:
+  """:func:`value_and_grad`'s output: ``(value, grads)``, ``((value, extra), grads)``, and
+  ``info`` last with ``with_info``. The adapters return theirs through it too."""
+  out = ((value, extra), grads) if has_extra else (value, grads)
+  return (*out, info) if with_info else out
