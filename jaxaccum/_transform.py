@@ -463,7 +463,10 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
       if c is None:
         return None
       new = k.update(c, jnp.asarray(v), weight, i)
-      return new if keep is None else jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, c)
+      if keep is None:
+        return new
+      kept = keep  # a skipped micro-batch leaves the carry (a pytree, for a user reduction)
+      return jax.tree.map(lambda a, b: jnp.where(kept, a, b), new, c)
 
     aux = jax.tree.map(aux_add, kinds, carry.aux, out.aux)
     state = out.state
