@@ -95,7 +95,9 @@ def value_and_grad(
       names (or ``None`` for the default) chooses per subtree. The default (``None``) is
       ``"mean"`` for floating scalars, ``"sum"`` for integer scalars (counts) and ``"all"``
       for boolean scalars; a non-scalar leaf must be named. A float that is a sum over
-      rows (a summed metric) must be named ``"sum"``.
+      rows (a summed metric) must be named ``"sum"``. An entry may also be an
+      ``optax.microbatching.Accumulator``, run as ``optax.microbatch`` runs it (not under
+      ``data_axis``: it has no rule across shards).
     rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
       Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``.
     state_argnums: positional argument(s) holding mutable state (e.g. Linen

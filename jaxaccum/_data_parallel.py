@@ -84,7 +84,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     in_specs.append(PartitionSpec())
   local_opts = dataclasses.replace(opts, fun=_gathering(opts.fun, roles, placed.gathers),
                                    count=n, size=None, data_axis=None, mesh=None)
-  reduce_is_sum = opts.single_term and opts.reduce == "sum"
+  reduce_is_sum = _reduce.sums_across_devices(opts.terms)
   meta: dict[str, Any] = {}
 
   def local(*local_arrays):
@@ -247,7 +247,7 @@ def _split_rows(opts: Options, extra: Any, kinds: PyTree):
   Returns ``(kept, rows, unsplit)``: the other leaves, the per-example ones, and the
   function that puts both back into ``extra``'s structure.
   """
-  rows_mask = jax.tree.map(lambda k: _reduce.AUX_REDUCTIONS[k].per_example, kinds)
+  rows_mask = jax.tree.map(lambda k: k.per_example, kinds)
   if opts.state_argnums:
     no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
     mask = (no_rows, rows_mask) if opts.has_aux else no_rows
@@ -309,8 +309,10 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
     flat, treedef = jax.tree.flatten(acc)
     grads.append(jax.tree.unflatten(treedef, [
         lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]))
+  _reduce.check_combinable(kinds)
+
   def leaf(k, c):
-    return c if c is None else _reduce.AUX_REDUCTIONS[k].combine(c, axes, reduce_is_sum)
+    return c if c is None else k.combine(c, axes, reduce_is_sum)
 
   aux = jax.tree.map(leaf, kinds, carry.aux)
   stacked = jax.tree.map(leaf, kinds, stacked)

@@ -146,10 +146,7 @@ def make_options(
     raise ValueError(
         f"aux_reduce={aux_reduce!r} was given but has_aux=False: set has_aux=True and "
         "return (value, aux) from fun, or drop aux_reduce.")
-  if isinstance(aux_reduce, str) and aux_reduce not in _reduce.AUX_REDUCTIONS:
-    raise ValueError(
-        f"aux_reduce must be one of {', '.join(map(repr, _reduce.AUX_REDUCTIONS))} or a "
-        f"pytree prefix of aux with those names, got aux_reduce={aux_reduce!r}.")
+  _reduce.check_aux_reduce(aux_reduce)
   if remat_policy is not None and not callable(remat_policy):
     raise TypeError(
         "remat_policy must be a jax.checkpoint policy such as "

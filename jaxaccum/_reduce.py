@@ -4,17 +4,25 @@ Every reduction is a :class:`Reduction` of four pure functions, applied leaf by 
 
 * ``init(shape)``: the scan carry for a leaf of that shape (``None`` when the reduction
   keeps one entry per micro-batch instead, as ``"stack"`` and ``"concat"`` do);
-* ``update(carry, value, weight)``: adds one micro-batch (``weight`` is the micro-batch's
-  denominator under ``reduce="weighted"``, else ``None``);
+* ``update(carry, value, weight, index)``: adds micro-batch ``index`` (``weight`` is its
+  denominator when the loss has one weighted term, else ``None``);
 * ``combine(value, axes, reduce_is_sum)``: the one cross-device reduction after the loop
   under ``data_axis`` (a ``psum``, ``pmax``, ...), of the carry or, for ``"stack"`` and
   ``"concat"``, of the scan's stacked entries;
 * ``finalize(carry, stacked, shape, divisor)``: the reduced leaf.
 
-Adding a reduction is one entry in :data:`AUX_REDUCTIONS`. The loss reductions
-(``"mean"``, ``"sum"``, ``"weighted"``) are described by :class:`Term`: each term of the
-loss has a kind, a weight and a divisor known only after the loop (the number of
-micro-batches kept, or the total denominator).
+Adding a reduction is one entry in :data:`AUX_REDUCTIONS`. ``aux_reduce`` also takes a
+:class:`Reduction` instance, or an ``optax.microbatching.Accumulator`` (:func:`from_accumulator`:
+``init(shape)``, ``update(carry, value, index)``, ``finalize(carry)``, as in
+``optax.microbatch``), at any leaf of its prefix; one without ``combine`` has no rule across
+data shards and is refused under ``data_axis``.
+
+The loss reductions (``"mean"``, ``"sum"``, ``"weighted"``) are the :class:`LossKind`
+entries of :data:`LOSS_KINDS`: each carries what fun returns, its :class:`Divisor` (known
+only after the loop: nothing, the micro-batches kept, or the term's total denominator), and
+what it means for aux means, ``with_info`` sample sizes and the combine across devices.
+Each term of the loss (:class:`Term`) has a kind, a weight and a path. Adding a loss kind
+is one entry in :data:`LOSS_KINDS`.
 """
 
 from __future__ import annotations
@@ -29,8 +37,6 @@ import numpy as np
 from jax import lax
 
 from jaxaccum._types import AxisNames, PyTree
-
-LOSS_REDUCTIONS = ("mean", "sum", "weighted")
 
 
 def check_dtype(name: str, dtype: Any) -> np.dtype | None:
@@ -122,16 +128,40 @@ def pmin(x: jax.Array, axes: AxisNames) -> jax.Array:
 class Reduction:
   """One way of reducing an aux leaf over micro-batches (see the module docstring)."""
 
-  init: Callable[[jax.ShapeDtypeStruct, Any], jax.Array | None]
-  update: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
+  init: Callable[[jax.ShapeDtypeStruct, Any], Any]
+  update: Callable[[Any, jax.Array, jax.Array | None, jax.Array], Any]
   # Over data shards, once after the loop: the carry, or the stacked entries of a
   # per-micro-batch reduction. The flag says whether the loss is a sum (reduce="sum").
-  combine: Callable[[jax.Array, AxisNames, bool], jax.Array]
-  finalize: Callable[[jax.Array | None, jax.Array | None, jax.ShapeDtypeStruct, Any], jax.Array]
+  # None: no rule across shards (a user reduction), refused under data_axis.
+  combine: Callable[[Any, AxisNames, bool], Any] | None
+  finalize: Callable[[Any, jax.Array | None, jax.ShapeDtypeStruct, Any], Any]
   per_micro_batch: bool = False  # the scan emits the leaf (stack, concat) instead
   numeric_only: bool = True
   per_example: bool = False  # the leaf has the micro-batch's leading axis
   bool_only: bool = False  # a logical reduction (all, any): boolean leaves only
+  name: str = "a user-defined reduction"  # for messages: the aux_reduce name
+
+
+def from_accumulator(acc: Any) -> Reduction:
+  """An ``optax.microbatching.Accumulator`` as a :class:`Reduction`, as ``optax.microbatch``
+  runs it: ``init`` gets one micro-batch's ``ShapeDtypeStruct``, ``update(carry, value,
+  index)`` each micro-batch kept, ``finalize(carry)`` the result. It has no rule across data
+  shards (``aggregate`` combines one device's per-example values, not shards)."""
+  return Reduction(
+      init=lambda s, _acc: acc.init(s),
+      update=lambda c, v, w, i: acc.update(c, v, i),
+      combine=None,
+      finalize=lambda c, st, s, d: acc.finalize(c),
+      numeric_only=False,
+      name=f"the optax Accumulator {acc!r}")
+
+
+def _is_accumulator(x: Any) -> bool:
+  try:
+    from optax.microbatching import Accumulator  # noqa: PLC0415 (optional at import)
+  except ImportError:  # pragma: no cover - optax is a dependency
+    return False
+  return isinstance(x, Accumulator)
 
 
 def _extreme_init(lowest: bool):
@@ -149,7 +179,7 @@ def _extreme_init(lowest: bool):
   return init
 
 
-def _mean_update(c, v, w):
+def _mean_update(c, v, w, i):
   v = v.astype(c.dtype)
   if w is not None:
     # A micro-batch of weight 0 adds nothing, even if its aux is NaN (a mean over zero
@@ -194,42 +224,43 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         finalize=_mean_finalize),
     "sum": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _sum_dtype(s.dtype, acc)),
-        update=lambda c, v, w: c + v.astype(c.dtype),
+        update=lambda c, v, w, i: c + v.astype(c.dtype),
         combine=lambda c, axes, is_sum: lax.psum(c, axes),
         finalize=_sum_finalize),
     "max": Reduction(
         init=_extreme_init(lowest=True),
-        update=lambda c, v, w: jnp.maximum(c, v),
+        update=lambda c, v, w, i: jnp.maximum(c, v),
         combine=lambda c, axes, is_sum: pmax(c, axes),
         finalize=_carry_finalize),
     "min": Reduction(
         init=_extreme_init(lowest=False),
-        update=lambda c, v, w: jnp.minimum(c, v),
+        update=lambda c, v, w, i: jnp.minimum(c, v),
         combine=lambda c, axes, is_sum: pmin(c, axes),
         finalize=_carry_finalize),
     "all": Reduction(
         init=lambda s, acc: jnp.ones(s.shape, jnp.bool_),
-        update=lambda c, v, w: c & v,
+        update=lambda c, v, w, i: c & v,
         combine=lambda c, axes, is_sum: pmin(c, axes),
         finalize=_carry_finalize, bool_only=True),
     "any": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, jnp.bool_),
-        update=lambda c, v, w: c | v,
+        update=lambda c, v, w, i: c | v,
         combine=lambda c, axes, is_sum: pmax(c, axes),
         finalize=_carry_finalize, bool_only=True),
     "stack": Reduction(
         init=lambda s, acc: None,
-        update=lambda c, v, w: c,
+        update=lambda c, v, w, i: c,
         combine=lambda st, axes, is_sum: _combine_stack(st, axes, is_sum),
         finalize=_stack_finalize,
         per_micro_batch=True, numeric_only=False),
     "concat": Reduction(
         init=lambda s, acc: None,
-        update=lambda c, v, w: c,
+        update=lambda c, v, w, i: c,
         combine=lambda st, axes, is_sum: st,  # rows stay on their shard, gathered in order
         finalize=_concat_finalize,
         per_micro_batch=True, numeric_only=False, per_example=True),
 }
+AUX_REDUCTIONS = {k: dataclasses.replace(r, name=repr(k)) for k, r in AUX_REDUCTIONS.items()}
 
 
 def merge(stacked: jax.Array) -> jax.Array:
@@ -285,33 +316,55 @@ def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
   return "mean"
 
 
+def _is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, (str, Reduction)) or _is_accumulator(x)
+
+
+def _entry(x: Any) -> Reduction | None:
+  """One ``aux_reduce`` entry as a :class:`Reduction` (``None``: the leaf's default)."""
+  if x is None or isinstance(x, Reduction):
+    return x
+  if isinstance(x, str) and x in AUX_REDUCTIONS:
+    return AUX_REDUCTIONS[x]
+  if _is_accumulator(x):
+    return from_accumulator(x)
+  raise ValueError(
+      f"aux_reduce entries must be one of {', '.join(map(repr, AUX_REDUCTIONS))}, None (the "
+      "default), an optax.microbatching.Accumulator or a jaxaccum Reduction, got "
+      f"{x!r}." + (" An optax AccumulationType names optax's own kinds: pass the matching "
+                   "name ('mean', 'sum' or 'concat') instead."
+                   if type(x).__name__ == "AccumulationType" else ""))
+
+
+def check_aux_reduce(spec: Any) -> None:
+  """Checks every entry of an ``aux_reduce`` spec eagerly (its structure is checked against
+  aux at trace time)."""
+  if isinstance(spec, str) and spec not in AUX_REDUCTIONS:
+    raise ValueError(
+        f"aux_reduce must be one of {', '.join(map(repr, AUX_REDUCTIONS))} or a pytree prefix "
+        "of aux with those names (or None, an optax.microbatching.Accumulator, a jaxaccum "
+        f"Reduction), got aux_reduce={spec!r}.")
+  for x in jax.tree.leaves(spec, is_leaf=_is_spec_leaf):
+    _entry(x)
+
+
 def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -> PyTree:
-  """Expands ``spec`` (a string, or a pytree prefix of aux with strings or None) to aux.
+  """Expands ``spec`` (an entry, or a pytree prefix of aux with entries or None) to aux.
 
-  Returns a pytree with the structure of ``aux_shapes`` whose leaves are reduction names;
-  ``None`` becomes each leaf's default (:func:`_default_kind`). Checks that every leaf can
-  be reduced as asked; ``rows``, the rows of one micro-batch, is the leading size that a
-  per-example (``"concat"``) leaf must have.
+  An entry is a name of :data:`AUX_REDUCTIONS`, a :class:`Reduction` or an optax
+  ``Accumulator``. Returns a pytree with the structure of ``aux_shapes`` whose leaves are
+  :class:`Reduction` s; ``None`` becomes each leaf's default (:func:`_default_kind`). Checks
+  that every leaf can be reduced as asked; ``rows``, the rows of one micro-batch, is the
+  leading size that a per-example (``"concat"``) leaf must have.
   """
-  def is_spec_leaf(x):
-    return x is None or isinstance(x, str)
-
-  def check(name):
-    if name is not None and name not in AUX_REDUCTIONS:
-      raise ValueError(
-          f"aux_reduce entries must be one of {', '.join(map(repr, AUX_REDUCTIONS))} or "
-          f"None (the default), got {name!r}."
-      )
-    return name
-
-  if spec is None or isinstance(spec, str):
-    name = check(spec)
-    names = jax.tree.map(lambda _: name, aux_shapes)
+  if _is_spec_leaf(spec):
+    red = _entry(spec)
+    reds = jax.tree.map(lambda _: red, aux_shapes)
   else:
     try:
-      names = jax.tree.map(
-          lambda name, sub: jax.tree.map(lambda _: check(name), sub),
-          spec, aux_shapes, is_leaf=is_spec_leaf,
+      reds = jax.tree.map(
+          lambda entry, sub: jax.tree.map(lambda _: _entry(entry), sub),
+          spec, aux_shapes, is_leaf=_is_spec_leaf,
       )
     except ValueError as e:
       if "aux_reduce entries" in str(e):
@@ -321,58 +374,122 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -
           f"a reduction name or None at each leaf. Got aux_reduce={spec!r} for aux of "
           f"structure {jax.tree.structure(aux_shapes)}."
       ) from e
-  kinds = []
+  out = []
   treedef = jax.tree.structure(aux_shapes)
-  for (path, s), name in zip(jax.tree_util.tree_leaves_with_path(aux_shapes),
-                             treedef.flatten_up_to(names), strict=True):
+  for (path, s), red in zip(jax.tree_util.tree_leaves_with_path(aux_shapes),
+                            treedef.flatten_up_to(reds), strict=True):
     where = jax.tree_util.keystr(path)
     if not hasattr(s, "dtype") or not hasattr(s, "shape"):
       raise TypeError(
           f"aux leaf {where or '(root)'} is {type(s).__name__} {s!r}, not an array: every "
           "leaf of aux must be a JAX array (a string or other Python object cannot leave the "
           "compiled loop). Return it outside the accumulated function, or as an array.")
-    kind = name if name is not None else _default_kind(where, s)
+    if red is None:
+      red = AUX_REDUCTIONS[_default_kind(where, s)]
+    kind = red.name
     dtype = jnp.dtype(s.dtype) if not _is_key(s.dtype) else s.dtype
     numeric = not _is_key(dtype) and (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.number))
-    if AUX_REDUCTIONS[kind].bool_only and dtype != jnp.bool_:
+    if red.bool_only and dtype != jnp.bool_:
       raise TypeError(
-          f"aux leaf {where or '(root)'} has dtype {dtype}, but aux_reduce {kind!r} is a "
+          f"aux leaf {where or '(root)'} has dtype {dtype}, but aux_reduce {kind} is a "
           "logical reduction of booleans. Return a bool (e.g. x != 0) or choose 'max', "
           "'min', 'sum' or 'mean'.")
-    if AUX_REDUCTIONS[kind].numeric_only and not numeric:
+    if red.numeric_only and not numeric:
       raise TypeError(
           f"aux leaf {where or '(root)'} has dtype {dtype}, which cannot be reduced with "
-          f"aux_reduce {kind!r}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
+          f"aux_reduce {kind}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
           "return it outside aux."
       )
-    if AUX_REDUCTIONS[kind].per_example and s.shape == ():
+    if red.per_example and s.shape == ():
       raise ValueError(
-          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind!r} has no "
+          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind} has no "
           "per-example rows to put back in batch order. Use 'stack' for one entry per "
           "micro-batch, or 'mean'/'sum'.")
-    if AUX_REDUCTIONS[kind].per_example and rows is not None and s.shape[0] != rows:
+    if red.per_example and rows is not None and s.shape[0] != rows:
       raise ValueError(
           f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce "
-          f"{kind!r} puts per-example rows back in batch order, so its leading axis must be "
+          f"{kind} puts per-example rows back in batch order, so its leading axis must be "
           f"the micro-batch's {rows} rows (a leading axis of another size, such as per-token "
           "values flattened to (rows * tokens,) or a (tokens,) vector, would be interleaved "
           "as if it were rows). Keep the rows axis first, e.g. return shape (rows, tokens) "
           "instead of the flattened (rows * tokens,), or use aux_reduce 'stack' for one entry "
           "per micro-batch.")
-    kinds.append(kind)
-  return jax.tree.unflatten(treedef, kinds)
+    out.append(red)
+  return jax.tree.unflatten(treedef, out)
+
+
+def check_combinable(reds: PyTree) -> None:
+  """Under ``data_axis`` (or Linen's ``axis_name``): every aux reduction needs a rule across
+  data shards; a user reduction without one is refused, naming its leaf."""
+  for path, red in jax.tree_util.tree_leaves_with_path(reds):
+    if red.combine is None:
+      raise ValueError(
+          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is reduced with {red.name}, "
+          "which has no rule for combining data shards, and the accumulation runs on several "
+          "(data_axis, or Linen's axis_name). Return that value reduced outside the "
+          "accumulated function, use a built-in aux_reduce name ('mean', 'sum', 'max', ...), "
+          "or pass a jaxaccum Reduction with a combine(value, axes, reduce_is_sum) such as "
+          "jax.lax.psum.")
 
 
 # --- Loss terms ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
+class Divisor:
+  """What a loss term's sum over micro-batches is divided by, after the loop."""
+
+  name: str
+  # (micro-batches kept, the term's total denominator, rows) -> the divisor, or None for
+  # none. ``rows`` is what a sum is divided by where it must read as a mean (with_info's
+  # samples and G_B); None elsewhere.
+  of: Callable[[Any, Any, Any], Any]
+  own_denominator: bool = False  # each term its own: fun's denominators (a group per term)
+  in_body: bool = False  # known in the loop body: may fold into the no-divisor group
+
+  def __repr__(self) -> str:
+    return self.name
+
+
+NO_DIVISOR = Divisor("one", lambda count, den, rows: rows)
+COUNT = Divisor("count", lambda count, den, rows: count, in_body=True)
+DENOMINATOR = Divisor("denominator", lambda count, den, rows: den, own_denominator=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossKind:
+  """One loss reduction: everything the transform needs to know about it."""
+
+  name: str
+  pair: bool  # fun returns (numerator, denominator) for it, else a scalar
+  returns: str  # what fun returns, for messages
+  divisor: Divisor
+  # Aux means are weighted by its denominators (when it is the loss's only such term), and
+  # with_info's sample sizes are its denominators (a single term), not rows.
+  weighs: bool = False
+  # A single term of this kind: aux means and stacked aux combine as sums across devices.
+  sums_across_devices: bool = False
+
+  def __repr__(self) -> str:
+    return repr(self.name)
+
+
+LOSS_KINDS: dict[str, LossKind] = {
+    "mean": LossKind("mean", pair=False, returns="(the loss mean)", divisor=COUNT),
+    "sum": LossKind("sum", pair=False, returns="(the loss sum)", divisor=NO_DIVISOR,
+                    sums_across_devices=True),
+    "weighted": LossKind("weighted", pair=True, returns="(numerator, denominator)",
+                         divisor=DENOMINATOR, weighs=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Term:
-  """One term of the loss: its name (a key path, or ``()`` for a single loss), its reduction
-  (``"mean"``, ``"sum"`` or ``"weighted"``) and its weight in the total."""
+  """One term of the loss: its name (a key path, or ``()`` for a single loss), its
+  :class:`LossKind` and its weight in the total."""
 
   path: tuple
-  kind: str
+  kind: LossKind
   weight: float = 1.0
 
   @property
@@ -380,21 +497,27 @@ class Term:
     return jax.tree_util.keystr(self.path) if self.path else "the value"
 
 
+def sums_across_devices(terms: tuple[Term, ...]) -> bool:
+  """Whether aux means and stacked aux combine as sums across devices (the ``reduce_is_sum``
+  flag of :attr:`Reduction.combine`)."""
+  return len(terms) == 1 and terms[0].kind.sums_across_devices
+
+
 def check_reduce(reduce: Any) -> Any:
   """Validates ``reduce``: a name, or a dict (pytree) of names for several loss terms."""
   def bad(got):
     return ValueError(
-        f"reduce must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, or a dict of them "
+        f"reduce must be one of {', '.join(map(repr, LOSS_KINDS))}, or a dict of them "
         f"for a loss of several terms, got reduce={got!r}. Use 'mean' when fun returns the "
         "mean over its micro-batch, 'sum' when it returns a sum, 'weighted' when it returns "
         "(numerator, denominator).")
   if isinstance(reduce, str):
-    if reduce not in LOSS_REDUCTIONS:
+    if reduce not in LOSS_KINDS:
       raise bad(reduce)
     return reduce
   if isinstance(reduce, dict):
     leaves = jax.tree.leaves(reduce)
-    if not leaves or any(x not in LOSS_REDUCTIONS for x in leaves):
+    if not leaves or any(not isinstance(x, str) or x not in LOSS_KINDS for x in leaves):
       raise bad(reduce)
     return reduce
   raise bad(reduce)
@@ -408,7 +531,7 @@ def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
           f"loss_weights={loss_weights!r} was given but reduce={reduce!r} is a single "
           "reduction: loss_weights weighs the terms of a dict reduce, e.g. "
           "reduce={'ce': 'weighted', 'aux': 'mean'}, loss_weights={'aux': 0.01}.")
-    return (Term((), reduce),)
+    return (Term((), LOSS_KINDS[reduce]),)
   flat = jax.tree_util.tree_leaves_with_path(reduce)
   weights = dict(loss_weights or {})
   if loss_weights is not None and not isinstance(loss_weights, dict):
@@ -427,7 +550,7 @@ def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
     if isinstance(w, bool) or not isinstance(w, (int, float, np.floating, np.integer)):
       raise TypeError(
           f"loss_weights[{key!r}] must be a Python or NumPy number, got {w!r}.")
-    terms.append(Term(tuple(path), kind, float(w)))
+    terms.append(Term(tuple(path), LOSS_KINDS[kind], float(w)))
   return tuple(terms)
 
 

@@ -72,23 +72,22 @@ class Group(NamedTuple):
   """Loss terms whose gradients share one accumulator and one divisor."""
 
   terms: tuple[int, ...]
-  divisor: Any  # "one", "count", or the index of a weighted term
+  divisor: tuple  # its divisor_key: (the Divisor, the term whose denominator it is, or None)
   scaled: tuple[bool, ...]  # per term: scaled by 1 / (micro-batches run) in the body
 
 
-def divisor_key(t: int, term: _reduce.Term) -> Any:
-  """What term ``t`` divides by: "one" (a sum), "count" (a mean over the micro-batches kept)
-  or its own index (a weighted term's total denominator)."""
-  return t if term.kind == "weighted" else ("one" if term.kind == "sum" else "count")
+def divisor_key(t: int, term: _reduce.Term) -> tuple:
+  """What term ``t`` divides by: its kind's :class:`jaxaccum._reduce.Divisor`, with ``t``
+  when that is the term's own total denominator."""
+  d = term.kind.divisor
+  return (d, t if d.own_denominator else None)
 
 
-def divisor(key: Any, count: Any, dens: tuple, one: Any = None) -> Any:
-  """The divisor that :func:`divisor_key` names; ``None`` for "one" unless ``one`` is given."""
-  if key == "one":
-    return one
-  if key == "count":
-    return count
-  return dens[key]
+def divisor(key: tuple, count: Any, dens: tuple, one: Any = None) -> Any:
+  """The divisor that :func:`divisor_key` names, given the micro-batches kept and the
+  denominators; ``None`` for no division (a sum's, unless ``one`` says what to divide by)."""
+  d, t = key
+  return d.of(count, None if t is None else dens[t], one)
 
 
 def divide_groups(groups: tuple[Group, ...], accs: tuple, divisor_of: Callable[[Group], Any],
@@ -107,12 +106,13 @@ def make_groups(opts: Options) -> tuple[Group, ...]:
   groups: dict[Any, list[int]] = {}
   for t, term in enumerate(opts.terms):
     groups.setdefault(divisor_key(t, term), []).append(t)
-  merge = (len(groups) > 1 and "count" in groups and not opts.skip_nonfinite
-           and not opts.with_info)
+  in_body = [k for k in groups if k[0].in_body]
+  merge = len(groups) > 1 and bool(in_body) and not opts.skip_nonfinite and not opts.with_info
   out = []
-  if merge:  # mean terms divide by a count known in the body: fold them into "one"
-    ts = tuple(sorted(groups.pop("one", []) + groups.pop("count")))
-    out.append(Group(ts, "one", tuple(opts.terms[t].kind == "mean" for t in ts)))
+  if merge:  # terms divided by a count known in the body: fold them into the sum group
+    one = (_reduce.NO_DIVISOR, None)
+    ts = tuple(sorted(sum((groups.pop(k) for k in [one, *in_body] if k in groups), [])))
+    out.append(Group(ts, one, tuple(opts.terms[t].kind.divisor.in_body for t in ts)))
   for key, ts in groups.items():
     out.append(Group(tuple(ts), key, (False,) * len(ts)))
   return tuple(out)
@@ -145,8 +145,8 @@ def _check_real(name: str, value: jax.Array) -> None:
 def _term_value(opts: Options, term: _reduce.Term, value: Any):
   """One term's (numerator, denominator-or-None) from fun's value."""
   where = "the value returned by fun" if not term.path else f"loss term {term.label}"
-  if term.kind == "weighted":
-    what = "reduce='weighted'" if not term.path else f"loss term {term.label}"
+  if term.kind.pair:
+    what = f"reduce={term.kind!r}" if not term.path else f"loss term {term.label}"
     if not (isinstance(value, (tuple, list)) and len(value) == 2):
       raise TypeError(
           f"{what} needs fun to return "
@@ -167,8 +167,7 @@ def _term_value(opts: Options, term: _reduce.Term, value: Any):
         f" It is a {type(value).__name__} of {len(value)}: if fun returns (loss, aux), pass "
         "has_aux=True; if it returns (numerator, denominator) such as (summed token loss, "
         "token count), pass reduce='weighted'.")
-  num = _check_scalar(where, value, f"(the loss {'mean' if term.kind == 'mean' else 'sum'})",
-                      hint)
+  num = _check_scalar(where, value, term.kind.returns, hint)
   _check_real(where, num)
   return num, None
 
@@ -488,9 +487,16 @@ def _zeros_like_struct(s: Any) -> jax.Array:
   return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
 
 
+def _vary_as(x: jax.Array, *likes: Any) -> jax.Array:
+  """``x``, varying over every manual axis that ``x`` or any of ``likes`` varies over."""
+  want = frozenset().union(*(_sharding._varying(like) for like in likes))
+  missing = tuple(sorted(want - _sharding._varying(x), key=str))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def info_sizes(opts: Options):
   """Which term's denominator measures a sample's size (None: rows)."""
-  if opts.single_term and opts.terms[0].kind == "weighted":
+  if opts.single_term and opts.terms[0].kind.weighs:
     return 0
   return None
 
@@ -516,11 +522,20 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     return (jnp.promote_types(s.dtype, jnp.int32) if jnp.issubdtype(s.dtype, jnp.integer)
             else acc_dtype(s.dtype))
 
-  def aux_carry0(kind, s):
+  # Under skip_nonfinite, where(keep, new, carry) varies wherever keep does (a shard's own
+  # verdict), even for an aux leaf that does not vary across shards: so must the carry.
+  keep_like = (jax.tree.leaves((shapes.nums, shapes.dens, shapes.grads))
+               if opts.skip_nonfinite else [])
+
+  def aux_carry0(red, s):
     # Per-micro-batch reductions (stack, concat) keep no carry: the scan emits the leaf.
-    red = _reduce.AUX_REDUCTIONS[kind]
     init = None if red.per_micro_batch else red.init(s, acc)
-    return None if init is None else _sharding.conform(init, s)
+    if init is None:
+      return None
+    # A user reduction's carry may be a pytree of any shapes: it varies as the leaf does.
+    return jax.tree.map(lambda x: _vary_as(
+        _sharding.conform(x, s) if jnp.shape(x) == s.shape else jnp.asarray(x), s, *keep_like),
+        init)
 
   weight_term = aux_weight_term(opts)
   zero_f = jnp.zeros((), jnp.float32)
@@ -539,8 +554,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
   )
   carry0 = carry0._replace(stats=jax.tree.map(
       lambda z: _sharding.conform(z, shapes.nums[0]), carry0.stats))
-  per_mb = jax.tree.map(lambda k, s: s if _reduce.AUX_REDUCTIONS[k].per_micro_batch else None,
-                        kinds, shapes.aux)
+  per_mb = jax.tree.map(lambda k, s: s if k.per_micro_batch else None, kinds, shapes.aux)
 
   def run(carry: Carry, i):
     out = problem.micro(i, carry.state, count)
@@ -562,8 +576,11 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     def aux_add(k, c, v):
       if c is None:
         return None
-      new = _reduce.AUX_REDUCTIONS[k].update(c, jnp.asarray(v), weight)
-      return new if keep is None else jnp.where(keep, new, c)
+      new = k.update(c, jnp.asarray(v), weight, i)
+      if keep is None:
+        return new
+      kept = keep  # a skipped micro-batch leaves the carry (a pytree, for a user reduction)
+      return jax.tree.map(lambda a, b: jnp.where(kept, a, b), new, c)
 
     aux = jax.tree.map(aux_add, kinds, carry.aux, out.aux)
     state = out.state
@@ -574,8 +591,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     stats = stats._replace(kept=stats.kept + k_i, skipped=stats.skipped + (1 - k_i))
     if opts.with_info:
       stats = _sample_stats(opts, problem, out, stats, keep)
-    ys = jax.tree.map(lambda k, v: v if _reduce.AUX_REDUCTIONS[k].per_micro_batch else None,
-                      kinds, out.aux)
+    ys = jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
     return Carry(num, den, grads, aux, state, stats), ys
 
   def body(carry, i):
@@ -590,7 +606,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
 
 def aux_weight_term(opts: Options) -> int | None:
   """The weighted term whose denominators weigh aux means (only when there is one)."""
-  weighted = [t for t, term in enumerate(opts.terms) if term.kind == "weighted"]
+  weighted = [t for t, term in enumerate(opts.terms) if term.kind.weighs]
   return weighted[0] if len(weighted) == 1 else None
 
 
@@ -599,8 +615,9 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
   rows = jnp.float32(problem.rows)
   valid = jnp.bool_(True) if keep is None else keep
   for g in problem.groups:  # a micro-batch without tokens is no sample
-    if g.divisor not in ("one", "count"):
-      valid = valid & (out.dens[g.divisor] > 0)
+    d, t = g.divisor
+    if d.own_denominator:
+      valid = valid & (out.dens[t] > 0)
   # This micro-batch's own normalisation: its rows for sums, 1 for means, its denominators.
   sample = divide_groups(problem.groups, out.grads,
                          lambda g: divisor(g.divisor, None, out.dens, one=rows), jnp.float32)
@@ -652,7 +669,7 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
   wt = aux_weight_term(opts)
   aux_div = carry.den[wt] if wt is not None else kept
   aux = jax.tree.map(
-      lambda k, c, st, s: _reduce.AUX_REDUCTIONS[k].finalize(c, st, s, aux_div),
+      lambda k, c, st, s: k.finalize(c, st, s, aux_div),
       kinds, carry.aux, stacked, shapes.aux)
 
   info = None

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _api, _data_parallel, _options, _sharding, _split, _transform
+from jaxaccum import _api, _data_parallel, _options, _reduce, _sharding, _split, _transform
 from jaxaccum._multisteps import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
@@ -254,7 +254,7 @@ def make_train_step(
   collections = tuple(collections)
   reduce = options.get("reduce", "mean")
   if axis_name is not None and not (isinstance(reduce, str)
-                                    and reduce in ("mean", "sum", "weighted")):
+                                    and reduce in _reduce.LOSS_KINDS):
     raise ValueError(
         f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
         f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
@@ -303,7 +303,7 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
     grad_axes = (axes,) * len(jax.tree.leaves(params))
     combine = functools.partial(
         _data_parallel.combine, axes=axes, grad_axes=grad_axes,
-        reduce_is_sum=opts.single_term and opts.reduce == "sum")
+        reduce_is_sum=_reduce.sums_across_devices(opts.terms))
     args = (_sharding._vary(params, axes), batch, _sharding._vary(model_state, axes), rngs)
     value, extra, grads, info = _transform.accumulate(opts, args, {}, shards=shards,
                                                       combine=combine)

@@ -12,9 +12,13 @@ holds rows ``i, i + N, i + 2N, ...``), and each rule is applied as the docstring
   ``sum_t weight_t * value_t`` and the gradients of that total;
 * aux: ``"mean"`` (weighted by the denominator when the loss has exactly one weighted term,
   a micro-batch of weight 0 adding nothing), ``"sum"`` (integers counted in int32),
-  ``"max"``, ``"min"``, ``"stack"`` (one entry per micro-batch) and ``"concat"`` (rows back
-  in batch order); the default is ``"mean"`` for a float scalar and ``"sum"`` for an integer
-  scalar (booleans are left out: their rule is not settled);
+  ``"max"``, ``"min"``, ``"all"``/``"any"`` (logical AND / OR of boolean leaves over the
+  micro-batches kept, a bool), ``"stack"`` (one entry per micro-batch) and ``"concat"`` (rows
+  back in batch order); the default is ``"mean"`` for a float scalar, ``"sum"`` for an
+  integer scalar and ``"all"`` for a boolean scalar; a user-defined reduction (an object with
+  ``init``, ``update`` and ``finalize``, as ``optax.microbatching.Accumulator``) gets
+  ``init(ShapeDtypeStruct of one micro-batch's value)``, then ``update(carry, value, i)`` for
+  each kept micro-batch ``i`` in order, and returns ``finalize(carry)`` (one shard only);
 * state (``state_argnum``) threaded in micro-batch order; PRNG keys (``rng_argnums``)
   folded as ``fold_in(key, i)``;
 * ``skip_nonfinite``: a micro-batch whose value, denominator or any gradient is not finite
@@ -27,7 +31,8 @@ holds rows ``i, i + N, i + 2N, ...``), and each rule is applied as the docstring
   ``fold_in(fold_in(key, d), i)`` and its own state; sums and counts are over every shard's
   micro-batches; stacked aux entries are averaged over shards (summed for integers and
   under ``reduce="sum"``); concatenated rows come back in batch order; float state is
-  averaged over shards, integer state takes the maximum;
+  averaged over shards, integer state takes the maximum; ``info.num_micro_batches`` counts
+  the micro-batches run on every shard (``k * D``);
 * ``with_info``: the :class:`jaxaccum.AccumInfo` fields from the samples (each kept
   micro-batch of each shard whose weighted denominators are all positive) and ``G_B``.
 """
@@ -154,10 +159,12 @@ def _safe_div(x, d):
   return 0.0 * x if d == 0 else x / d
 
 
-def _aux_kind(kind, leaf) -> str:
+def _aux_kind(kind, leaf) -> Any:
   if kind is not None:
     return kind
   assert np.shape(leaf) == (), "the default aux reduction applies to scalars"
+  if np.asarray(leaf).dtype == np.bool_:
+    return "all"
   return "sum" if _is_int(leaf) else "mean"
 
 
@@ -176,6 +183,16 @@ def _reduce_aux(rules: Rules, terms, shards: list[list[_Micro]], n: int):
     kind = _aux_kind(kind, proto)
     get = lambda m: _getpath(m.aux, path)  # noqa: E731
     dtype = np.asarray(proto).dtype
+    if not isinstance(kind, str):  # a user-defined reduction, on one shard
+      assert len(shards) == 1, "a user reduction has no rule across shards"
+      carry = kind.init(jax.ShapeDtypeStruct(np.shape(proto), dtype))
+      for i, m in enumerate(shards[0]):
+        if m is not None and m.kept:
+          carry = kind.update(carry, jnp.asarray(get(m)), jnp.int32(i))
+      return kind.finalize(carry)
+    if kind in ("all", "any"):
+      vals = [bool(get(m)) for m in kept]
+      return np.bool_(all(vals) if kind == "all" else any(vals))
     if kind == "mean":
       if wt is not None:
         total = sum((np.zeros(np.shape(proto)) if m.dens[wt] == 0 else _f64(get(m)) * m.dens[wt])
