@@ -182,7 +182,7 @@ def test_state_must_keep_its_structure_and_shape():
 
 def test_bad_aux_reduce():
   with pytest.raises(ValueError, match="aux_reduce must be one of 'mean', 'sum', 'max', 'min', "
-                     "'stack', 'concat' or a pytree prefix"):
+                     "'all', 'any', 'stack', 'concat' or a pytree prefix"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, has_aux=True, aux_reduce="median")
   with pytest.raises(ValueError, match=r"aux_reduce='sum' was given but has_aux=False"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, aux_reduce="sum")
