@@ -153,6 +153,26 @@ def _check_weight(weight: Any, dtype: Any, *, allow_nonfinite: bool = False) -> 
   return w
 
 
+class _Step(NamedTuple):
+  """The open window after one call's gradients are added (:class:`MultiStepsState`'s
+  fields of the same names), and the call itself: whether it passes ``weight``, its size
+  ``b_i`` for the statistics, and whether ``skip_nonfinite`` drops it."""
+
+  acc_grads: Any
+  acc_weight: jax.Array
+  acc_grad_sq_norm: jax.Array
+  acc_inv_size: jax.Array
+  num_samples: jax.Array
+  weighted: bool
+  size: jax.Array
+  nonfinite: jax.Array
+
+
+def _zeros_like(x: Any) -> jax.Array:
+  """Zeros of ``x``'s shape and dtype (an array or a :class:`jax.ShapeDtypeStruct`)."""
+  return jnp.zeros(x.shape, x.dtype)
+
+
 def _increment(x: jax.Array) -> jax.Array:
   """``x + 1``, saturating at the largest int32 (as :func:`optax.safe_increment`)."""
   return jnp.where(x < jnp.iinfo(x.dtype).max, x + 1, x)
@@ -387,6 +407,25 @@ class MultiSteps:
         calls, or ``every_k_schedule`` returns a value below 1 (under jit, raised when
         the step runs, as a :class:`jax.errors.JaxRuntimeError`).
     """
+    w, k = self._check_call(state, weight)
+    skip, skip_state = self._should_skip(updates, state, params)
+    window = self._accumulate(updates, state, w)
+    skip = skip | window.nonfinite
+    emit = jnp.logical_and(~skip, jnp.asarray(state.mini_step) >= k - 1)
+
+    def final_step():
+      return self._final_step(updates, state, params, window, extra_args)
+
+    def mid_step():
+      return self._mid_step(state, window, skip, jax.eval_shape(final_step)[0])
+
+    # Only the call that completes a window runs the inner optimizer.
+    new_updates, new_state = lax.cond(emit, final_step, mid_step)
+    return new_updates, new_state._replace(skip_state=skip_state)
+
+  def _check_call(self, state: MultiStepsState,
+                  weight: jax.typing.ArrayLike | None) -> tuple[jax.Array | None, jax.Array]:
+    """Checks ``weight`` and the window's mode; returns the weight and the window's ``k``."""
     weighted = weight is not None
     w = (_check_weight(weight, self._weight_dtype, allow_nonfinite=self._skip_nonfinite)
          if weighted else None)
@@ -398,14 +437,24 @@ class MultiSteps:
           " it in the same window: weighted and unweighted calls cannot be mixed in one "
           "accumulation window. Pass weight= on every call of the window, or on none.",
           mini_step)
+    return w, k
 
+  def _should_skip(self, updates: optax.Updates, state: MultiStepsState,
+                   params: optax.Params | None) -> tuple[jax.Array, Any]:
+    """``should_skip_update_fn``'s ``(skip, skip_state)``, its ``skip`` checked."""
     skip, skip_state = self._should_skip_update_fn(updates, state.gradient_step, params)
     skip = jnp.asarray(skip)
     if (skip.dtype, skip.shape) != (jnp.bool_, ()):
       raise ValueError(  # optax.MultiSteps raises ValueError here too
           "should_skip_update_fn must return a boolean scalar array as its first output, "
           f"got {_split.describe(skip)}.")
+    return skip, skip_state
 
+  def _accumulate(self, updates: optax.Updates, state: MultiStepsState,
+                  w: jax.Array | None) -> _Step:
+    """The open window with this call's gradients added, its statistics, and whether
+    ``skip_nonfinite`` drops the call."""
+    mini_step = jnp.asarray(state.mini_step)
     first = mini_step == 0
     # Whether this call is a sample of the window (a call of weight 0 adds nothing), and
     # its size b_i for the statistics.
@@ -416,23 +465,7 @@ class MultiSteps:
       nonfinite = use & ~_stats.all_finite(updates)
       if w is not None:
         nonfinite = nonfinite | ~jnp.isfinite(w)
-      skip = skip | nonfinite
-    if w is not None:
-      total = jnp.where(first, jnp.zeros_like(w), jnp.asarray(state.acc_weight, w.dtype)) + w
-      if self._use_grad_mean:
-        frac = jnp.where(use, w / jnp.where(use, total, 1), 0)
-        add = lambda g, a: jnp.where(use, a + (g - a) * frac, a)  # noqa: E731
-      else:
-        add = lambda g, a: jnp.where(use, a + g * w, a)  # noqa: E731
-    else:
-      total = (mini_step + 1).astype(self._weight_dtype)
-      if self._use_grad_mean:
-        # Welford's running mean, exactly as optax.MultiSteps.
-        add = lambda g, a: a + (g - a) / (mini_step + 1)  # noqa: E731
-      else:
-        add = lambda g, a: g + a  # noqa: E731
-    acc = jax.tree.map(add, updates, state.acc_grads)
-    emit = jnp.logical_and(~skip, mini_step >= k - 1)
+    acc, total = self._add(updates, state, w, use)
 
     # The window's statistics after this call (used if it emits).
     num_samples = jnp.asarray(state.num_samples, jnp.int32)
@@ -443,73 +476,109 @@ class MultiSteps:
       acc_sq = jnp.where(first, 0, acc_sq) + jnp.where(use, _stats.sq_norm(updates), 0)
       acc_inv = jnp.where(first, 0, acc_inv) + jnp.where(
           use, 1 / jnp.where(use, size, 1), 0).astype(jnp.float32)
+    return _Step(acc_grads=acc, acc_weight=total, acc_grad_sq_norm=acc_sq,
+                 acc_inv_size=acc_inv, num_samples=num_samples, weighted=w is not None,
+                 size=size, nonfinite=nonfinite)
+
+  def _add(self, updates: optax.Updates, state: MultiStepsState, w: jax.Array | None,
+           use: jax.Array) -> tuple[Any, jax.Array]:
+    """``acc_grads`` and ``acc_weight`` with this call's gradients added: the (weighted)
+    running mean, or the (weighted) sum with ``use_grad_mean=False``."""
+    first = jnp.asarray(state.mini_step) == 0
+    if w is not None:
+      total = jnp.where(first, jnp.zeros_like(w), jnp.asarray(state.acc_weight, w.dtype)) + w
+      if self._use_grad_mean:
+        frac = jnp.where(use, w / jnp.where(use, total, 1), 0)
+        add = lambda g, a: jnp.where(use, a + (g - a) * frac, a)  # noqa: E731
+      else:
+        add = lambda g, a: jnp.where(use, a + g * w, a)  # noqa: E731
+    else:
+      mini_step = jnp.asarray(state.mini_step)
+      total = (mini_step + 1).astype(self._weight_dtype)
+      if self._use_grad_mean:
+        # Welford's running mean, exactly as optax.MultiSteps.
+        add = lambda g, a: a + (g - a) / (mini_step + 1)  # noqa: E731
+      else:
+        add = lambda g, a: g + a  # noqa: E731
+    return jax.tree.map(add, updates, state.acc_grads), total
+
+  def _final_step(self, updates: optax.Updates, state: MultiStepsState,
+                  params: optax.Params | None, window: _Step,
+                  extra_args: dict[str, Any]) -> tuple[optax.Updates, MultiStepsState]:
+    """The call that completes the window: the inner update on the window's (weighted) mean
+    gradient, the window's statistics, and a new, empty window."""
+    new_updates, new_inner = self._opt.update(
+        optax.tree.cast_like(window.acc_grads, updates), state.inner_opt_state, params=params,
+        **extra_args)
+    new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
+                             new_inner, state.inner_opt_state)
+    return new_updates, MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=_increment(jnp.asarray(state.gradient_step)).astype(jnp.int32),
+        inner_opt_state=new_inner,
+        acc_grads=jax.tree.map(lambda old: _zeros_like(jnp.asarray(old)), state.acc_grads),
+        skip_state=(),  # update's own: it does not pass through the cond
+        acc_weight=jnp.zeros([], self._weight_dtype),
+        weighted=jnp.asarray(window.weighted, jnp.bool_),
+        skipped=jnp.asarray(state.skipped, jnp.int32),
+        acc_grad_sq_norm=jnp.zeros([], jnp.float32),
+        acc_inv_size=jnp.zeros([], jnp.float32),
+        num_samples=jnp.zeros([], jnp.int32),
+        window_skipped=jnp.zeros([], jnp.int32),
+        info=self._window_info(state, window) if self._with_info else _empty_info(),
+    )
+
+  def _window_info(self, state: MultiStepsState, window: _Step) -> _info.AccumInfo:
+    """The statistics of the window completed by the call that gave ``window``."""
+    num_samples, total = window.num_samples, window.acc_weight
+    has = num_samples > 0
+    mean = window.acc_grads if self._use_grad_mean else jax.tree.map(
+        lambda a: a / jnp.where(total > 0, total, 1), window.acc_grads)
+    batch_size = total if window.weighted else total * window.size
     window_skipped = jnp.asarray(state.window_skipped, jnp.int32)
+    return _info.AccumInfo(
+        num_micro_batches=(jnp.asarray(state.mini_step) + 1 + window_skipped).astype(jnp.int32),
+        micro_batch_size=jnp.where(
+            has, num_samples / jnp.where(has, window.acc_inv_size, 1), 0).astype(jnp.float32),
+        batch_size=jnp.asarray(batch_size, jnp.float32),
+        micro_grad_sq_norm=jnp.where(
+            has, window.acc_grad_sq_norm / jnp.maximum(num_samples, 1), 0).astype(jnp.float32),
+        batch_grad_sq_norm=_stats.sq_norm(mean),
+        num_samples=num_samples.astype(jnp.int32),
+        skipped=window_skipped.astype(jnp.int32),
+    )
 
-    def window_info():
-      has = num_samples > 0
-      mean = acc if self._use_grad_mean else jax.tree.map(
-          lambda a: a / jnp.where(total > 0, total, 1), acc)
-      batch_size = total if weighted else total * size
-      return _info.AccumInfo(
-          num_micro_batches=(mini_step + 1 + window_skipped).astype(jnp.int32),
-          micro_batch_size=jnp.where(has, num_samples / jnp.where(has, acc_inv, 1), 0).astype(
-              jnp.float32),
-          batch_size=jnp.asarray(batch_size, jnp.float32),
-          micro_grad_sq_norm=jnp.where(has, acc_sq / jnp.maximum(num_samples, 1), 0).astype(
-              jnp.float32),
-          batch_grad_sq_norm=_stats.sq_norm(mean),
-          num_samples=num_samples.astype(jnp.int32),
-          skipped=window_skipped.astype(jnp.int32),
-      )
-
-    def apply_inner():
-      new_updates, new_inner = self._opt.update(
-          optax.tree.cast_like(acc, updates), state.inner_opt_state, params=params,
-          **extra_args)
-      new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
-                               new_inner, state.inner_opt_state)
-      return new_updates, new_inner, window_info() if self._with_info else _empty_info()
-
-    update_shapes = jax.eval_shape(apply_inner)[0]
-
-    def hold():
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
-      same = jax.tree.map(lambda old: jnp.astype(old, jnp.asarray(old).dtype),
-                          state.inner_opt_state)
-      return zeros, same, _empty_info()
-
-    # Only the call that completes a window runs the inner optimizer.
-    new_updates, inner_opt_state, info = lax.cond(emit, apply_inner, hold)
+  def _mid_step(self, state: MultiStepsState, window: _Step, skip: jax.Array,
+                update_shapes: Any) -> tuple[optax.Updates, MultiStepsState]:
+    """A call inside the window: zero updates and the window with this call added, or as it
+    was when the call is skipped."""
 
     def keep_or(old, new):
       old = jnp.asarray(old)
       return jnp.where(skip, old, new).astype(old.dtype)
 
-    def window(old, new):
-      """The open window's new value: reset on emit, kept on a skipped call."""
-      return jnp.where(emit, 0, keep_or(old, new)).astype(jnp.asarray(old).dtype)
-
-    new_state = MultiStepsState(
-        mini_step=jnp.where(emit, 0, keep_or(mini_step, _increment(mini_step))).astype(
-            jnp.int32),
-        gradient_step=jnp.where(emit, _increment(state.gradient_step),
-                                state.gradient_step).astype(jnp.int32),
-        inner_opt_state=inner_opt_state,
-        acc_grads=jax.tree.map(window, state.acc_grads, acc),
-        skip_state=skip_state,
-        acc_weight=window(jnp.asarray(state.acc_weight, self._weight_dtype), total),
-        weighted=keep_or(state.weighted, weighted).astype(jnp.bool_),
-        skipped=jnp.where(nonfinite, _increment(jnp.asarray(state.skipped, jnp.int32)),
+    mini_step = jnp.asarray(state.mini_step)
+    window_skipped = jnp.asarray(state.window_skipped, jnp.int32)
+    return jax.tree.map(_zeros_like, update_shapes), MultiStepsState(
+        mini_step=keep_or(mini_step, _increment(mini_step)).astype(jnp.int32),
+        gradient_step=jnp.asarray(state.gradient_step).astype(jnp.int32),
+        inner_opt_state=jax.tree.map(lambda old: jnp.astype(old, jnp.asarray(old).dtype),
+                                     state.inner_opt_state),
+        acc_grads=jax.tree.map(keep_or, state.acc_grads, window.acc_grads),
+        skip_state=(),  # update's own: it does not pass through the cond
+        acc_weight=keep_or(jnp.asarray(state.acc_weight, self._weight_dtype), window.acc_weight),
+        weighted=keep_or(state.weighted, window.weighted).astype(jnp.bool_),
+        skipped=jnp.where(window.nonfinite, _increment(jnp.asarray(state.skipped, jnp.int32)),
                           state.skipped).astype(jnp.int32),
-        acc_grad_sq_norm=window(jnp.asarray(state.acc_grad_sq_norm, jnp.float32), acc_sq),
-        acc_inv_size=window(jnp.asarray(state.acc_inv_size, jnp.float32), acc_inv),
-        num_samples=window(jnp.asarray(state.num_samples, jnp.int32), num_samples),
-        window_skipped=jnp.where(
-            nonfinite, _increment(window_skipped),
-            jnp.where(emit, 0, window_skipped)).astype(jnp.int32),
-        info=info,
+        acc_grad_sq_norm=keep_or(jnp.asarray(state.acc_grad_sq_norm, jnp.float32),
+                                 window.acc_grad_sq_norm),
+        acc_inv_size=keep_or(jnp.asarray(state.acc_inv_size, jnp.float32),
+                             window.acc_inv_size),
+        num_samples=keep_or(jnp.asarray(state.num_samples, jnp.int32), window.num_samples),
+        window_skipped=jnp.where(window.nonfinite, _increment(window_skipped),
+                                 window_skipped).astype(jnp.int32),
+        info=_empty_info(),
     )
-    return new_updates, new_state
 
   def has_updated(self, state: MultiStepsState | PyTree) -> jax.Array:
     """Whether the last call applied the inner optimizer (completed a window)."""

@@ -286,15 +286,19 @@ class _Progress:
 _PROGRESS_AFTER_S = 5.0
 
 
+class _Trial(NamedTuple):
+  """One compiled candidate: its row of the plan's table and what compiling it produced."""
+
+  row: PlanCandidate
+  compiled: Any
+  jitted: Any
+  collectives: Collectives
+
+
 def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget: Any,
             search: str, shards: int = 1, *, target: _gpu_target.GpuTarget | None = None,
             verbose: bool | None = None, context: Callable[[], Any] | None = None) -> Plan:
-  budget = _check_budget(budget)
-  if search not in _SEARCHES:
-    raise ValueError(
-        f"search must be one of {', '.join(map(repr, _SEARCHES))}, got search={search!r}.")
-  if verbose is not None and not isinstance(verbose, bool):
-    raise TypeError(f"verbose must be True, False or None, got verbose={verbose!r}.")
+  budget = _check_search(budget, search, verbose)
   argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
   argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
   size = _split.batch_size({j: args[j] for j in argnums})
@@ -305,92 +309,139 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
   device = devices[0].device_kind + (" (described)" if target is not None else "")
   # A batch sharded over D devices (or split over D data shards by data_axis) only splits in
   # place into micro-batches of a multiple of D rows.
-  shards = max(shards, _batch_shards({j: args[j] for j in argnums}))
+  counts = _counts(size, max(shards, _batch_shards({j: args[j] for j in argnums})))
+  trials: dict[int, _Trial] = {}
+  expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
+  progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
+
+  def fits(i: int) -> bool:
+    n = counts[i]
+    if n not in trials:
+      trials[n] = _compile(make, n, args, size, budget, platform, context)
+      progress.add(trials[n].row)
+    return trials[n].row.fits
+
+  try:
+    found = _find(fits, len(counts), search,
+                  lambda: {n: t.row.peak_bytes for n, t in trials.items() if n > 1})
+  finally:
+    progress.close()
+  if found == len(counts):
+    fits(len(counts) - 1)  # the most micro-batches allowed, for the error message
+    raise _too_small(trials, size, counts[-1], budget, device, len(devices),
+                     described=target is not None)
+  n = counts[found]
+  trial = trials[n]
+  return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=trial.row.peak_bytes,
+              candidates=_rows(trials), batch_size=size, memory_budget_bytes=budget,
+              compiled=trial.compiled, jitted=trial.jitted, device=device,
+              num_devices=len(devices), collectives=trial.collectives)
+
+
+def _check_search(budget: Any, search: str, verbose: bool | None) -> int | None:
+  """Validates ``_search``'s options; returns the budget (``None``: the default)."""
+  budget = _check_budget(budget)
+  if search not in _SEARCHES:
+    raise ValueError(
+        f"search must be one of {', '.join(map(repr, _SEARCHES))}, got search={search!r}.")
+  if verbose is not None and not isinstance(verbose, bool):
+    raise TypeError(f"verbose must be True, False or None, got verbose={verbose!r}.")
+  return budget
+
+
+def _counts(size: int, shards: int) -> list[int]:
+  """The micro-batch counts to try: divisors of ``size`` leaving ``shards`` | rows each."""
   counts = [n for n in _split.divisors(size) if (size // n) % shards == 0]
   if not counts:
     raise ValueError(
         f"the batch of {size} rows is sharded over {shards} devices, which does not divide "
         "it: no micro-batch count splits it in place. Use a batch size that is a multiple of "
         f"{shards}.")
-  cache: dict[int, tuple[PlanCandidate, Any, Any, Collectives]] = {}
-  expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
-  progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
+  return counts
 
-  def fits(i: int) -> bool:
-    n = counts[i]
-    if n not in cache:
-      start = time.perf_counter()
-      jitted = make(n)
-      if not hasattr(jitted, "lower"):
-        raise TypeError(
-            f"make_step({n}) must return a jitted function (jax.jit(step, "
-            f"donate_argnums=...)), got {jitted!r} of type {type(jitted).__name__}."
-        )
-      with context() if context is not None else contextlib.nullcontext():
-        compiled = jitted.lower(*args).compile()
-        seconds = time.perf_counter() - start
-        colls = _collectives.from_compiled(compiled)
-      mem = _memory(compiled, platform)
-      row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n,
-                          compile_seconds=seconds, fits=mem["peak_bytes"] <= budget,
-                          in_loop_collectives=colls.count(in_loop=True), **mem)
-      cache[n] = (row, compiled, jitted, colls)
-      progress.add(row)
-    return cache[n][0].fits
 
-  try:
-    if search == "all":
-      fitting = [i for i in range(len(counts)) if fits(i)]
-      found = fitting[0] if fitting else len(counts)
-    elif fits(0):
-      found = 0  # the full batch fits: nothing to gain from micro-batches
-    else:
-      # Binary search over N >= 2. Invariant: the answer is in [lo, hi]; hi == len(counts)
-      # stands for "none fits".
-      lo, hi = 1, len(counts)
-      while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-          hi = mid
-        else:
-          lo = mid + 1
-      found = lo
-      if not _falls({n: c[0].peak_bytes for n, c in cache.items() if n > 1}):
-        # The figures do not fall with N: the binary search's premise does not hold, so try
-        # every smaller count it skipped, fewest first.
-        for i in range(1, found):
-          if counts[i] not in cache and fits(i):
-            found = i
-            break
-  finally:
-    progress.close()
-  rows = tuple(sorted(entry[0] for entry in cache.values()))
-  if found == len(counts):
-    if counts[-1] not in cache:
-      fits(len(counts) - 1)
-      rows = tuple(sorted(entry[0] for entry in cache.values()))
-    least = min(rows, key=lambda r: r.peak_bytes)
-    last = counts[-1]  # the most micro-batches allowed
-    rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
-    at = (f"num_micro_batches={least.num_micro_batches}" + (
-        f" ({rows_of})" if least.num_micro_batches == last else
-        f"; even num_micro_batches={last} ({rows_of}) needs {cache[last][0].peak_bytes:,} "
-        "bytes"))
-    raise ValueError(
-        f"memory_budget_bytes={budget:,} ({_fmt_bytes(budget)}) is too small"
-        f"{' on ' + device if target else ''}: the smallest "
-        f"figure reached is {least.peak_bytes:,} bytes ({_fmt_bytes(least.peak_bytes)}) at "
-        f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
-        "over the budget. Raise the budget, shard the batch over more devices, shrink the "
-        "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
-        f"\n{_table(rows, size, budget, None, device, len(devices))}"
+def _compile(make: Callable[[int], Any], n: int, args: tuple, size: int, budget: int,
+             platform: str, context: Callable[[], Any] | None) -> _Trial:
+  """Builds ``make(n)``, compiles it for ``args`` and reads its memory and collectives."""
+  start = time.perf_counter()
+  jitted = make(n)
+  if not hasattr(jitted, "lower"):
+    raise TypeError(
+        f"make_step({n}) must return a jitted function (jax.jit(step, "
+        f"donate_argnums=...)), got {jitted!r} of type {type(jitted).__name__}."
     )
-  n = counts[found]
-  row, compiled, jitted, colls = cache[n]
-  return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=row.peak_bytes,
-              candidates=rows, batch_size=size, memory_budget_bytes=budget,
-              compiled=compiled, jitted=jitted, device=device, num_devices=len(devices),
-              collectives=colls)
+  with context() if context is not None else contextlib.nullcontext():
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    colls = _collectives.from_compiled(compiled)
+  mem = _memory(compiled, platform)
+  row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n,
+                      compile_seconds=seconds, fits=mem["peak_bytes"] <= budget,
+                      in_loop_collectives=colls.count(in_loop=True), **mem)
+  return _Trial(row, compiled, jitted, colls)
+
+
+def _find(fits: Callable[[int], bool], num_counts: int, search: str,
+          peaks: Callable[[], dict[int, int]]) -> int:
+  """The index of the fewest micro-batches that fit, ``num_counts`` when none does.
+
+  ``fits(i)`` compiles the ``i``-th count (once) and says whether it fits; ``peaks()`` gives
+  the figures compiled so far for counts above 1.
+  """
+  if search == "all":
+    fitting = [i for i in range(num_counts) if fits(i)]
+    return fitting[0] if fitting else num_counts
+  if fits(0):
+    return 0  # the full batch fits: nothing to gain from micro-batches
+  found = _bisect(fits, 1, num_counts)
+  if _falls(peaks()):
+    return found
+  # The figures do not fall with N: the binary search's premise does not hold, so try every
+  # smaller count it skipped, fewest first (those it compiled there did not fit).
+  return next((i for i in range(1, found) if fits(i)), found)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+  """The first index in ``[lo, hi)`` that fits, if fitting holds from there on; else ``hi``.
+
+  Invariant: the answer is in ``[lo, hi]``; ``hi`` stands for "none fits".
+  """
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+def _rows(trials: dict[int, _Trial]) -> tuple[PlanCandidate, ...]:
+  """The compiled candidates, fewest micro-batches first."""
+  return tuple(sorted(trial.row for trial in trials.values()))
+
+
+def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, device: str,
+               num_devices: int, *, described: bool) -> ValueError:
+  """The error for a budget that no count fits, ``last`` the most micro-batches allowed.
+
+  The message names ``device`` when it is a ``described`` GPU (``target=``).
+  """
+  rows = _rows(trials)
+  least = min(rows, key=lambda r: r.peak_bytes)
+  rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
+  at = (f"num_micro_batches={least.num_micro_batches}" + (
+      f" ({rows_of})" if least.num_micro_batches == last else
+      f"; even num_micro_batches={last} ({rows_of}) needs {trials[last].row.peak_bytes:,} "
+      "bytes"))
+  return ValueError(
+      f"memory_budget_bytes={budget:,} ({_fmt_bytes(budget)}) is too small"
+      f"{' on ' + device if described else ''}: the smallest "
+      f"figure reached is {least.peak_bytes:,} bytes ({_fmt_bytes(least.peak_bytes)}) at "
+      f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
+      "over the budget. Raise the budget, shard the batch over more devices, shrink the "
+      "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
+      f"\n{_table(rows, size, budget, None, device, num_devices)}"
+  )
 
 
 def _falls(peaks: dict[int, int]) -> bool:
