@@ -440,8 +440,13 @@ def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
 
   ``consts`` are the values that one traced micro-batch call closes over: the arguments
   passed whole and the arrays ``fun`` closes over (the split batch has ``B / N`` rows).
-  Parameters, state and keys never warn, whatever their shape.
+  Parameters, state and keys never warn, whatever their shape. Only one-row micro-batches
+  are checked: with ``b > 1`` rows, an unsplit array of ``B`` rows that meets the micro-batch
+  elementwise is a shape error, not a silent broadcast, while arrays that merely have ``B``
+  rows (a ``(T, T)`` causal mask with ``T == B``) are common and correct.
   """
+  if problem.rows != 1:
+    return
   size = problem.n * problem.rows
   rows = {size} if problem.n > 1 else set()
   if shards > 1:

@@ -252,6 +252,25 @@ def test_non_batch_argument_with_batch_rows_warns_naming_it():
   assert "batch_argnums=(1, 2)" in str(record[0].message)
 
 
+def test_a_batch_sized_constant_does_not_warn_when_micro_batches_have_several_rows():
+  """A (B, B) constant (e.g. a causal mask whose length equals the batch) with micro-batches
+  of 4 rows: no silent broadcast can happen, so no warning, and the numbers are right."""
+  x, y = data()
+  b = x.shape[0]
+  mask = jnp.tril(jnp.ones((b, b)))
+
+  def fun(p, x, y):
+    return mse(p, x, y) + jnp.sum(mask) * 1e-3 * jnp.sum(p)
+
+  step = jaxaccum.value_and_grad(fun, num_micro_batches=2, batch_argnums=(1, 2))
+  w = jnp.arange(3.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loss, grads = jax.jit(step)(w, x, y)
+  ref_loss, ref_grads = jax.value_and_grad(fun)(w, x, y)
+  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-6)
+
+
 def test_parameters_state_and_unused_arrays_of_batch_size_do_not_warn():
   x, _ = data()
   b = x.shape[0]
