@@ -259,7 +259,9 @@ def test_moe_lm_terms_match_a_hand_reference_and_bad_micro_batches_are_skipped(t
     np.testing.assert_allclose(clean[key][0], ref[key], rtol=1e-5, err_msg=key)
   # "mean" is per micro-batch: the whole batch's load-balancing loss is another number.
   np.testing.assert_allclose(out["lb_full_batch"], whole["lb"], rtol=1e-5)
-  assert abs(out["lb_full_batch"] - clean["lb"][0]) > 1e-3
+  # (relative, and 10x the equality tolerance above: the corpus, the running Python's own
+  # standard library, differs between Python versions, and so does the gap: 4.5e-4 on 3.13)
+  assert abs(out["lb_full_batch"] - clean["lb"][0]) > 1e-4 * abs(whole["lb"])
   # The poisoned step 0 drops micro-batch 0: every term over the others only (the
   # skipped tokens leave the denominator).
   assert out["bad"][0] == [0]
