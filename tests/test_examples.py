@@ -302,3 +302,21 @@ def test_bench_features_variants_compute_the_right_losses_and_write_results(tmp_
   np.testing.assert_allclose(first["3 terms"], float(three), rtol=1e-5)
   one = sum(bench.single_loss(params, m)[0] for m in micro) / cfg.batch
   np.testing.assert_allclose(first["1 term (weighted)"], float(one), rtol=1e-5)
+
+
+def test_dp_sgd_clipped_mean_matches_the_loop_and_trains(capsys):
+  dp = _load("examples/dp_sgd.py")
+  cfg = dp.Config(steps=3, batch_size=32, num_micro_batches=4, hidden=16)
+  out = dp.main(cfg)
+  printed = capsys.readouterr().out
+  for words in ("per-example loop", "noise multiplier 1.1", "test accuracy", "dp_accounting"):
+    assert words in printed, printed
+  assert out["check_diff"] <= 1e-5 * out["check_scale"] + 1e-7 and out["check_scale"] > 0
+  assert 0.0 <= out["accuracy"] <= 1.0 and np.all(np.isfinite(out["losses"]))
+  # The noise: std * N(0, 1) per leaf from one key per step, added once to the mean.
+  grads = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  key = jax.random.key(3)
+  noisy = dp.add_noise(grads, key, 0.5)
+  k_a, k_b = jax.random.split(key, 2)
+  assert_close(noisy, {"a": 0.5 * jax.random.normal(k_a, (3,)),
+                       "b": 0.5 * jax.random.normal(k_b, (2, 2))})
