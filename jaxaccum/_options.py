@@ -58,7 +58,7 @@ class Options:
   mesh: Any
   with_info: bool
   skip_nonfinite: bool
-  per_example_transform: Callable[[Any], Any] | None = None
+  per_example_transform: Callable[[Any], Any] | None
 
   @property
   def has_extra(self) -> bool:
