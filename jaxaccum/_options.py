@@ -124,7 +124,7 @@ def make_options(
     batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
     aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
     grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
-    with_info: Any, skip_nonfinite: Any, per_example_transform: Any = None) -> Options:
+    with_info: Any, skip_nonfinite: Any, per_example_transform: Any) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`."""
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
