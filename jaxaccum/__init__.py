@@ -28,6 +28,7 @@ from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
+from jaxaccum._stats import clip_per_example as clip_per_example
 from jaxaccum._transform import BatchBroadcastWarning as BatchBroadcastWarning
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = (
     "PlanCandidate",
     "batch_size_ramp",
     "capture_gpu_target",
+    "clip_per_example",
     "collectives",
     "grad",
     "merge_micro_batches",

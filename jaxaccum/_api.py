@@ -45,6 +45,7 @@ def value_and_grad(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     with_info: bool = False,
     skip_nonfinite: bool = False,
+    per_example_transform: Callable[[Any], Any] | None = None,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -124,6 +125,22 @@ def value_and_grad(
       infinite adds nothing (value, gradients, denominators, aux, state update); means
       divide by the micro-batches kept and ``info.skipped`` counts the others. If every
       micro-batch is skipped the gradients are zeros and the value is NaN.
+    per_example_transform: a function ``transform(grads) -> grads`` applied to each
+      example's gradient (one row's, with :func:`jax.grad`'s structure and the same
+      shapes back) before they are summed, e.g. :func:`jaxaccum.clip_per_example` for
+      DP-SGD. Each micro-batch's examples are differentiated under :func:`jax.vmap`,
+      ``fun`` seeing one row as a batch of one, so the micro-batch size is the vmap
+      width and bounds the memory. The gradients are the mean over all examples of the
+      transformed gradients (their sum under ``reduce="sum"``; under ``"weighted"`` the
+      sum of the transformed gradients of each example's numerator divided by the total
+      denominator); the value is the mean (sum) of the examples' values, which is
+      ``fun``'s full-batch value when the loss is a mean (sum) over rows. A dict
+      ``reduce`` needs all its terms of one kind (a single weighted term). Aux leaves are
+      reduced over a micro-batch's examples as their ``aux_reduce`` says (not
+      ``"stack"`` or user reductions); state is shared by a micro-batch's examples and
+      must come back the same from each; example ``r`` of micro-batch ``i`` gets
+      ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and ``with_info`` see each
+      micro-batch's sum of transformed gradients. See the DP-SGD guide.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or

@@ -58,6 +58,7 @@ class Options:
   mesh: Any
   with_info: bool
   skip_nonfinite: bool
+  per_example_transform: Callable[[Any], Any] | None
 
   @property
   def has_extra(self) -> bool:
@@ -123,7 +124,7 @@ def make_options(
     batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
     aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
     grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
-    with_info: Any, skip_nonfinite: Any) -> Options:
+    with_info: Any, skip_nonfinite: Any, per_example_transform: Any) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`."""
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
@@ -161,6 +162,7 @@ def make_options(
         f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
   axes = _sharding.check_data_axis(data_axis)
   state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
+  check_per_example(per_example_transform, reduce, terms)
   return Options(
       fun=fun, count=count, size=size,
       argnums=_split.normalize_argnums("argnums", argnums, allow_empty=False),
@@ -174,4 +176,25 @@ def make_options(
       remat=remat or policy is not None, remat_policy=policy,
       unroll=unroll if isinstance(unroll, bool) else int(unroll),
       data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
-      skip_nonfinite=skip_nonfinite)
+      skip_nonfinite=skip_nonfinite, per_example_transform=per_example_transform)
+
+
+def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> None:
+  """``per_example_transform``: a callable, and a loss whose terms share one normalisation
+  (the transform sees each example's whole gradient, so there is one divisor to apply)."""
+  if transform is None:
+    return
+  if not callable(transform):
+    raise TypeError(
+        "per_example_transform must be a function from one example's gradient to a gradient "
+        f"of the same structure (e.g. jaxaccum.clip_per_example(1.0)), got {transform!r}.")
+  kinds = sorted({t.kind.name for t in terms})
+  pairs = [t for t in terms if t.kind.divisor.own_denominator]
+  if len(kinds) > 1 or len(pairs) > 1:
+    what = (f"mixes the kinds {kinds}" if len(kinds) > 1 else
+            f"has {len(pairs)} weighted terms, each divided by its own total denominator")
+    raise ValueError(
+        f"per_example_transform is given, but reduce={reduce!r} {what}: the transform sees "
+        "each example's whole gradient, so every term must be normalised the same way. Use "
+        "one kind for all terms (all 'mean' or all 'sum'), or a single 'weighted' term; or "
+        "accumulate the terms with separate transforms.")

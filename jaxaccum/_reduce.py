@@ -140,6 +140,9 @@ class Reduction:
   per_example: bool = False  # the leaf has the micro-batch's leading axis
   bool_only: bool = False  # a logical reduction (all, any): boolean leaves only
   name: str = "a user-defined reduction"  # for messages: the aux_reduce name
+  # Under per_example_transform: (the examples' values stacked on a leading rows axis, their
+  # weights or None, accumulator_dtype) -> the micro-batch's value. None: no such value.
+  over_rows: Callable[[jax.Array, jax.Array | None, Any], jax.Array] | None = None
 
 
 def from_accumulator(acc: Any) -> Reduction:
@@ -189,6 +192,18 @@ def _mean_update(c, v, w, i):
   return c + v
 
 
+def _mean_over_rows(v, w, acc):
+  """A micro-batch's mean of its examples' values (weighted by their denominators)."""
+  dtype = _mean_dtype(v.dtype, acc)
+  if w is None:
+    out = jnp.mean(v.astype(dtype), axis=0)
+  else:
+    w = w.astype(dtype).reshape(w.shape + (1,) * (v.ndim - 1))
+    total = jnp.sum(jnp.where(w == 0, jnp.zeros_like(v, dtype), v.astype(dtype) * w), axis=0)
+    out = safe_divide(total, jnp.sum(w, axis=0))
+  return out.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.inexact) else out
+
+
 def _mean_finalize(c, _, s, divisor):
   out = safe_divide(c, divisor)
   return out.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else out
@@ -221,32 +236,35 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         init=lambda s, acc: jnp.zeros(s.shape, _mean_dtype(s.dtype, acc)),
         update=_mean_update,
         combine=lambda c, axes, is_sum: lax.psum(c, axes),
-        finalize=_mean_finalize),
+        finalize=_mean_finalize, over_rows=_mean_over_rows),
     "sum": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _sum_dtype(s.dtype, acc)),
         update=lambda c, v, w, i: c + v.astype(c.dtype),
         combine=lambda c, axes, is_sum: lax.psum(c, axes),
-        finalize=_sum_finalize),
+        finalize=_sum_finalize,
+        over_rows=lambda v, w, acc: jnp.sum(v.astype(_sum_dtype(v.dtype, acc)), axis=0)),
     "max": Reduction(
         init=_extreme_init(lowest=True),
         update=lambda c, v, w, i: jnp.maximum(c, v),
         combine=lambda c, axes, is_sum: pmax(c, axes),
-        finalize=_carry_finalize),
+        finalize=_carry_finalize, over_rows=lambda v, w, acc: jnp.max(v, axis=0)),
     "min": Reduction(
         init=_extreme_init(lowest=False),
         update=lambda c, v, w, i: jnp.minimum(c, v),
         combine=lambda c, axes, is_sum: pmin(c, axes),
-        finalize=_carry_finalize),
+        finalize=_carry_finalize, over_rows=lambda v, w, acc: jnp.min(v, axis=0)),
     "all": Reduction(
         init=lambda s, acc: jnp.ones(s.shape, jnp.bool_),
         update=lambda c, v, w, i: c & v,
         combine=lambda c, axes, is_sum: pmin(c, axes),
-        finalize=_carry_finalize, bool_only=True),
+        finalize=_carry_finalize, bool_only=True,
+        over_rows=lambda v, w, acc: jnp.all(v, axis=0)),
     "any": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, jnp.bool_),
         update=lambda c, v, w, i: c | v,
         combine=lambda c, axes, is_sum: pmax(c, axes),
-        finalize=_carry_finalize, bool_only=True),
+        finalize=_carry_finalize, bool_only=True,
+        over_rows=lambda v, w, acc: jnp.any(v, axis=0)),
     "stack": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w, i: c,
@@ -258,7 +276,8 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         update=lambda c, v, w, i: c,
         combine=lambda st, axes, is_sum: st,  # rows stay on their shard, gathered in order
         finalize=_concat_finalize,
-        per_micro_batch=True, numeric_only=False, per_example=True),
+        per_micro_batch=True, numeric_only=False, per_example=True,
+        over_rows=lambda v, w, acc: v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])),
 }
 AUX_REDUCTIONS = {k: dataclasses.replace(r, name=repr(k)) for k, r in AUX_REDUCTIONS.items()}
 
@@ -469,13 +488,17 @@ class LossKind:
   weighs: bool = False
   # A single term of this kind: aux means and stacked aux combine as sums across devices.
   sums_across_devices: bool = False
+  # fun returns a mean over its rows: under per_example_transform a micro-batch's value and
+  # gradient are the mean of its examples' (else their sum).
+  rows_mean: bool = False
 
   def __repr__(self) -> str:
     return repr(self.name)
 
 
 LOSS_KINDS: dict[str, LossKind] = {
-    "mean": LossKind("mean", pair=False, returns="(the loss mean)", divisor=COUNT),
+    "mean": LossKind("mean", pair=False, returns="(the loss mean)", divisor=COUNT,
+                     rows_mean=True),
     "sum": LossKind("sum", pair=False, returns="(the loss sum)", divisor=NO_DIVISOR,
                     sums_across_devices=True),
     "weighted": LossKind("weighted", pair=True, returns="(numerator, denominator)",

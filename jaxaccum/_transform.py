@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _reduce, _sharding, _split, _stats
+from jaxaccum import _info, _options, _reduce, _sharding, _split, _stats
 from jaxaccum._options import Options
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import PyTree
@@ -407,13 +407,19 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     kw = {k: _split.take(split_kw[k], i) for k in roles.batch_names}
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
-    objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
-        lambda *d: inner(count, kw, *d, *rest), *diff, has_aux=True)
-    grads = []
-    for k in range(len(groups)):
-      cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
-                  for h, o in enumerate(objectives))
-      grads.append(vjp(cot))
+    if opts.per_example_transform is not None:
+      nums, dens, new_state, aux, grads = per_example(
+          opts, groups, lambda kw1, d, r: inner(count, kw1, *d, *r), diff, kw, rest,
+          tuple(role_pos[nd:]), roles)
+      grads = [grads]
+    else:
+      objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
+          lambda *d: inner(count, kw, *d, *rest), *diff, has_aux=True)
+      grads = []
+      for k in range(len(groups)):
+        cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
+                    for h, o in enumerate(objectives))
+        grads.append(vjp(cot))
     if roles.state:
       new_state = _check_state(opts, roles.state, state, new_state)
     else:
@@ -430,8 +436,107 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
     whole += [(label + jax.tree_util.keystr(p), x)
               for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+  own += jax.tree.leaves((split, split_kw))  # the split batch: (B, 1, ...) when N = 1
   return Problem(n, size // n, params, state0, micro, groups, tuple(whole), tuple(own),
                  roles.batch)
+
+
+def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any], diff: list,
+                kw: dict, rest: list, rest_pos: tuple[int, ...], roles: _options.Roles):
+  """One micro-batch's contribution under ``per_example_transform``.
+
+  ``jax.vmap`` over the micro-batch's rows runs ``f(kw, diff, rest)`` (``inner``) on each
+  example as a batch of one, transforms each example's gradient, and reduces the examples
+  to the micro-batch's values as the loss kind says (mean or sum; a weighted term sums
+  numerators and denominators) and each aux leaf as its reduction says. Example ``r`` gets
+  ``fold_in(key, r)`` of the micro-batch's key; state is shared by the examples and must
+  come back the same from each. Returns ``(nums, dens, new_state, aux, grads)``.
+  """
+  assert len(groups) == 1, "check_per_example allows one normalisation"
+  leaves = jax.tree.leaves(([v for v, j in zip(rest, rest_pos, strict=True)
+                             if j in roles.batch], kw))
+  rows = leaves[0].shape[0]
+
+  def one_row(tree):  # (b, ...) -> (b, 1, ...): vmap hands each example a batch of one
+    return jax.tree.map(lambda x: x.reshape((x.shape[0], 1) + x.shape[1:]), tree)
+
+  def keys(tree):
+    return jax.tree.map(
+        lambda k: jax.vmap(lambda r: jax.random.fold_in(k, r))(jnp.arange(rows)), tree)
+
+  mapped, axes = [], []
+  for v, j in zip(rest, rest_pos, strict=True):
+    if j in roles.batch:
+      mapped.append(one_row(v))
+      axes.append(0)
+    elif j in roles.rng:
+      mapped.append(keys(v))
+      axes.append(0)
+    else:
+      mapped.append(v)
+      axes.append(None)
+  transform = opts.per_example_transform
+  assert transform is not None
+
+  def example(kw1, rest1):
+    objectives, vjp, out = jax.vjp(lambda *d: f(kw1, d, rest1), *diff, has_aux=True)
+    grads = vjp(tuple(jnp.ones_like(o) for o in objectives))
+    given = grads[0] if opts.argnums_is_int else grads
+    new = transform(given)
+    if jax.tree.structure(new) != jax.tree.structure(given) or any(
+        np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(new),
+                                                   jax.tree.leaves(given), strict=True)):
+      raise TypeError(
+          "per_example_transform must return a gradient with the structure and shapes of "
+          f"the one it gets (one example's gradient, as jax.grad returns it): it got "
+          f"{jax.tree.map(_describe, given)} and returned {jax.tree.map(_describe, new)}.")
+    new = (new,) if opts.argnums_is_int else tuple(new)
+    new = jax.tree.map(lambda a, g: jnp.asarray(a).astype(g.dtype), new, grads)
+    return out, new
+
+  try:
+    (nums, dens, new_state, aux), grads = jax.vmap(
+        example, in_axes=(0, tuple(axes)), out_axes=((0, 0, None, 0), 0))(
+            one_row(kw), tuple(mapped))
+  except ValueError as e:
+    if not (roles.state and "out_axes" in str(e)):
+      raise
+    raise TypeError(
+        f"per_example_transform runs fun on one example at a time, and the new state it "
+        f"returns for state_argnums={opts.state_argnums} depends on the example (e.g. "
+        "BatchNorm statistics of its rows): per-example state has no single value to thread "
+        "to the next micro-batch. Per-example gradients need a model without batch "
+        "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
+        "unchanged collection, a step counter) is fine.") from None
+
+  acc = opts.accumulator_dtype
+
+  def over_rows(x, mean):
+    y = x.astype(_reduce.accumulator_dtype_for(x.dtype, acc))
+    return (jnp.mean(y, axis=0) if mean else jnp.sum(y, axis=0)).astype(x.dtype)
+
+  wt = aux_weight_term(opts)
+  weight = None if wt is None else dens[wt]  # each example's, before the sum
+  nums = tuple(over_rows(v, t.kind.rows_mean) for v, t in zip(nums, opts.terms, strict=True))
+  dens = tuple(None if d is None else jnp.sum(d, axis=0) for d in dens)
+  mean = opts.terms[groups[0].terms[0]].kind.rows_mean
+  grads = jax.tree.map(lambda g: over_rows(g, mean), grads)
+
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes, 1)
+
+  def aux_rows(path, red, x):
+    if red.over_rows is None:
+      raise ValueError(
+          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is reduced with {red.name}, "
+          "which has no per-example rule: per_example_transform runs fun on one example at a "
+          "time, so there is no micro-batch value to reduce. Use 'concat' for per-example "
+          "rows, or 'mean', 'sum', 'max', 'min', 'all', 'any' for values reduced over the "
+          "rows, or return that value from a separate, plain accumulation.")
+    return red.over_rows(x, weight, acc)
+
+  aux = jax.tree_util.tree_map_with_path(aux_rows, kinds, aux)
+  return nums, dens, new_state, aux, tuple(grads)
 
 
 def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
@@ -443,12 +548,14 @@ def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
   Parameters, state and keys never warn, whatever their shape. Only one-row micro-batches
   are checked: with ``b > 1`` rows, an unsplit array of ``B`` rows that meets the micro-batch
   elementwise is a shape error, not a silent broadcast, while arrays that merely have ``B``
-  rows (a ``(T, T)`` causal mask with ``T == B``) are common and correct.
+  rows (a ``(T, T)`` causal mask with ``T == B``) are common and correct. Under
+  ``per_example_transform`` every call sees one row, so it is always checked.
   """
-  if problem.rows != 1:
+  per_example = opts.per_example_transform is not None  # fun sees one row at a time
+  if problem.rows != 1 and not per_example:
     return
   size = problem.n * problem.rows
-  rows = {size} if problem.n > 1 else set()
+  rows = {size} if problem.n > 1 or per_example else set()
   if shards > 1:
     rows.add(size * shards)  # under data_axis: the global batch, closed over whole
 

@@ -125,7 +125,7 @@ def value_and_grad(
       unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
       ``batch_argnames``, ``reduce``, ``aux_reduce``, ``with_info``, ``skip_nonfinite``,
       ``loss_weights``, ``accumulator_dtype``, ``grads_dtype``, ``remat``,
-      ``remat_policy``, ``unroll``, ``data_axis``, ``mesh``.
+      ``remat_policy``, ``unroll``, ``data_axis``, ``mesh``, ``per_example_transform``.
 
   Returns:
     A function ``(params, batch, model_state, rngs, ...) -> ((loss, new_model_state),

@@ -302,3 +302,39 @@ def test_bench_features_variants_compute_the_right_losses_and_write_results(tmp_
   np.testing.assert_allclose(first["3 terms"], float(three), rtol=1e-5)
   one = sum(bench.single_loss(params, m)[0] for m in micro) / cfg.batch
   np.testing.assert_allclose(first["1 term (weighted)"], float(one), rtol=1e-5)
+
+
+def test_dp_sgd_clipped_mean_matches_the_loop_and_trains(capsys):
+  dp = _load("examples/dp_sgd.py")
+  cfg = dp.Config(steps=3, batch_size=32, num_micro_batches=4, hidden=16)
+  out = dp.main(cfg)
+  printed = capsys.readouterr().out
+  for words in ("per-example loop", "noise multiplier 1.1", "test accuracy", "dp_accounting"):
+    assert words in printed, printed
+  assert out["check_diff"] <= 1e-5 * out["check_scale"] + 1e-7 and out["check_scale"] > 0
+  assert 0.0 <= out["accuracy"] <= 1.0 and np.all(np.isfinite(out["losses"]))
+  # The noise: std * N(0, 1) per leaf from one key per step, added once to the mean.
+  grads = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  key = jax.random.key(3)
+  noisy = dp.add_noise(grads, key, 0.5)
+  k_a, k_b = jax.random.split(key, 2)
+  assert_close(noisy, {"a": 0.5 * jax.random.normal(k_a, (3,)),
+                       "b": 0.5 * jax.random.normal(k_b, (2, 2))})
+
+
+def test_bench_per_example_runs_both_variants_at_each_size_and_writes_results(tmp_path):
+  bench = _load("benchmarks/bench_per_example.py")
+  acc = sys.modules["bench_accumulation"]
+  cfg = acc.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)
+  results = bench.run(quick=True, repeats=1, warmup=1, cfg=cfg, sizes=(2, 8),
+                      out_dir=tmp_path)
+  saved = json.loads((tmp_path / "per_example.json").read_text())
+  rows = {(r["micro_batch_size"], r["variant"]): r for r in saved["mlp"]["rows"]}
+  assert set(rows) == {(b, v) for b in (2, 8) for v in bench.VARIANTS}
+  assert "| 8 | " in (tmp_path / "per_example.md").read_text()
+  # The first loss of every variant, from the initial parameters, is the full batch's.
+  loss_fn, params, batch = acc.mlp_problem(cfg)
+  for key, row in rows.items():
+    np.testing.assert_allclose(row["first_loss"], float(loss_fn(params, batch)), rtol=1e-5,
+                               err_msg=str(key))
+  assert [r["micro_batch_size"] for r in results["mlp"]["ratios"]] == [2, 8]
