@@ -184,6 +184,15 @@ def _is_axis(x: Any) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _check_entry(batch_axis: Any, what: str) -> None:
+  """Validates the ``batch_axis`` of one pytree: an int, or a pytree prefix of it with ints."""
+  leaves = jax.tree.leaves(batch_axis, is_leaf=lambda x: x is None)
+  if not leaves or not all(_is_axis(a) for a in leaves):
+    raise TypeError(
+        f"batch_axis must be an int or a pytree prefix of {what} with an int at each leaf (as "
+        f"jax.vmap's in_axes), got batch_axis={batch_axis!r}.")
+
+
 def common_axis(batch_axis: int | tuple) -> int:
   """The axis that per-example (``"concat"``) aux rows come back along.
 
@@ -484,8 +493,7 @@ def split_micro_batches(
   (2, 5, 3, 3)
   """
   count, size = check_counts(num_micro_batches, micro_batch_size)
-  if not _is_axis(batch_axis):
-    check_batch_axis((batch_axis,))
+  _check_entry(batch_axis, "batch")
   args = {"batch": batch}
   axes = batch_axes(args, (batch_axis,))
   n = resolve_count(batch_size(args, axes=axes), count, size, of=size_note(args, axes))
@@ -523,8 +531,7 @@ def merge_micro_batches(stacked: PyTree, *, batch_axis: int | PyTree = 0) -> PyT
   leaves = jax.tree_util.tree_leaves_with_path(stacked)
   if not leaves:
     raise ValueError(f"stacked has no array leaves, got {describe(stacked)}.")
-  if not _is_axis(batch_axis):
-    check_batch_axis((batch_axis,))
+  _check_entry(batch_axis, "stacked")
   for path, leaf in leaves:
     if len(np.shape(leaf)) < 2:
       raise ValueError(
