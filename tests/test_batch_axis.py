@@ -7,6 +7,7 @@ never the library's own split. float32 tolerances as in ``tests/test_transform.p
 """
 
 import functools
+import re
 
 import chex
 import jax
@@ -290,10 +291,10 @@ def test_split_along_a_sharded_axis_1_moves_no_data():
     text = step.lower(PARAMS, xs, ys).compile().as_text()
   assert coll.count(["all-gather", "all-to-all", "collective-permute"]) == 0, coll
   assert all(c.bytes <= 4 * (F + 2) for c in coll), coll  # parameters' and loss' sizes
-  # No copy or transpose of the batch (8 local rows of x per device, (3, 8, 4)).
-  for line in text.splitlines():
-    if " copy(" in line or " transpose(" in line:
-      assert "[3,8,4]" not in line and "[3,2,4,4]" not in line, line
+  # No copy or transpose of an array (a transposed layout copies each micro-batch of x,
+  # f32[3,2,4] per device): only scalars are copied.
+  copies = [line for line in text.splitlines() if " copy(" in line or " transpose(" in line]
+  assert all(re.search(r"= \w+\[\] (copy|transpose)\(", line) for line in copies), copies
 
 
 # --- Adapters ---------------------------------------------------------------------------
