@@ -30,6 +30,7 @@ def value_and_grad(
     argnums: ArgNums = 0,
     batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
     batch_argnames: ArgNames | None = None,
+    batch_axis: int | tuple[Any, ...] = 0,
     has_aux: bool = False,
     reduce: str | dict[str, Any] = "mean",
     loss_weights: dict[str, float] | None = None,
@@ -69,6 +70,16 @@ def value_and_grad(
       (``loss_fn(params, x, labels=y)`` with ``batch_argnames="labels"`` splits ``x`` and
       ``labels``).
       Other arguments, positional or keyword, are passed whole to every micro-batch.
+    batch_axis: the batch axis of the batch arguments, as :func:`jax.vmap`'s ``in_axes``:
+      one int for every leaf of every batch argument (default 0, the leading axis), or a
+      tuple with one entry per batch argument (``batch_argnums`` in order, then
+      ``batch_argnames`` in order), each an int or a pytree prefix of that argument with an
+      int at each leaf; negative axes count from the end of each leaf's shape. Micro-batch
+      ``i`` holds indices ``i, i + N, ...`` along that axis (a time-major ``(T, B, F)``
+      batch with ``batch_axis=1`` gives ``fun`` ``x[:, i::N]``), and the split moves no
+      data. ``"concat"`` aux comes back along the same axis when ``batch_axis`` is one
+      int (or every entry the same int), along axis 0 otherwise. See "The split" in the
+      guide "What it computes".
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
       (see ``aux_reduce``).
     reduce: how ``fun``'s value combines across micro-batches.

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -71,9 +72,12 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   shards = math.prod(mesh.shape[a] for a in axes)
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
-  n = _split.resolve_count(_split.batch_size(batches), opts.count, opts.size, shards=shards,
-                           where=_sharding._axes_str(axes, mesh))
-  placed = _place(opts, roles, mesh, args, kwargs)
+  leaf_axes = _split.batch_axes(batches, opts.batch_axis)
+  n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.count, opts.size,
+                           shards=shards, where=_sharding._axes_str(axes, mesh),
+                           of=_split.size_note(batches, leaf_axes))
+  batch_axes = dict(zip((*roles.batch, *roles.batch_names), leaf_axes.values(), strict=True))
+  placed = _place(opts, roles, mesh, args, kwargs, batch_axes)
   grad_axes, grad_specs = _gradient_layout(opts, roles, placed)
   # A traced count enters as a replicated input: shard_map cannot close over a tracer
   # typed with Explicit mesh axes.
@@ -150,8 +154,10 @@ class _Placed(NamedTuple):
     return values[:nargs], dict(zip(self.keys[nargs:], values[nargs:], strict=True))
 
 
-def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict) -> _Placed:
-  """The in_specs and gathers of every array leaf of every argument."""
+def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
+           batch_axes: dict[Any, PyTree]) -> _Placed:
+  """The in_specs and gathers of every array leaf of every argument; a batch argument's
+  leaves are mapped along their batch axes (``batch_axes``, per argument a tree of ints)."""
   axes = opts.data_axis
   assert axes is not None
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
@@ -166,16 +172,21 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict) -> _
     label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
     kind = ("state argument" if key in roles.state else
             "PRNG key argument" if key in roles.rng else None) if isinstance(key, int) else None
-    for path, x in jax.tree_util.tree_leaves_with_path(value):
+    along = jax.tree.leaves(batch_axes[key]) if is_batch else None
+    for k, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(value)):
       if not _sharding._is_array(x):
         gathers[key].append(())
         continue
       have = _sharding._explicit_spec(x)
+      a = along[k] if along is not None else 0
       spec, gather, lead = _local_spec(have, axes, f"{label}{jax.tree_util.keystr(path)}",
-                                       is_batch, kind)
+                                       is_batch, kind, a)
       if is_batch and explicit_data and all_manual and lead != axes:
         # A fully manual, Explicit shard_map needs its input typed as it maps it.
-        full = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
+        entries = [*(tuple(have) if have is not None else ())]
+        entries += [None] * (x.ndim - len(entries))
+        entries[a] = axes
+        full = PartitionSpec(*entries)
         x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, full)
                                  if isinstance(mesh, jax.sharding.Mesh) else full)
       arrays.append(x)
@@ -255,11 +266,17 @@ def _split_rows(opts: Options, extra: Any, kinds: PyTree):
     mask = rows_mask
   leaves, treedef = jax.tree.flatten(extra)
   mflat = jax.tree.leaves(mask)
+  # Rows leave along the leading axis (out_specs are fixed before fun is traced), and go
+  # back to their batch axis outside.
+  along = [k.axis for k in jax.tree.leaves(kinds) if k.per_example]
   kept = [x for x, m in zip(leaves, mflat, strict=True) if not m]
-  rows = [x for x, m in zip(leaves, mflat, strict=True) if m]
+  rows = [jnp.moveaxis(x, a, 0)
+          for x, a in zip([x for x, m in zip(leaves, mflat, strict=True) if m], along,
+                          strict=True)]
 
   def unsplit(kept, rows):
-    it_kept, it_rows = iter(kept), iter(rows)
+    it_kept = iter(kept)
+    it_rows = iter(jnp.moveaxis(x, 0, a) for x, a in zip(rows, along, strict=True))
     return jax.tree.unflatten(treedef, [next(it_rows) if m else next(it_kept) for m in mflat])
 
   return kept, rows, unsplit
@@ -324,17 +341,18 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
 
 
 def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: str,
-                batch: bool, replicated_only: str | None):
-  """in_spec and gathers of one array argument leaf."""
+                batch: bool, replicated_only: str | None, batch_axis: int = 0):
+  """in_spec and gathers of one array argument leaf (a batch leaf's along ``batch_axis``)."""
   if batch:
-    lead = _entry_axes(have[0]) if have is not None and len(have) else ()
+    lead = (_entry_axes(have[batch_axis]) if have is not None and len(have) > batch_axis
+            else ())
     if set(lead) - set(axes):
       raise ValueError(
           f"batch leaf {where} is sharded over {lead} (spec {have}), but data_axis={axes} "
           f"leaves out {tuple(a for a in lead if a not in axes)}. Name every mesh axis the "
           f"batch is sharded over: data_axis={lead}; parameters may stay sharded over any "
           "of them (FSDP).")
-    return PartitionSpec(axes), (), lead
+    return PartitionSpec(*([None] * batch_axis), axes), (), lead
   spec, gather = _manual_part(have, axes)
   if gather and replicated_only:
     raise ValueError(

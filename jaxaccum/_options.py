@@ -42,6 +42,7 @@ class Options:
   batch_argnums: tuple[int, ...]
   batch_argnames: tuple[str, ...]
   batch_optional: bool  # the default batch_argnums=1 with batch_argnames: only if it exists
+  batch_axis: int | tuple  # one int, or one entry per batch argument (_split.batch_axes)
   has_aux: bool
   reduce: Any
   terms: tuple[_reduce.Term, ...]
@@ -119,12 +120,25 @@ class _DefaultArgnum(int):
 BATCH_ARGNUMS = _DefaultArgnum(1)
 
 
+def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str, ...],
+                      optional: bool) -> int | tuple:
+  """Validates ``batch_axis`` against the batch arguments named when the transform is built."""
+  if optional and isinstance(batch_axis, tuple):
+    raise ValueError(
+        f"batch_axis={batch_axis!r} has one entry per batch argument, but batch_argnums is "
+        f"left at its default with batch_argnames={names!r}, so whether argument 1 is a batch "
+        "depends on the call. Pass batch_argnums explicitly (batch_argnums=1, or () when only "
+        "batch_argnames name the batch), or one int batch_axis for all of them.")
+  return _split.check_batch_axis(batch_axis, None if optional else len(batch) + len(names))
+
+
 def make_options(
     fun: Any, *, num_micro_batches: Any, micro_batch_size: Any, argnums: Any,
     batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
     aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
     grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
-    with_info: Any, skip_nonfinite: Any, per_example_transform: Any) -> Options:
+    with_info: Any, skip_nonfinite: Any, per_example_transform: Any,
+    batch_axis: Any) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`."""
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
@@ -132,6 +146,7 @@ def make_options(
   names = _split.normalize_argnames("batch_argnames", batch_argnames)
   optional = batch_argnums is BATCH_ARGNUMS and bool(names)
   batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
+  axis = _check_batch_axis(batch_axis, batch, names, optional)
   if not batch and not names:
     raise ValueError(
         f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
@@ -167,7 +182,8 @@ def make_options(
       fun=fun, count=count, size=size,
       argnums=_split.normalize_argnums("argnums", argnums, allow_empty=False),
       argnums_is_int=not isinstance(argnums, (tuple, list)),
-      batch_argnums=batch, batch_argnames=names, batch_optional=optional, has_aux=has_aux,
+      batch_argnums=batch, batch_argnames=names, batch_optional=optional, batch_axis=axis,
+      has_aux=has_aux,
       reduce=reduce, terms=terms, aux_reduce=aux_reduce,
       rng_argnums=_split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True),
       state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),

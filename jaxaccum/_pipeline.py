@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _reduce, _sharding, _split
+from jaxaccum import _sharding, _split
 from jaxaccum._types import PyTree
 
 
@@ -180,7 +180,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
       mapped = _recompute_in_backward(mapped, body, the_mesh, stage_axis, p_spec,
                                       len(p_leaves), len(micro))
     out = mapped(tuple(p_leaves), tuple(micro))
-    return jax.tree.unflatten(x_def, [_reduce.merge(y) for y in out])
+    return jax.tree.unflatten(x_def, [_split.merge(y) for y in out])
 
   return pipe
 

@@ -28,6 +28,7 @@ is one entry in :data:`LOSS_KINDS`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxaccum import _split
 from jaxaccum._types import AxisNames, PyTree
 
 
@@ -137,7 +139,8 @@ class Reduction:
   finalize: Callable[[Any, jax.Array | None, jax.ShapeDtypeStruct, Any], Any]
   per_micro_batch: bool = False  # the scan emits the leaf (stack, concat) instead
   numeric_only: bool = True
-  per_example: bool = False  # the leaf has the micro-batch's leading axis
+  per_example: bool = False  # the leaf has the micro-batch's rows, along ``axis``
+  axis: int = 0  # per_example: the leaf's axis of rows (the batch axis, set per leaf)
   bool_only: bool = False  # a logical reduction (all, any): boolean leaves only
   name: str = "a user-defined reduction"  # for messages: the aux_reduce name
   # Under per_example_transform: (the examples' values stacked on a leading rows axis, their
@@ -226,9 +229,20 @@ def _stack_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -
   return st
 
 
-def _concat_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any) -> jax.Array:
+def _concat_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any,
+                     axis: int = 0) -> jax.Array:
   assert st is not None, "concat is a per-micro-batch reduction"
-  return merge(st)
+  return _split.merge(st, axis)
+
+
+def _rows_along(red: Reduction, axis: int) -> Reduction:
+  """A per-example reduction whose rows lie along ``axis`` of the leaf."""
+  if axis == red.axis:
+    return red
+  if red.finalize is _concat_finalize:
+    return dataclasses.replace(red, axis=axis,
+                               finalize=functools.partial(_concat_finalize, axis=axis))
+  return dataclasses.replace(red, axis=axis)
 
 
 AUX_REDUCTIONS: dict[str, Reduction] = {
@@ -280,12 +294,6 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         over_rows=lambda v, w, acc: v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])),
 }
 AUX_REDUCTIONS = {k: dataclasses.replace(r, name=repr(k)) for k, r in AUX_REDUCTIONS.items()}
-
-
-def merge(stacked: jax.Array) -> jax.Array:
-  """``(N, b, ...)`` micro-batch entries back to ``(N * b, ...)`` rows in batch order."""
-  n, b = stacked.shape[:2]
-  return stacked.swapaxes(0, 1).reshape((n * b,) + stacked.shape[2:])
 
 
 def _combine_stack(s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
@@ -367,14 +375,16 @@ def check_aux_reduce(spec: Any) -> None:
     _entry(x)
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
+                       axis: int = 0) -> PyTree:
   """Expands ``spec`` (an entry, or a pytree prefix of aux with entries or None) to aux.
 
   An entry is a name of :data:`AUX_REDUCTIONS`, a :class:`Reduction` or an optax
   ``Accumulator``. Returns a pytree with the structure of ``aux_shapes`` whose leaves are
   :class:`Reduction` s; ``None`` becomes each leaf's default (:func:`_default_kind`). Checks
   that every leaf can be reduced as asked; ``rows``, the rows of one micro-batch, is the
-  leading size that a per-example (``"concat"``) leaf must have.
+  size that a per-example (``"concat"``) leaf must have along ``axis`` (the batch axis,
+  :func:`jaxaccum._split.common_axis`; negative counts from the end of the leaf).
   """
   if _is_spec_leaf(spec):
     red = _entry(spec)
@@ -424,7 +434,22 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None) -
           f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind} has no "
           "per-example rows to put back in batch order. Use 'stack' for one entry per "
           "micro-batch, or 'mean'/'sum'.")
-    if red.per_example and rows is not None and s.shape[0] != rows:
+    if red.per_example and axis and not -len(s.shape) <= axis < len(s.shape):
+      raise ValueError(
+          f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce {kind} "
+          f"puts per-example rows back along the batch axis, batch_axis={axis}, which is out "
+          f"of range for its rank {len(s.shape)}. Return the leaf with its rows along axis "
+          f"{axis}, or use aux_reduce 'stack' for one entry per micro-batch.")
+    if red.per_example and axis:
+      red = _rows_along(red, axis % len(s.shape))
+      if rows is not None and s.shape[red.axis] != rows:
+        raise ValueError(
+            f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce {kind} "
+            f"puts per-example rows back in batch order along the batch axis "
+            f"(batch_axis={axis}), so its axis {red.axis} must be the micro-batch's {rows} "
+            f"rows, not {s.shape[red.axis]}. Return the rows along that axis, as the batch "
+            "holds them, or use aux_reduce 'stack' for one entry per micro-batch.")
+    if red.per_example and not axis and rows is not None and s.shape[0] != rows:
       raise ValueError(
           f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce "
           f"{kind} puts per-example rows back in batch order, so its leading axis must be "

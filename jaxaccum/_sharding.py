@@ -130,31 +130,37 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
   return jax.tree.map(one, acc, params)
 
 
-def check_split_sharding(batches: dict[Any, PyTree], n: int) -> None:
+def check_split_sharding(batches: dict[Any, PyTree], n: int,
+                         batch_axes: dict[Any, PyTree] | None = None) -> None:
   """Raises if a batch sharded over Explicit axes cannot be split without moving data.
 
   Micro-batch ``i`` takes rows ``i, i + N, ...``; with the batch axis in ``D`` contiguous
   blocks, every device keeps its own rows only when ``D`` divides ``B // N``. (For
   ``Auto`` mesh axes the sharding is unknown at trace time; see the README.)
+  ``batch_axes`` gives each leaf's batch axis (:func:`jaxaccum._split.batch_axes`; default 0).
   """
   for argnum, tree in batches.items():
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    leaf_axes = jax.tree.leaves(batch_axes[argnum]) if batch_axes is not None else None
+    for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
+      a = leaf_axes[k] if leaf_axes is not None else 0
       spec = _explicit_spec(leaf)
-      if spec is None or not len(spec) or spec[0] is None:
+      if spec is None or len(spec) <= a or spec[a] is None:
         continue
-      axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+      axes = spec[a] if isinstance(spec[a], tuple) else (spec[a],)
       mesh = jax.typeof(leaf).sharding.mesh
-      shards = math.prod(mesh.shape[a] for a in axes)
-      rows = leaf.shape[0] // n
+      shards = math.prod(mesh.shape[name] for name in axes)
+      size = leaf.shape[a]
+      rows = size // n
       if rows % shards:
         where = f"{argnum}{jax.tree_util.keystr(path)}"
         raise ValueError(
-            f"batch leaf {where} has its batch axis of {leaf.shape[0]} rows sharded over "
+            f"batch leaf {where} has its batch axis{f' (axis {a})' if a else ''} of {size} "
+            f"rows sharded over "
             f"{_axes_str(axes, mesh)} ({shards} shards), but {n} micro-batches give "
             f"micro-batches of {rows} rows, not a multiple of {shards}: the split would "
             f"have to move rows between devices. Use a micro-batch count that divides "
-            f"{leaf.shape[0] // shards} (batch / shards), e.g. one of "
-            f"{_split.divisors(leaf.shape[0] // shards)}."
+            f"{size // shards} (batch / shards), e.g. one of "
+            f"{_split.divisors(size // shards)}."
         )
 
 

@@ -7,6 +7,13 @@ contiguous blocks over ``D`` devices and ``D`` divides ``B // N``, every row of
 micro-batch ``i`` already lives on the device that holds it after the split, so the
 split moves no data: the sharding lands on the micro-batch-size axis, never on the
 scan axis (optax's ``reshape_batch_axis`` uses the same order).
+
+The batch axis need not be the leading one (``batch_axis``): axis ``a`` of size ``B`` is
+reshaped to ``(B // N, N)`` in place and micro-batch ``i`` is index ``i`` along the new minor
+axis, so ``fun`` sees the axis where it was, with ``B // N`` rows. :func:`split`,
+:func:`take` and :func:`merge` are the one split and merge of the project: the core, the
+pipeline, :func:`split_micro_batches`, :func:`merge_micro_batches` and ``aux_reduce="concat"``
+use them.
 """
 
 from __future__ import annotations
@@ -139,18 +146,137 @@ def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
         )
 
 
-def batch_size(batch_args: dict[Any, PyTree], hint: str = "") -> int:
-  """The common leading size of every leaf of the batch arguments.
+def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tuple:
+  """Validates ``batch_axis``: an int, or a tuple with one entry per batch argument.
+
+  Each entry of a tuple is an int or a pytree prefix of its argument with int leaves (as
+  :func:`jax.vmap`'s ``in_axes``). ``num_batch_args`` (when the batch arguments are known
+  when the transform is built) is the length a tuple must have.
+  """
+  def bad(got):
+    return TypeError(
+        "batch_axis must be an int (the batch axis of every batch argument), or a tuple "
+        "with one entry per batch argument (batch_argnums in order, then batch_argnames), "
+        "each an int or a pytree prefix of that argument with int leaves, as jax.vmap's "
+        f"in_axes; got batch_axis={got!r}.")
+  if _is_axis(value):
+    return int(value)
+  if not isinstance(value, tuple):
+    raise bad(value)
+  for entry in value:
+    for leaf in jax.tree.leaves(entry, is_leaf=lambda x: x is None):
+      if leaf is None:
+        raise TypeError(
+            f"batch_axis={value!r} has a None entry: every leaf of a batch argument is split "
+            "along its batch axis. Pass an array that is not to be split as a non-batch "
+            "argument instead.")
+      if not _is_axis(leaf):
+        raise bad(value)
+  if num_batch_args is not None and len(value) != num_batch_args:
+    raise ValueError(
+        f"batch_axis={value!r} has {len(value)} entries, but there are {num_batch_args} batch "
+        "arguments: give one entry per batch argument (batch_argnums in order, then "
+        "batch_argnames in order), or one int for all of them.")
+  return tuple(value)
+
+
+def _is_axis(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_entry(batch_axis: Any, what: str) -> None:
+  """Validates the ``batch_axis`` of one pytree: an int, or a pytree prefix of it with ints."""
+  leaves = jax.tree.leaves(batch_axis, is_leaf=lambda x: x is None)
+  if not leaves or not all(_is_axis(a) for a in leaves):
+    raise TypeError(
+        f"batch_axis must be an int or a pytree prefix of {what} with an int at each leaf (as "
+        f"jax.vmap's in_axes), got batch_axis={batch_axis!r}.")
+
+
+def common_axis(batch_axis: int | tuple) -> int:
+  """The axis that per-example (``"concat"``) aux rows come back along.
+
+  ``batch_axis`` itself when it is one int, or when every entry names the same int; axis 0
+  when the batch arguments have different batch axes.
+  """
+  if isinstance(batch_axis, int):
+    return batch_axis
+  values = set(jax.tree.leaves(batch_axis))
+  return values.pop() if len(values) == 1 else 0
+
+
+def _label(key: Any) -> str:
+  return key if isinstance(key, str) else f"argument {key}"
+
+
+def batch_axes(batch_args: dict[Any, PyTree], batch_axis: int | tuple = 0) -> dict[Any, PyTree]:
+  """Per batch argument, a tree like it holding each leaf's batch axis (non-negative).
+
+  ``batch_args`` is ordered as ``batch_axis``'s entries: the ``batch_argnums`` arguments,
+  then the ``batch_argnames`` ones. A negative axis counts from the end of each leaf's shape.
+  """
+  keys = list(batch_args)
+  if isinstance(batch_axis, tuple):
+    if len(batch_axis) != len(keys):
+      raise ValueError(
+          f"batch_axis={batch_axis!r} has {len(batch_axis)} entries, but the call has "
+          f"{len(keys)} batch argument(s): {', '.join(map(_label, keys)) or 'none'}. Give one "
+          "entry per batch argument (batch_argnums in order, then batch_argnames in order), "
+          "or one int for all of them.")
+    entries = dict(zip(keys, batch_axis, strict=True))
+  else:
+    entries = dict.fromkeys(keys, batch_axis)
+  out = {}
+  for key, tree in batch_args.items():
+    out[key] = _leaf_axes(_label(key), tree, entries[key],
+                          batch_axis if isinstance(batch_axis, tuple) else None)
+  return out
+
+
+def _leaf_axes(label: str, tree: PyTree, entry: Any, whole: Any = None) -> PyTree:
+  """``entry`` (an int or a pytree prefix of ``tree``) broadcast to ``tree``'s leaves."""
+  try:
+    axes = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), entry, tree)
+  except ValueError:
+    spec = f"batch_axis={whole!r}" if whole is not None else f"batch_axis={entry!r}"
+    raise ValueError(
+        f"{spec} gives the batch {label} the entry {entry!r}, which is not a pytree prefix "
+        f"of the argument (structure {jax.tree.structure(tree)}). Give an int for the whole "
+        "argument, or a pytree with its structure and an int at each leaf (or subtree), as "
+        "jax.vmap's in_axes.") from None
+
+  def one(path, leaf, a):
+    shape = np.shape(leaf)
+    if not -len(shape) <= a < len(shape):
+      where = f"{label}{jax.tree_util.keystr(path)}"
+      if not shape:
+        return a  # a scalar: batch_size says it has no batch axis
+      raise ValueError(
+          f"batch_axis={a} is out of range for batch leaf {where} of shape {tuple(shape)} "
+          f"(rank {len(shape)}): valid axes are {-len(shape)}..{len(shape) - 1}. Give this "
+          "argument its own entry in batch_axis (a tuple, one entry per batch argument, each "
+          "an int or a pytree prefix of it).")
+    return a % len(shape)
+
+  return jax.tree_util.tree_map_with_path(one, tree, axes)
+
+
+def batch_size(batch_args: dict[Any, PyTree], hint: str = "",
+               axes: dict[Any, PyTree] | None = None) -> int:
+  """The common size of every leaf of the batch arguments along its batch axis.
 
   ``batch_args`` maps an argument's position (named "argument j" in errors) or its name
-  (e.g. "batch") to the pytree passed there. An argument without leaves (``None``, an
+  (e.g. "batch") to the pytree passed there; ``axes`` (from :func:`batch_axes`) gives each
+  leaf's batch axis, the leading one by default. An argument without leaves (``None``, an
   empty container) is passed as it is to every micro-batch, as :func:`jax.vmap` does; at
   least one argument must have leaves.
   """
   sizes: dict[str, int] = {}
+  along: dict[str, int] = {}
   for key, tree in batch_args.items():
-    label = key if isinstance(key, str) else f"argument {key}"
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    label = _label(key)
+    leaf_axes = jax.tree.leaves(axes[key]) if axes is not None else None
+    for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
       where = f"{label}{jax.tree_util.keystr(path)}"
       shape = np.shape(leaf)
       if len(shape) == 0:
@@ -159,27 +285,47 @@ def batch_size(batch_args: dict[Any, PyTree], hint: str = "") -> int:
             "Every leaf of a batch argument needs a leading batch axis; pass per-step "
             f"constants as a separate, non-batch argument.{hint}"
         )
-      sizes[where] = shape[0]
+      a = leaf_axes[k] if leaf_axes is not None else 0
+      sizes[where] = shape[a]
+      along[where] = a
   if not sizes:
     key, tree = next(iter(batch_args.items()))
-    label = key if isinstance(key, str) else f"argument {key}"
     raise ValueError(
-        f"the batch {label} has no array leaves, got {type(tree).__name__} {tree!r}. Pass "
-        "the data to split into micro-batches there, e.g. (x, y) or "
+        f"the batch {_label(key)} has no array leaves, got {type(tree).__name__} {tree!r}. "
+        "Pass the data to split into micro-batches there, e.g. (x, y) or "
         f"{{'image': x, 'label': y}}.{hint}"
     )
   if len(set(sizes.values())) > 1:
     groups: dict[int, list[str]] = {}
+    leading = not any(along.values())
     for where, size in sizes.items():
-      groups.setdefault(size, []).append(where)
+      groups.setdefault(size, []).append(where if leading else f"{where} (axis {along[where]})")
     listing = "; ".join(
         f"{size} at {', '.join(paths[:4])}{f' and {len(paths) - 4} more' if len(paths) > 4 else ''}"
         for size, paths in groups.items())
+    if leading:
+      raise ValueError(
+          "batch leaves must share the leading batch axis, but their leading sizes differ: "
+          f"{listing}. Give every leaf of the batch arguments the same first dimension."
+      )
     raise ValueError(
-        "batch leaves must share the leading batch axis, but their leading sizes differ: "
-        f"{listing}. Give every leaf of the batch arguments the same first dimension."
+        "batch leaves must share the batch size, but their sizes along their batch axes "
+        f"(batch_axis) differ: {listing}. Give every leaf the same size along its batch axis, "
+        "or fix batch_axis (one int for all batch arguments, or one entry per argument)."
     )
   return next(iter(sizes.values()))
+
+
+def size_note(batch_args: dict[Any, PyTree], axes: dict[Any, PyTree]) -> str:
+  """`` (axis a of <leaf> of shape s)`` for messages about the batch size, when the batch
+  axis is not the leading one; empty otherwise."""
+  for key, tree in batch_args.items():
+    for (path, leaf), a in zip(jax.tree_util.tree_leaves_with_path(tree),
+                               jax.tree.leaves(axes[key]), strict=True):
+      if a:
+        return (f" (the size of batch_axis={a} of batch leaf "
+                f"{_label(key)}{jax.tree_util.keystr(path)}, shape {tuple(np.shape(leaf))})")
+  return ""
 
 
 def is_key(leaf: Any) -> bool:
@@ -206,11 +352,12 @@ def _near(options: list[int], target: int) -> str:
 
 
 def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: int | None,
-                  shards: int = 1, where: str = "") -> int:
+                  shards: int = 1, where: str = "", of: str = "") -> int:
   """The micro-batch count for a batch of ``size`` rows, with a clear error if none fits.
 
   With ``shards > 1`` (data-parallel mode over ``where``) each of the ``shards`` data
-  shards splits its own ``size // shards`` rows, so the count must divide those.
+  shards splits its own ``size // shards`` rows, so the count must divide those. ``of``
+  (:func:`size_note`) says which axis the size was read from.
   """
   if size == 0:
     raise ValueError(
@@ -221,7 +368,7 @@ def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: in
     if num_micro_batches is not None:
       if size % num_micro_batches:
         raise ValueError(
-            f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}. "
+            f"batch size {size}{of} is not divisible by num_micro_batches={num_micro_batches}. "
             f"Valid counts near it: {_near(divs, num_micro_batches)} (all divisors of {size}: "
             f"{', '.join(map(str, divs))})."
         )
@@ -230,14 +377,14 @@ def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: in
       raise ValueError("pass exactly one of num_micro_batches and micro_batch_size.")
     if size % micro_batch_size:
       raise ValueError(
-          f"batch size {size} is not divisible by micro_batch_size={micro_batch_size}. "
+          f"batch size {size}{of} is not divisible by micro_batch_size={micro_batch_size}. "
           f"Valid sizes near it: {_near(divs, micro_batch_size)} (all divisors of {size}: "
           f"{', '.join(map(str, divs))})."
       )
     return size // micro_batch_size
   if size % shards:
     raise ValueError(
-        f"batch size {size} is not divisible by the data-axis size {shards} "
+        f"batch size {size}{of} is not divisible by the data-axis size {shards} "
         f"(data_axis over {where}): every data shard needs the same number of rows. Use a "
         f"batch size that is a multiple of {shards}."
     )
@@ -253,7 +400,7 @@ def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: in
       )
     if local % count:
       raise ValueError(
-          f"batch size {size} is not divisible by the data-axis size {shards} x "
+          f"batch size {size}{of} is not divisible by the data-axis size {shards} x "
           f"num_micro_batches={count} = {shards * count} (data_axis over {where}). Valid "
           f"counts are the divisors of {local} (batch {size} / {shards} shards): "
           f"{divisors(local)}."
@@ -278,18 +425,39 @@ def resolve_count(size: int, num_micro_batches: int | None, micro_batch_size: in
   return size // micro
 
 
-def split(tree: PyTree, n: int) -> PyTree:
-  """Reshapes each leaf ``(B, ...)`` to ``(B // n, n, ...)``: a bitcast, no data moves."""
-  return jax.tree.map(lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]), tree)
+def _per_leaf(axis: int | PyTree, tree: PyTree) -> PyTree:
+  """``axis`` as a tree like ``tree`` (an int applies to every leaf)."""
+  return jax.tree.map(lambda _: axis, tree) if isinstance(axis, int) else axis
 
 
-def take(tree: PyTree, i: jax.Array) -> PyTree:
-  """Micro-batch ``i`` of a tree made by :func:`split`: rows ``i, i + n, ...``."""
-  return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), tree)
+def split(tree: PyTree, n: int, axis: int | PyTree = 0) -> PyTree:
+  """Reshapes each leaf's batch axis ``a`` of size ``B`` to ``(B // n, n)``: a bitcast, no
+  data moves. ``axis`` is an int or a tree like ``tree`` of non-negative ints."""
+  def one(x, a):
+    return x.reshape(x.shape[:a] + (x.shape[a] // n, n) + x.shape[a + 1:])
+  return jax.tree.map(one, tree, _per_leaf(axis, tree))
+
+
+def take(tree: PyTree, i: jax.Array, axis: int | PyTree = 0) -> PyTree:
+  """Micro-batch ``i`` of a tree made by :func:`split`: rows ``i, i + n, ...`` along each
+  leaf's batch axis, which keeps its place (with ``B // n`` rows)."""
+  return jax.tree.map(lambda x, a: lax.dynamic_index_in_dim(x, i, axis=a + 1, keepdims=False),
+                      tree, _per_leaf(axis, tree))
+
+
+def merge(stacked: jax.Array, axis: int = 0) -> jax.Array:
+  """``(N, ...)`` micro-batch entries, rows along ``axis`` of an entry, back to one array
+  whose ``axis`` holds the ``N * b`` rows in batch order: the inverse of :func:`split`
+  followed by :func:`take` for every ``i``."""
+  n = stacked.shape[0]
+  a = axis % (stacked.ndim - 1)
+  shape = stacked.shape[1:]
+  return jnp.moveaxis(stacked, 0, a + 1).reshape(shape[:a] + (shape[a] * n,) + shape[a + 1:])
 
 
 def split_micro_batches(
-    batch: PyTree, *, num_micro_batches: int | None = None, micro_batch_size: int | None = None
+    batch: PyTree, *, num_micro_batches: int | None = None, micro_batch_size: int | None = None,
+    batch_axis: int | PyTree = 0,
 ) -> PyTree:
   """Splits a batch into stacked micro-batches, the way the transforms do.
 
@@ -299,29 +467,41 @@ def split_micro_batches(
   :func:`jaxaccum.value_and_grad` would use.
 
   Args:
-    batch: a pytree whose leaves share a leading batch axis of size ``B``.
+    batch: a pytree whose leaves share a batch axis of size ``B``.
     num_micro_batches: the number ``N`` of micro-batches; ``B`` must be divisible by it.
     micro_batch_size: alternatively, the rows per micro-batch (``N = B // size``).
+    batch_axis: the batch axis: an int for every leaf, or a pytree prefix of ``batch``
+      with an int at each leaf (negative axes count from the end), as the transforms'
+      ``batch_axis`` entry for one argument. Default 0.
 
   Returns:
-    The same pytree with leaves of shape ``(N, B // N, ...)``; index ``[i]`` is
-    micro-batch ``i``.
+    The same pytree with a new leading axis of size ``N`` on every leaf and its batch axis,
+    in its place, of size ``B // N``: index ``[i]`` is micro-batch ``i``, what ``fun``
+    sees (``x[:, i::N]`` for ``batch_axis=1``).
 
   Raises:
-    ValueError: neither or both counts given, or ``B`` not divisible.
+    ValueError: neither or both counts given, ``B`` not divisible, a batch axis out of
+      range or leaves whose sizes along it differ.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
   >>> jaxaccum.split_micro_batches(jnp.arange(6), num_micro_batches=2)
   Array([[0, 2, 4],
          [1, 3, 5]], dtype=int32)
+  >>> jaxaccum.split_micro_batches(jnp.zeros((5, 6, 3)), num_micro_batches=2,
+  ...                              batch_axis=1).shape
+  (2, 5, 3, 3)
   """
   count, size = check_counts(num_micro_batches, micro_batch_size)
-  n = resolve_count(batch_size({"batch": batch}), count, size)
-  return jax.tree.map(lambda x: x.swapaxes(0, 1), split(batch, n))
+  _check_entry(batch_axis, "batch")
+  args = {"batch": batch}
+  axes = batch_axes(args, (batch_axis,))
+  n = resolve_count(batch_size(args, axes=axes), count, size, of=size_note(args, axes))
+  return jax.tree.map(lambda x, a: jnp.moveaxis(x, a + 1, 0), split(batch, n, axes["batch"]),
+                      axes["batch"])
 
 
-def merge_micro_batches(stacked: PyTree) -> PyTree:
+def merge_micro_batches(stacked: PyTree, *, batch_axis: int | PyTree = 0) -> PyTree:
   """Puts stacked micro-batches back into one batch: the inverse of :func:`split_micro_batches`.
 
   Row ``r`` of micro-batch ``i`` of ``N`` was row ``r * N + i`` of the batch (the
@@ -329,14 +509,18 @@ def merge_micro_batches(stacked: PyTree) -> PyTree:
   per micro-batch (``aux_reduce="stack"``), or for the micro-batches of a reference loop.
 
   Args:
-    stacked: a pytree whose leaves share the leading axes ``(N, b, ...)``: ``N``
-      micro-batches of ``b`` rows.
+    stacked: a pytree whose leaves share a leading axis of ``N`` micro-batches, each with
+      ``b`` rows along its batch axis.
+    batch_axis: the batch axis of one micro-batch (not counting the leading ``N``), as
+      :func:`split_micro_batches` takes it: an int, or a pytree prefix of ``stacked``.
 
   Returns:
-    The same pytree with leaves of shape ``(N * b, ...)`` in the batch's row order.
+    The same pytree without the leading axis, each batch axis holding the ``N * b`` rows in
+    the batch's order.
 
   Raises:
-    ValueError: a leaf with fewer than two axes, or leaves whose leading sizes differ.
+    ValueError: a leaf without a batch axis after the leading one, a batch axis out of
+      range, or leaves whose ``N`` or ``b`` differ.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
@@ -347,22 +531,29 @@ def merge_micro_batches(stacked: PyTree) -> PyTree:
   leaves = jax.tree_util.tree_leaves_with_path(stacked)
   if not leaves:
     raise ValueError(f"stacked has no array leaves, got {describe(stacked)}.")
-  lead = None
+  _check_entry(batch_axis, "stacked")
   for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if len(shape) < 2:
+    if len(np.shape(leaf)) < 2:
       raise ValueError(
-          f"stacked leaf {jax.tree_util.keystr(path) or '(root)'} has shape {shape}; every "
-          "leaf needs the leading axes (num_micro_batches, micro_batch_size, ...), as "
+          f"stacked leaf {jax.tree_util.keystr(path) or '(root)'} has shape {np.shape(leaf)}; "
+          "every leaf needs the leading axes (num_micro_batches, micro_batch_size, ...), as "
           "jaxaccum.split_micro_batches returns them.")
+  # The batch axes of one micro-batch: leaf [0] of each stacked leaf.
+  first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.float32), stacked)
+  axes = batch_axes({"stacked": first}, (batch_axis,))["stacked"]
+  lead = None
+  for (path, leaf), a in zip(leaves, jax.tree.leaves(axes), strict=True):
+    shape = np.shape(leaf)
+    got = (shape[0], shape[a + 1])
     if lead is None:
-      lead = shape[:2]
-    elif shape[:2] != lead:
+      lead = got
+    elif got != lead:
+      what = ("leading (num_micro_batches, micro_batch_size) axes" if not batch_axis else
+              f"(num_micro_batches, micro_batch_size) sizes (axis 0 and batch_axis={batch_axis})")
       raise ValueError(
-          f"stacked leaves must share their leading (num_micro_batches, micro_batch_size) "
-          f"axes, got {lead} and {shape[:2]} at {jax.tree_util.keystr(path)}.")
-  return jax.tree.map(
-      lambda x: jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), stacked)
+          f"stacked leaves must share their {what}, got {lead} and {got} at "
+          f"{jax.tree_util.keystr(path)}.")
+  return jax.tree.map(merge, stacked, axes)
 
 
 def check_counts(

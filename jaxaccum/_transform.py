@@ -357,16 +357,18 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   hint = (" The batch is argument 1 by default (batch_argnums=1) when it is passed: pass "
           "batch_argnums=() if only batch_argnames name the batch." if opts.batch_optional
           else "")
-  size = _split.batch_size(batches, hint)
+  axes = _split.batch_axes(batches, opts.batch_axis)
+  size = _split.batch_size(batches, hint, axes)
   if n is None:
-    n = _split.resolve_count(size, opts.count, opts.size)
+    n = _split.resolve_count(size, opts.count, opts.size, of=_split.size_note(batches, axes))
   for j in roles.rng:
     _check_keys(opts, j, args[j], size, roles.batch)
   for j in roles.diff:
     _check_inexact(opts, j, args[j])
-  _sharding.check_split_sharding(batches, n)
-  split = {j: _split.split(args[j], n) for j in roles.batch}
-  split_kw = {k: _split.split(kwargs[k], n) for k in roles.batch_names}
+  _sharding.check_split_sharding(batches, n, axes)
+  axis = dict(zip((*roles.batch, *roles.batch_names), axes.values(), strict=True))
+  split = {j: _split.split(args[j], n, axis[j]) for j in roles.batch}
+  split_kw = {k: _split.split(kwargs[k], n, axis[k]) for k in roles.batch_names}
   state0 = tuple(args[j] for j in roles.state)
   params = tuple(args[j] for j in roles.diff)
   groups = make_groups(opts)
@@ -399,12 +401,12 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   def micro(i, state, count):
     call_args = list(args)
     for j in roles.batch:
-      call_args[j] = _split.take(split[j], i)
+      call_args[j] = _split.take(split[j], i, axis[j])
     for j in roles.rng:
       call_args[j] = jax.tree.map(lambda k: jax.random.fold_in(k, i), args[j])
     for j, s in zip(roles.state, state, strict=True):
       call_args[j] = s
-    kw = {k: _split.take(split_kw[k], i) for k in roles.batch_names}
+    kw = {k: _split.take(split_kw[k], i, axis[k]) for k in roles.batch_names}
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
     if opts.per_example_transform is not None:
@@ -624,7 +626,8 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
   traced, shapes = jax.make_jaxpr(problem.micro, return_shape=True)(
       jnp.int32(0), problem.state0, count)
   warn_whole_batch(opts, problem, traced.consts, shards)
-  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows,
+                                     _split.common_axis(opts.batch_axis))
   acc = opts.accumulator_dtype
 
   def acc_dtype(dtype):
