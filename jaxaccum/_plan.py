@@ -297,11 +297,13 @@ class _Trial(NamedTuple):
 
 def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget: Any,
             search: str, shards: int = 1, *, target: _gpu_target.GpuTarget | None = None,
-            verbose: bool | None = None, context: Callable[[], Any] | None = None) -> Plan:
+            verbose: bool | None = None, context: Callable[[], Any] | None = None,
+            batch_axis: Any = 0) -> Plan:
   budget = _check_search(budget, search, verbose)
   argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
   argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
-  size = _split.batch_size({j: args[j] for j in argnums})
+  batches = {j: args[j] for j in argnums}
+  size = _split.batch_size(batches, axes=_split.batch_axes(batches, batch_axis))
   devices = _devices(args)
   if budget is None:
     budget = _target_budget(target) if target is not None else _default_budget(devices)
@@ -627,7 +629,7 @@ def plan(
       _sharding.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
   return _search(make, args, batch_argnums, memory_budget_bytes, search, shards=shards,
-                 target=gpu, verbose=verbose)
+                 target=gpu, verbose=verbose, batch_axis=options.get("batch_axis", 0))
 
 
 _VALUE_AND_GRAD_OPTIONS = tuple(

@@ -138,6 +138,23 @@ def test_plan_count_gives_full_batch_gradients():
   assert_close(grads, ref_grads)
 
 
+def test_plan_reads_the_batch_size_along_batch_axis():
+  # A time-major batch (T, B, F): the planner's counts divide B (axis 1), not T.
+  def loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  x = jax.random.normal(jax.random.key(1), (3, BATCH, 8))
+  budget = xla_bytes(jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=16, batch_axis=1)).lower(w, x).compile())
+  p = jaxaccum.plan(loss, w, x, memory_budget_bytes=budget, batch_axis=1, search="all")
+  assert p.batch_size == BATCH
+  assert [c.num_micro_batches for c in p.candidates] == [1, 2, 4, 8, 16, 32, 64]
+  assert p.num_micro_batches <= 16
+  ref = jax.value_and_grad(loss)(w, x)
+  assert_close(p.compiled(w, x), ref)
+
+
 def linear_loss(w, batch):
   x, y = batch
   return jnp.mean((x @ w - y) ** 2)
