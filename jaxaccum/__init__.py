@@ -7,6 +7,7 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
+from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
 from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
@@ -64,6 +65,7 @@ __all__ = (
     "batch_size_ramp",
     "capture_gpu_target",
     "collectives",
+    "evaluate",
     "grad",
     "merge_micro_batches",
     "pipeline",
