@@ -30,6 +30,7 @@ bench: $(STAMP) $(GPU_STAMP)
 	$(BIN)/python benchmarks/bench_accumulation.py
 	$(BIN)/python benchmarks/bench_sharding.py
 	$(BIN)/python benchmarks/bench_features.py
+	$(BIN)/python benchmarks/bench_evaluate.py
 	$(BIN)/python benchmarks/bench_pipeline.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_gpu_target.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
@@ -38,6 +39,7 @@ bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_sharding.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_features.py
+	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_evaluate.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 test: $(STAMP)

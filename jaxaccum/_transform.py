@@ -687,7 +687,7 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
     if opts.evaluating:  # evaluate returns each term, as fun returns them
       value = terms_out
 
-  grads = ()
+  grads: PyTree = ()  # nothing differentiated (evaluate): no gradients
   if problem.groups:
     grads = divide_groups(problem.groups, carry.grads,
                           lambda g: divisor(g.divisor, kept, carry.den))
