@@ -478,3 +478,14 @@ def test_bench_evaluate_methods_agree_and_write_results(tmp_path):
     close(row["value"], float(loss_fn(params, batch)))
   assert "| jaxaccum.evaluate | 4 |" in (tmp_path / "evaluate.md").read_text()
   assert results["mlp"]["counts"] == [4]
+
+
+def test_parameters_with_the_batch_rows_do_not_warn_at_one_row_micro_batches():
+  # Under evaluate nothing is differentiated, yet argument 0 is still the parameters: a
+  # (B,) parameter next to one-row micro-batches is no whole-batch broadcast (the suite
+  # turns warnings into errors).
+  w, x = jnp.arange(8.0), jnp.arange(8.0)
+  ev = jaxaccum.evaluate(lambda w, x: jnp.sum(w) * jnp.mean(x), micro_batch_size=1)
+  close(ev(w, x), jnp.sum(w) * jnp.mean(x))
+  with pytest.warns(jaxaccum.BatchBroadcastWarning, match="keyword argument 'y'"):
+    jaxaccum.evaluate(lambda w, x, *, y: jnp.mean(x * y), micro_batch_size=1)(w, x, y=x)
