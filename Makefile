@@ -31,6 +31,7 @@ bench: $(STAMP) $(GPU_STAMP)
 	$(BIN)/python benchmarks/bench_sharding.py
 	$(BIN)/python benchmarks/bench_features.py
 	$(BIN)/python benchmarks/bench_per_example.py
+	$(BIN)/python benchmarks/bench_evaluate.py
 	$(BIN)/python benchmarks/bench_pipeline.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_gpu_target.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
@@ -40,6 +41,7 @@ bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_sharding.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_features.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_per_example.py
+	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_evaluate.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 test: $(STAMP)

@@ -7,6 +7,7 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
+from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
 from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
@@ -66,6 +67,7 @@ __all__ = (
     "capture_gpu_target",
     "clip_per_example",
     "collectives",
+    "evaluate",
     "grad",
     "merge_micro_batches",
     "pipeline",

@@ -1,17 +1,19 @@
-"""The public transforms, ``jaxaccum.value_and_grad`` and ``jaxaccum.grad``, as objects.
+"""The public transforms, ``jaxaccum.value_and_grad``, ``grad`` and ``evaluate``, as objects.
 
 :func:`value_and_grad` validates its options once (:class:`jaxaccum._options.Options`) and
 returns a :class:`ValueAndGrad`: a callable object that holds them (as equinox's
 ``filter_value_and_grad`` returns a Module and flax's ``nnx.grad`` a wrapped function). A
 call runs the core (:func:`jaxaccum._transform.accumulate`) or, under ``data_axis``, the
 data-parallel driver (:func:`jaxaccum._data_parallel.data_parallel`), and returns what
-:func:`jax.value_and_grad` would (:func:`pack`). :class:`Grad` drops the value; the adapters
+:func:`jax.value_and_grad` would (:func:`pack`). :class:`Grad` drops the value;
+:class:`Evaluate` runs the same core with nothing differentiated; the adapters
 (``jaxaccum.nnx``, ``jaxaccum.eqx``, ``jaxaccum.linen``) build on the same two objects.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ def value_and_grad(
     loss_weights: dict[str, float] | None = None,
     aux_reduce: Any = None,
     rng_argnums: ArgNums | None = None,
+    rng_argnames: ArgNames | None = None,
     state_argnums: ArgNums | None = None,
     accumulator_dtype: DTypeLike | None = None,
     grads_dtype: DTypeLike | None = None,
@@ -111,7 +114,11 @@ def value_and_grad(
       ``optax.microbatching.Accumulator``, run as ``optax.microbatch`` runs it (not under
       ``data_axis``: it has no rule across shards).
     rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
-      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``.
+      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``. Per-example keys (one
+      row per example) are batch data: name them in ``batch_argnums``.
+    rng_argnames: keyword argument(s) holding a PRNG key (or a pytree of keys), folded
+      per micro-batch as ``rng_argnums`` are (``loss_fn(params, batch, *, key)`` with
+      ``rng_argnames="key"``).
     state_argnums: positional argument(s) holding mutable state (e.g. Linen
       ``batch_stats``) that ``fun`` returns updated: ``fun`` then returns
       ``(value, new_state)``, or ``(value, (new_state, aux))`` with ``has_aux=True``.
@@ -199,6 +206,109 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """
   vg = value_and_grad(fun, **options)
   return Grad(vg, has_extra=vg.options.has_extra, with_info=vg.options.with_info)
+
+
+def evaluate(
+    fun: Callable[..., Any],
+    *,
+    num_micro_batches: int | None = None,
+    micro_batch_size: int | None = None,
+    has_aux: bool = False,
+    reduce: str | dict[str, Any] = "mean",
+    aux_reduce: Any = None,
+    batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
+    batch_argnames: ArgNames | None = None,
+    batch_axis: int | tuple[Any, ...] = 0,
+    rng_argnums: ArgNums | None = None,
+    rng_argnames: ArgNames | None = None,
+    state_argnums: ArgNums | None = None,
+    accumulator_dtype: DTypeLike | None = None,
+    unroll: int | bool = 1,
+    data_axis: str | Sequence[str] | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    skip_nonfinite: bool = False,
+) -> Callable[..., Any]:
+  """``fun`` on the full batch, computed one micro-batch at a time in one ``lax.scan``.
+
+  The forward-only counterpart of :func:`value_and_grad`, for evaluation over a batch whose
+  activations do not fit at once (eval loss and metrics of a large validation batch,
+  per-example scores, a distillation teacher's logits). The batch is split as
+  :func:`value_and_grad` splits it, ``fun`` runs on each micro-batch without a backward
+  pass, and its outputs are reduced by the same rules, so the result is what ``fun``
+  returns on the full batch: the compiled program holds one micro-batch's activations.
+
+  Every option means what it means for :func:`value_and_grad`; those about gradients
+  (``argnums``, ``grads_dtype``, ``remat``, ``with_info``, ``loss_weights``) do not exist
+  here. Two differences: with a dict ``reduce`` the value is the dict of terms, each
+  normalised over the whole batch by its own rule (no weighted total), and integer counts
+  go in aux (summed by default), not in the value.
+
+  Args:
+    fun: the function to evaluate, ``fun(params, batch, ...)``, returning a value as
+      ``reduce`` says (a mean, a sum, ``(numerator, denominator)`` or a dict of terms),
+      or ``(value, aux)`` with ``has_aux``.
+    num_micro_batches, micro_batch_size: the split; give exactly one.
+    has_aux, reduce, aux_reduce: as for :func:`value_and_grad` (``aux_reduce="concat"``
+      returns per-example rows in batch order).
+    batch_argnums, batch_argnames, batch_axis, rng_argnums, rng_argnames, state_argnums:
+      the arguments' roles and the batch's axis, as for :func:`value_and_grad`.
+    accumulator_dtype, unroll, data_axis, mesh, skip_nonfinite: as for
+      :func:`value_and_grad`.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``value``, or ``(value, aux)`` with
+    ``has_aux``; with ``state_argnums``, ``(value, new_state)`` or ``(value, (new_state,
+    aux))``. It takes the optional keyword ``active_micro_batches``, as
+    :func:`value_and_grad` does.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> def metrics(w, batch):
+  ...   x, y = batch
+  ...   err = (x @ w - y) ** 2
+  ...   return jnp.mean(err), err
+  >>> w = jnp.ones(3)
+  >>> batch = (jnp.arange(24.0).reshape(8, 3), jnp.arange(8.0))
+  >>> ev = jax.jit(jaxaccum.evaluate(metrics, num_micro_batches=4, has_aux=True,
+  ...                                aux_reduce="concat"))
+  >>> loss, per_row = ev(w, batch)
+  >>> ref_loss, ref_rows = metrics(w, batch)
+  >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(per_row, ref_rows))
+  (True, True)
+  """
+  given = dict(locals())
+  return Evaluate(_options.make_options(**{**_gradient_defaults(), **given, "argnums": ()},
+                                        evaluate=True))
+
+
+def _gradient_defaults() -> dict[str, Any]:
+  """:func:`value_and_grad`'s keyword options at their defaults: what :func:`evaluate`
+  does not set (the options about gradients) is left as a plain :func:`value_and_grad`
+  leaves it."""
+  params = inspect.signature(value_and_grad).parameters.values()
+  return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+
+
+class Evaluate:
+  """What :func:`evaluate` returns: ``fun`` run per micro-batch, with its validated options.
+
+  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns what
+  ``fun`` returns on the full batch. ``options`` holds the frozen
+  :class:`jaxaccum._options.Options` (nothing differentiated); ``__wrapped__`` is ``fun``.
+  """
+
+  def __init__(self, options: Options):
+    self.options = options
+    functools.update_wrapper(self, options.fun)
+
+  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
+    opts = self.options
+    run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
+    value, extra, _, _ = run(opts, args, kwargs, active_micro_batches)
+    return (value, extra) if opts.has_extra else value
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.evaluate of {self.options.fun!r}>"
 
 
 class ValueAndGrad:

@@ -23,10 +23,10 @@ per-micro-batch loss, come out right, while stacked per-row arrays keep one shar
 micro-batch shape and are combined element-wise, not gathered. Under ``reduce="weighted"``
 stacked entries are averaged over shards without weights. Mutable state is threaded per
 shard; at the end its floating leaves are averaged over shards, integer leaves (counters)
-take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``) is
-folded with the shard index and then the micro-batch index; keys carried in the state (e.g.
-``nnx.Rngs``) are not, so every shard draws the same masks for its own rows: pass keys
-through ``rng_argnums`` when shards must draw independently.
+take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``,
+``rng_argnames``) is folded with the shard index and then the micro-batch index; keys
+carried in the state (e.g. ``nnx.Rngs``) are not, so every shard draws the same masks for
+its own rows: pass keys through ``rng_argnums`` when shards must draw independently.
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     for j in roles.rng:
       largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard),
                               _sharding._vary(largs[j], axes))
+    for k in roles.rng_names:
+      lkwargs[k] = jax.tree.map(lambda key: jax.random.fold_in(key, shard),
+                                _sharding._vary(lkwargs[k], axes))
 
     def across(carry, stacked, kinds):
       meta["kinds"] = kinds
@@ -171,7 +174,8 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
     is_batch = key in roles.batch or key in roles.batch_names
     label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
     kind = ("state argument" if key in roles.state else
-            "PRNG key argument" if key in roles.rng else None) if isinstance(key, int) else None
+            "PRNG key argument" if key in roles.rng else None) if isinstance(key, int) else (
+                "PRNG key argument" if key in roles.rng_names else None)
     along = jax.tree.leaves(batch_axes[key]) if is_batch else None
     for k, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(value)):
       if not _sharding._is_array(x):

@@ -28,6 +28,7 @@ class Roles(NamedTuple):
   rng: tuple[int, ...]
   state: tuple[int, ...]
   batch_names: tuple[str, ...]
+  rng_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Options:
   terms: tuple[_reduce.Term, ...]
   aux_reduce: Any
   rng_argnums: tuple[int, ...]
+  rng_argnames: tuple[str, ...]
   state_argnums: tuple[int, ...]
   state_is_tuple: bool
   accumulator_dtype: np.dtype | None
@@ -67,6 +69,11 @@ class Options:
     return self.has_aux or bool(self.state_argnums)
 
   @property
+  def evaluating(self) -> bool:
+    """Evaluation (:func:`jaxaccum.evaluate`): no argument is differentiated."""
+    return not self.argnums
+
+  @property
   def single_term(self) -> bool:
     return isinstance(self.reduce, str)
 
@@ -84,7 +91,7 @@ class Options:
       batch = (1,) if nargs > 1 and 1 not in diff + rng + state else ()
     else:
       batch = res("batch_argnums", self.batch_argnums)
-    roles = Roles(diff, batch, rng, state, self.batch_argnames)
+    roles = Roles(diff, batch, rng, state, self.batch_argnames, self.rng_argnames)
     _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
                            "rng_argnums": roles.rng, "state_argnums": roles.state})
     missing = [k for k in self.batch_argnames if k not in kwargs]
@@ -94,6 +101,13 @@ class Options:
           f"the function was called with keyword arguments {sorted(kwargs) or 'none'}. Pass "
           f"the batch by keyword, e.g. f(params, {missing[0]}=batch), or name it by "
           "position with batch_argnums.")
+    missing = [k for k in self.rng_argnames if k not in kwargs]
+    if missing:
+      raise ValueError(
+          f"rng_argnames={self.rng_argnames!r} names keyword argument(s) {missing}, but "
+          f"the function was called with keyword arguments {sorted(kwargs) or 'none'}. Pass "
+          f"the key by keyword, e.g. f(params, batch, {missing[0]}=key), or name it by "
+          "position with rng_argnums.")
     return roles
 
 
@@ -135,11 +149,15 @@ def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str,
 def make_options(
     fun: Any, *, num_micro_batches: Any, micro_batch_size: Any, argnums: Any,
     batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
-    aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
-    grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
-    with_info: Any, skip_nonfinite: Any, per_example_transform: Any,
-    batch_axis: Any) -> Options:
-  """Validates every option eagerly and returns the frozen :class:`Options`."""
+    aux_reduce: Any, rng_argnums: Any, rng_argnames: Any, state_argnums: Any,
+    accumulator_dtype: Any, grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any,
+    data_axis: Any, mesh: Any, with_info: Any, skip_nonfinite: Any,
+    per_example_transform: Any, batch_axis: Any, evaluate: bool = False) -> Options:
+  """Validates every option eagerly and returns the frozen :class:`Options`.
+
+  ``evaluate=True`` is :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is
+  differentiated) is allowed only there.
+  """
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
   count, size = _split.check_counts(num_micro_batches, micro_batch_size)
@@ -178,14 +196,23 @@ def make_options(
   axes = _sharding.check_data_axis(data_axis)
   state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
   check_per_example(per_example_transform, reduce, terms)
+  rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
+  both = sorted(set(rng_names) & set(names))
+  if both:
+    raise ValueError(
+        f"rng_argnames={rng_names!r} and batch_argnames={names!r} both name {both}: an "
+        "argument can have only one role. One key for the whole batch, folded per "
+        "micro-batch, goes in rng_argnames; per-example keys (one row per example) are batch "
+        "data and go in batch_argnames.")
   return Options(
       fun=fun, count=count, size=size,
-      argnums=_split.normalize_argnums("argnums", argnums, allow_empty=False),
+      argnums=_split.normalize_argnums("argnums", argnums, allow_empty=evaluate),
       argnums_is_int=not isinstance(argnums, (tuple, list)),
       batch_argnums=batch, batch_argnames=names, batch_optional=optional, batch_axis=axis,
       has_aux=has_aux,
       reduce=reduce, terms=terms, aux_reduce=aux_reduce,
       rng_argnums=_split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True),
+      rng_argnames=rng_names,
       state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),
       accumulator_dtype=_reduce.check_dtype("accumulator_dtype", accumulator_dtype),
       grads_dtype=_reduce.check_dtype("grads_dtype", grads_dtype),

@@ -103,6 +103,8 @@ def divide_groups(groups: tuple[Group, ...], accs: tuple, divisor_of: Callable[[
 
 
 def make_groups(opts: Options) -> tuple[Group, ...]:
+  if opts.evaluating:  # nothing differentiated: no gradient accumulators
+    return ()
   groups: dict[Any, list[int]] = {}
   for t, term in enumerate(opts.terms):
     groups.setdefault(divisor_key(t, term), []).append(t)
@@ -135,11 +137,15 @@ def _check_scalar(name: str, value: Any, what: str, hint: str = "") -> jax.Array
   return value
 
 
-def _check_real(name: str, value: jax.Array) -> None:
+def _check_real(name: str, value: jax.Array, evaluating: bool = False) -> None:
   if not jnp.issubdtype(value.dtype, jnp.floating):
+    why = ("to be reduced as a loss term (means divide it)" if evaluating else
+           "to be differentiated")
+    hint = (" An integer count belongs in aux (has_aux=True), where it is summed." if
+            evaluating else "")
     raise TypeError(
-        f"{name} must have a floating dtype to be differentiated, got {_describe(value)}. "
-        "Cast it with .astype(jnp.float32).")
+        f"{name} must have a floating dtype {why}, got {_describe(value)}. "
+        f"Cast it with .astype(jnp.float32).{hint}")
 
 
 def _term_value(opts: Options, term: _reduce.Term, value: Any):
@@ -155,7 +161,7 @@ def _term_value(opts: Options, term: _reduce.Term, value: Any):
           f"{' with aux as ((numerator, denominator), aux)' if opts.has_extra else ''}; "
           f"got {_describe(value)}.")
     num = _check_scalar(f"the numerator of {what}", value[0], "(the summed loss)")
-    _check_real(f"the numerator of {what}", num)
+    _check_real(f"the numerator of {what}", num, opts.evaluating)
     den = _check_scalar(f"the denominator of {what}", value[1], "(the count or total weight)")
     if not (jnp.issubdtype(den.dtype, jnp.integer) or jnp.issubdtype(den.dtype, jnp.floating)):
       raise TypeError(
@@ -168,7 +174,7 @@ def _term_value(opts: Options, term: _reduce.Term, value: Any):
         "has_aux=True; if it returns (numerator, denominator) such as (summed token loss, "
         "token count), pass reduce='weighted'.")
   num = _check_scalar(where, value, term.kind.returns, hint)
-  _check_real(where, num)
+  _check_real(where, num, opts.evaluating)
   return num, None
 
 
@@ -246,8 +252,15 @@ def unpack(opts: Options, out: Any):
   return nums, dens, new_state, aux
 
 
-def _check_keys(opts: Options, argnum: int, tree: PyTree, size: int,
-                batch: tuple[int, ...]) -> None:
+def _check_keys(opts: Options, argnum: int | str, tree: PyTree, size: int,
+                batch: tuple[int, ...], batch_names: tuple[str, ...] = ()) -> None:
+  """Every leaf of a key argument (``argnum`` a position, or a keyword's name) is one key."""
+  if isinstance(argnum, str):
+    option, label = "rng_argnames", f"keyword argument {argnum!r}"
+    as_batch = f"batch_argnames={tuple(sorted((*batch_names, argnum)))}"
+  else:
+    option, label = "rng_argnums", opts.label(argnum)
+    as_batch = f"batch_argnums={tuple(sorted((*batch, argnum)))}"
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not _split.is_key(leaf):
       shape = np.shape(leaf)
@@ -256,13 +269,12 @@ def _check_keys(opts: Options, argnum: int, tree: PyTree, size: int,
           len(shape) == 1 and typed or len(shape) == 2 and _split.is_key(leaf[0]))
       hint = (
           f" Its leading axis of size {size} is the batch's: per-example keys are "
-          "per-example data. Pass them as a batch argument (batch_argnums="
-          f"{tuple(sorted((*batch, argnum)))}) instead of rng_argnums, and each "
-          "micro-batch gets its own rows of keys." if per_example else
+          f"per-example data. Pass them as a batch argument ({as_batch}) instead of "
+          f"{option}, and each micro-batch gets its own rows of keys." if per_example else
           " Pass one key from jax.random.key(seed) (or jax.random.PRNGKey), or a pytree "
           "of them; micro-batch i gets fold_in(key, i), so there is no need to split it.")
       raise TypeError(
-          f"rng_argnums names {opts.label(argnum)}, but its leaf "
+          f"{option} names {label}, but its leaf "
           f"{jax.tree_util.keystr(path) or '(root)'} is {_describe(leaf)}, not a single PRNG "
           f"key.{hint}")
 
@@ -363,6 +375,8 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     n = _split.resolve_count(size, opts.count, opts.size, of=_split.size_note(batches, axes))
   for j in roles.rng:
     _check_keys(opts, j, args[j], size, roles.batch)
+  for k in roles.rng_names:
+    _check_keys(opts, k, kwargs[k], size, roles.batch, roles.batch_names)
   for j in roles.diff:
     _check_inexact(opts, j, args[j])
   _sharding.check_split_sharding(batches, n, axes)
@@ -407,17 +421,22 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     for j, s in zip(roles.state, state, strict=True):
       call_args[j] = s
     kw = {k: _split.take(split_kw[k], i, axis[k]) for k in roles.batch_names}
+    kw_keys = {k: jax.tree.map(lambda key: jax.random.fold_in(key, i), kwargs[k])
+               for k in roles.rng_names}
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
-    if opts.per_example_transform is not None:
-      nums, dens, new_state, aux, grads = per_example(
-          opts, groups, lambda kw1, d, r: inner(count, kw1, *d, *r), diff, kw, rest,
-          tuple(role_pos[nd:]), roles)
-      grads = [grads]
+    grads = []
+    if opts.evaluating:  # forward only: no jax.vjp, no gradients
+      _, (nums, dens, new_state, aux) = inner(count, {**kw, **kw_keys}, *vals)
+    elif opts.per_example_transform is not None:
+      nums, dens, new_state, aux, example_grads = per_example(
+          opts, groups, lambda kw1, d, r: inner(count, kw1, *d, *r), diff, kw, kw_keys, rest,
+          tuple(role_pos[nd:]), roles, axis)
+      grads = [example_grads]
     else:
+      kw = {**kw, **kw_keys}
       objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
           lambda *d: inner(count, kw, *d, *rest), *diff, has_aux=True)
-      grads = []
       for k in range(len(groups)):
         cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
                     for h, o in enumerate(objectives))
@@ -432,7 +451,10 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   for key, tree in [*enumerate(args), *kwargs.items()]:
     if key in roles.batch or key in roles.batch_names:
       continue
-    if key in roles.diff or key in roles.state or key in roles.rng:
+    # Under evaluate nothing is differentiated: positional arguments passed whole are the
+    # parameters, which never warn.
+    if (key in roles.diff or key in roles.state or key in roles.rng
+        or key in roles.rng_names or (opts.evaluating and isinstance(key, int))):
       own += jax.tree.leaves(tree)
       continue
     label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
@@ -444,23 +466,29 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
 
 
 def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any], diff: list,
-                kw: dict, rest: list, rest_pos: tuple[int, ...], roles: _options.Roles):
+                kw: dict, kw_keys: dict, rest: list, rest_pos: tuple[int, ...],
+                roles: _options.Roles, axis: dict):
   """One micro-batch's contribution under ``per_example_transform``.
 
   ``jax.vmap`` over the micro-batch's rows runs ``f(kw, diff, rest)`` (``inner``) on each
   example as a batch of one, transforms each example's gradient, and reduces the examples
   to the micro-batch's values as the loss kind says (mean or sum; a weighted term sums
   numerators and denominators) and each aux leaf as its reduction says. Example ``r`` gets
-  ``fold_in(key, r)`` of the micro-batch's key; state is shared by the examples and must
-  come back the same from each. Returns ``(nums, dens, new_state, aux, grads)``.
+  ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already folded
+  per micro-batch); state is shared by the examples and must come back the same from each.
+  ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
+  ``(nums, dens, new_state, aux, grads)``.
   """
   assert len(groups) == 1, "check_per_example allows one normalisation"
-  leaves = jax.tree.leaves(([v for v, j in zip(rest, rest_pos, strict=True)
-                             if j in roles.batch], kw))
-  rows = leaves[0].shape[0]
+  batch = [(v, axis[j]) for v, j in zip(rest, rest_pos, strict=True) if j in roles.batch]
+  batch += [(kw[k], axis[k]) for k in kw]
+  leaf, along = next((x, a) for v, ax in batch
+                     for x, a in zip(jax.tree.leaves(v), jax.tree.leaves(ax), strict=True))
+  rows = leaf.shape[along]
 
-  def one_row(tree):  # (b, ...) -> (b, 1, ...): vmap hands each example a batch of one
-    return jax.tree.map(lambda x: x.reshape((x.shape[0], 1) + x.shape[1:]), tree)
+  def one_row(tree, axes):
+    # (.., b, ..) -> (.., b, 1, ..), mapped over the batch axis: each example a batch of one.
+    return jax.tree.map(lambda x, a: jnp.expand_dims(x, a + 1), tree, axes)
 
   def keys(tree):
     return jax.tree.map(
@@ -469,8 +497,8 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   mapped, axes = [], []
   for v, j in zip(rest, rest_pos, strict=True):
     if j in roles.batch:
-      mapped.append(one_row(v))
-      axes.append(0)
+      mapped.append(one_row(v, axis[j]))
+      axes.append(axis[j])
     elif j in roles.rng:
       mapped.append(keys(v))
       axes.append(0)
@@ -480,8 +508,9 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   transform = opts.per_example_transform
   assert transform is not None
 
-  def example(kw1, rest1):
-    objectives, vjp, out = jax.vjp(lambda *d: f(kw1, d, rest1), *diff, has_aux=True)
+  def example(kw1, keys1, rest1):
+    objectives, vjp, out = jax.vjp(lambda *d: f({**kw1, **keys1}, d, rest1), *diff,
+                                   has_aux=True)
     grads = vjp(tuple(jnp.ones_like(o) for o in objectives))
     given = grads[0] if opts.argnums_is_int else grads
     new = transform(given)
@@ -498,8 +527,9 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
 
   try:
     (nums, dens, new_state, aux), grads = jax.vmap(
-        example, in_axes=(0, tuple(axes)), out_axes=((0, 0, None, 0), 0))(
-            one_row(kw), tuple(mapped))
+        example, in_axes=({k: axis[k] for k in kw}, 0, tuple(axes)),
+        out_axes=((0, 0, None, 0), 0))(
+            {k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped))
   except ValueError as e:
     if not (roles.state and "out_axes" in str(e)):
       raise
@@ -772,14 +802,18 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
     value = functools.reduce(
         jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
     terms_out = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
+    if opts.evaluating:  # evaluate returns each term, as fun returns them
+      value = terms_out
 
-  grads = divide_groups(problem.groups, carry.grads,
-                        lambda g: divisor(g.divisor, kept, carry.den))
-  grads_s = shapes.grads[0]
-  grads = jax.tree.map(
-      lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
-      grads, grads_s)
-  grads = _sharding.align(grads, problem.params)
+  grads: PyTree = ()  # nothing differentiated (evaluate): no gradients
+  if problem.groups:
+    grads = divide_groups(problem.groups, carry.grads,
+                          lambda g: divisor(g.divisor, kept, carry.den))
+    grads_s = shapes.grads[0]
+    grads = jax.tree.map(
+        lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
+        grads, grads_s)
+    grads = _sharding.align(grads, problem.params)
 
   wt = aux_weight_term(opts)
   aux_div = carry.den[wt] if wt is not None else kept
@@ -822,6 +856,11 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
   )
 
 
+# The names of the three steps in the compiled program's op_name metadata and in profiles.
+SCOPES = {"scan": "jaxaccum/micro_batches", "combine": "jaxaccum/reduce",
+          "finalize": "jaxaccum/finalize"}
+
+
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
                n: int | None = None, shards: int = 1,
                combine: Callable[..., Any] | None = None):
@@ -829,16 +868,21 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
 
   ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
   or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
-  once after the loop and returns ``(carry, stacked)``.
+  once after the loop and returns ``(carry, stacked)``. Each step runs under its
+  :func:`jax.named_scope` (:data:`SCOPES`), so its ops carry the name in the compiled
+  program's ``op_name`` metadata and in profiler traces.
   """
   problem = prepare(opts, args, kwargs, n)
   if active is not None:
     active = check_active(active, problem.n)
-  carry, stacked, shapes, kinds = scan(opts, problem, active, shards)
+  with jax.named_scope(SCOPES["scan"]):
+    carry, stacked, shapes, kinds = scan(opts, problem, active, shards)
   if combine is not None:
-    carry, stacked = combine(carry, stacked, kinds)
+    with jax.named_scope(SCOPES["combine"]):
+      carry, stacked = combine(carry, stacked, kinds)
   static = None if (opts.skip_nonfinite or active is not None) else problem.n * shards
-  return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
+  with jax.named_scope(SCOPES["finalize"]):
+    return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
 
 
 def check_active(active: Any, n: int) -> jax.Array:

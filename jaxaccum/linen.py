@@ -39,7 +39,7 @@ from jaxaccum import _api, _data_parallel, _options, _reduce, _sharding, _split,
 from jaxaccum._multisteps import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
-__all__ = ("apply_gradients", "make_train_step", "value_and_grad")
+__all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
 
 def _check_fun(fun: Any) -> None:
@@ -174,6 +174,47 @@ def value_and_grad(
       rng_argnums=3, has_aux=has_aux, **options)
 
   return core
+
+
+def evaluate(
+    fun: Callable[..., Any],
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    **options: Any,
+) -> Callable[..., Any]:
+  """:func:`jaxaccum.evaluate` for a Linen ``fun(params, batch, model_state, rngs, ...)``.
+
+  The forward-only counterpart of :func:`value_and_grad`, with its argument layout and its
+  rules: ``model_state`` is threaded through the micro-batches in order (``{}`` for a model
+  evaluated with ``use_running_average=True``), each key of ``rngs`` is folded per
+  micro-batch (``{}`` without dropout), and ``fun`` returns ``(value, new_model_state)``,
+  or ``(value, (new_model_state, aux))`` with ``has_aux=True``. The returned function
+  takes the same arguments with the full batch and returns the same structure, reduced
+  over the micro-batches as :func:`jaxaccum.evaluate` documents; ``**options`` are
+  :func:`jaxaccum.evaluate`'s.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import flax.linen as nn
+  >>> import jaxaccum
+  >>> model = nn.Dense(2)
+  >>> x = jnp.ones((8, 3))
+  >>> params = model.init(jax.random.key(0), x)["params"]
+  >>> def eval_fn(params, x, model_state, rngs):
+  ...   return jnp.mean(model.apply({"params": params}, x) ** 2), model_state
+  >>> loss, _ = jaxaccum.linen.evaluate(eval_fn, num_micro_batches=4)(params, x, {}, {})
+  >>> bool(jnp.allclose(loss, eval_fn(params, x, {}, {})[0]))
+  True
+  """
+  for name in _RESERVED:
+    if name in options:
+      raise TypeError(
+          f"jaxaccum.linen.evaluate takes no {name}= option: the argument layout is fixed, "
+          "fun(params, batch, model_state, rngs, ...), with model_state threaded and the "
+          "keys of rngs folded per micro-batch.")
+  _check_fun(fun)
+  return _api.evaluate(_match_state(fun, has_aux), batch_argnums=batch_argnums,
+                       state_argnums=2, rng_argnums=3, has_aux=has_aux, **options)
 
 
 def make_train_step(

@@ -215,6 +215,40 @@ def test_rng_example_r_of_micro_batch_i_gets_fold_in_key_i_r():
                               rtol=1e-5, atol=1e-6)
 
 
+def test_keyword_key_under_rng_argnames_is_folded_per_example_too():
+  params, batch = _problem(8)
+  key = jax.random.key(9)
+  n = 4
+
+  def noisy(p, batch, *, key):
+    x, y = batch
+    keep = jax.random.bernoulli(key, 0.5, x.shape)
+    return jnp.mean((_pred(p, jnp.where(keep, x, 0.0)) - y) ** 2)
+
+  grads = jax.jit(jaxaccum.grad(noisy, num_micro_batches=n, rng_argnames="key",
+                                per_example_transform=CLIP))(params, batch, key=key)
+  ref = [CLIP(_jgrad(functools.partial(noisy, key=jax.random.fold_in(
+      jax.random.fold_in(key, j % n), j // n)))(params, _rows(batch, j))) for j in range(B)]
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda *g: sum(g) / B, *ref),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_time_major_batch_under_batch_axis_one_matches_the_per_example_loop():
+  # x is (T, B, D): example j is x[:, j]; the per-example loop slices that axis by hand.
+  params, (x, y) = _problem(10)
+  xt = jnp.stack([x, 0.5 * x, -x])  # (3, B, D)
+
+  def seq_loss(p, xt, y):
+    return jnp.mean((jnp.mean(jax.vmap(_pred, (None, 0))(p, xt), axis=0) - y) ** 2)
+
+  grads = jax.jit(jaxaccum.grad(seq_loss, num_micro_batches=4, batch_argnums=(1, 2),
+                                batch_axis=(1, 0), per_example_transform=CLIP))(params, xt, y)
+  g = jax.jit(jax.grad(seq_loss))
+  ref = [CLIP(g(params, xt[:, j:j + 1], y[j:j + 1])) for j in range(B)]
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda *a: sum(a) / B, *ref),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_state_shared_by_examples_passes_and_per_example_state_is_an_error():
   params, batch = _problem(7)
 
