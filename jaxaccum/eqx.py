@@ -99,11 +99,11 @@ class _ValueAndGradWrapper:
   """
 
   def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
+    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
     self.fun = fun
     self.has_aux = has_aux
     self.check_state = not options.get("state_argnums")
     self.core = _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
-    functools.update_wrapper(self, fun)
 
   def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
     diff, static = eqx.partition(model, eqx.is_inexact_array)

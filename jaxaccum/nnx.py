@@ -463,13 +463,13 @@ class _ValueAndGradWrapper:
 
   def __init__(self, fun: Callable[..., Any], wrt: Any, batch_argnums: Any, batch_argnames: Any,
                rng_argnums: Any, has_aux: bool, options: dict[str, Any]):
+    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
     self.layout = _check_layout(fun, options, batch_argnums, batch_argnames, rng_argnums)
     self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
     self.wrt_pred = _wrt_predicate(wrt)
     self.core = _api.value_and_grad(
         fun, **_core_options(self.layout, options, batch_argnames, has_aux))
     self.signature = _inner_signature(fun)
-    functools.update_wrapper(self, fun)
 
   def __repr__(self) -> str:
     return f"<jaxaccum.nnx.value_and_grad of {self.fun!r}>"
