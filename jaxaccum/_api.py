@@ -12,6 +12,7 @@ data-parallel driver (:func:`jaxaccum._data_parallel.data_parallel`), and return
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -333,6 +334,11 @@ class ValueAndGrad:
 
   def __repr__(self) -> str:
     return f"<jaxaccum.value_and_grad of {self.options.fun!r}>"
+
+  def with_fun(self, fun: Callable[..., Any]) -> ValueAndGrad:
+    """The same validated options around another ``fun``: the adapters build their inner
+    function per call (it closes over the call's static parts) and run it through this."""
+    return ValueAndGrad(dataclasses.replace(self.options, fun=fun))
 
 
 class Grad:

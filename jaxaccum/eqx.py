@@ -17,7 +17,6 @@ not differentiated, as equinox returns them.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +27,6 @@ import jax
 from jaxaccum import _api
 
 __all__ = ("filter_grad", "filter_value_and_grad")
-
-_STATIC: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxaccum_eqx_static")
 
 
 def filter_value_and_grad(
@@ -90,26 +87,46 @@ def filter_value_and_grad(
     raise TypeError(
         f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
         f"{type(fun).__name__}.")
+  return _ValueAndGradWrapper(fun, has_aux, options)
 
-  @functools.wraps(fun)  # the core names arguments by fun's parameter names
-  def inner(diff, *args, **kwargs):
-    out = fun(eqx.combine(diff, _STATIC.get()), *args, **kwargs)
-    if not options.get("state_argnums"):
-      _check_no_state(out, args, has_aux)
-    return out
 
-  core = _api.value_and_grad(inner, argnums=0, has_aux=has_aux, **options)
+class _ValueAndGradWrapper:
+  """What :func:`filter_value_and_grad` returns (as equinox's ``_ValueAndGradWrapper``).
 
-  @functools.wraps(fun)
-  def value_and_grad_fn(model, *args, **kwargs):
+  It holds ``fun`` and the core transform, whose options are validated once, here. A call
+  partitions the model; the core then runs a function built for that call, which closes
+  over the model's static part and differentiates its inexact arrays (argument 0).
+  """
+
+  def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
+    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
+    self.fun = fun
+    self.has_aux = has_aux
+    self.check_state = not options.get("state_argnums")
+    self.core = _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
+
+  def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
     diff, static = eqx.partition(model, eqx.is_inexact_array)
-    token = _STATIC.set(static)
-    try:
-      return core(diff, *args, **kwargs)
-    finally:
-      _STATIC.reset(token)
+    return self.core.with_fun(self._inner(static))(diff, *args, **kwargs)
 
-  return value_and_grad_fn
+  def _inner(self, static: Any) -> Callable[..., Any]:
+    """``fun`` of the differentiated part, with this call's ``static`` part of the model."""
+
+    @functools.wraps(self.fun)  # the core names arguments by fun's parameter names
+    def inner(diff, *args, **kwargs):
+      out = self.fun(eqx.combine(diff, static), *args, **kwargs)
+      if self.check_state:
+        _check_no_state(out, args, self.has_aux)
+      return out
+
+    return inner
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.eqx.filter_value_and_grad of {self.fun!r}>"
+
+  def __get__(self, instance: Any, owner: Any = None) -> Any:
+    """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
+    return self if instance is None else functools.partial(self, instance)
 
 
 def _check_no_state(out: Any, args: tuple, has_aux: bool) -> None:

@@ -11,7 +11,8 @@ and run on top of :func:`jaxaccum.value_and_grad`, built once when the transform
    ``BatchStat``, the keys and counters of ``nnx.Rngs`` streams, other ``Variable``\\ s, and
    all variables of the NNX objects in other arguments);
 2. one ``lax.scan`` runs ``fun`` on each micro-batch, differentiating the ``wrt`` variables
-   and threading the rest from micro-batch ``i`` into micro-batch ``i + 1``;
+   and threading the rest from micro-batch ``i`` into micro-batch ``i + 1`` (a value that
+   ``fun`` writes to a ``wrt`` variable too, as ``nnx.value_and_grad`` keeps it);
 3. the NNX objects are updated in place with ``nnx.update`` and the gradients come back as
    the ``wrt`` state, ready for ``nnx.Optimizer(model, tx, wrt=...).update(model, grads)``.
 
@@ -31,7 +32,6 @@ What this means for common layers:
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -152,28 +152,43 @@ def _fill(stripped: Any, slots: _Slots | None, nodes: Sequence[Any]) -> Any:
   return jax.tree.unflatten(slots.treedef, leaves)
 
 
+@jax.custom_jvp
+def _rebase(x: Any, at: Any) -> Any:
+  """``at``'s value with ``x``'s derivative (an identity in ``x``).
+
+  Micro-batch ``i`` differentiates the ``wrt`` variables (the core's argument 0, the same
+  in every micro-batch) at the values that micro-batch ``i - 1`` wrote to them (carried in
+  the threaded state), as one ``nnx.value_and_grad`` per micro-batch would. Where nothing
+  writes, ``at`` is ``x``'s value, carried through the scan unchanged.
+  """
+  del x
+  return at
+
+
+@_rebase.defjvp
+def _rebase_jvp(primals: tuple, tangents: tuple) -> tuple:
+  return primals[1], tangents[0]
+
+
 class _Call(NamedTuple):
-  """What one call passes to the function traced inside the core (never traced itself)."""
+  """What one call closes over in the function the core runs (never traced itself)."""
 
   graphdef: Any
-  rest_flat: Any  # nnx.to_flat_state of the threaded variables, for messages
+  old: dict[tuple, Any]  # path -> Variable, of every split variable, for the checks
   arg_slots: dict[int, _Slots]  # core positional index -> slots
   kw_slots: dict[str, _Slots]
   labels: tuple[str, ...]  # a name for each threaded node, for messages
-
-
-_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("jaxaccum_nnx_call")
+  written: set[int]  # leaves of the wrt state that fun wrote (filled while tracing)
 
 
 def _node_path(labels: Sequence[str], path: Sequence[Any]) -> str:
   return str(labels[path[0]]) + _attr_path(path[1:])
 
 
-def _check_rest(call: _Call, new_graphdef: Any, new_rest: Any) -> None:
-  """The threaded variables after ``fun`` must match those before, path by path."""
-  new_flat = nnx.to_flat_state(new_rest)
-  old = {tuple(p): v for p, v in call.rest_flat}
-  new = {tuple(p): v for p, v in new_flat}
+def _check_variables(call: _Call, new_graphdef: Any, *new_states: Any) -> None:
+  """The variables after ``fun`` must match those before, path by path."""
+  new = {tuple(p): v for s in new_states for p, v in nnx.to_flat_state(s)}
+  old = call.old
   added = [p for p in new if p not in old]
   removed = [p for p in old if p not in new]
   if added or removed or new_graphdef != call.graphdef:
@@ -236,11 +251,11 @@ def value_and_grad(
   function takes the same arguments with the full batch, returns the full-batch value and
   the gradients with respect to the model's ``wrt`` variables, and updates the model's
   other state (BatchNorm statistics, RNG stream counters, any ``Variable`` that ``fun``
-  writes) in place, as :func:`flax.nnx.value_and_grad` does. Micro-batch ``i`` holds rows
-  ``i, i + N, i + 2N, ...`` of every leaf of the batch arguments and sees the state left by
-  micro-batch ``i - 1``. Call it inside :func:`flax.nnx.jit`; ``fun`` is traced a constant
-  number of times, whatever ``N`` is, and a second step with the same shapes does not
-  retrace.
+  writes, a ``wrt`` variable included) in place, as :func:`flax.nnx.value_and_grad` does.
+  Micro-batch ``i`` holds rows ``i, i + N, i + 2N, ...`` of every leaf of the batch arguments
+  and sees the state (and ``wrt`` values) left by micro-batch ``i - 1``. Call it inside
+  :func:`flax.nnx.jit`; ``fun`` is traced a constant number of times, whatever ``N`` is,
+  and a second step with the same shapes does not retrace.
 
   Which arguments are split: the positional arguments named by ``batch_argnums`` (by
   default argument 1, the one after the model) and the keyword arguments named by
@@ -313,6 +328,25 @@ def value_and_grad(
   >>> bool(jnp.allclose(loss, ref_loss))
   True
   """
+  return _ValueAndGradWrapper(fun, wrt, batch_argnums, batch_argnames, rng_argnums, has_aux,
+                              options)
+
+
+class _Layout(NamedTuple):
+  """The argument roles that :func:`value_and_grad` was given, checked against ``fun``."""
+
+  optional: bool  # the default batch_argnums=1 with batch_argnames: only if it is passed
+  batch: tuple[int, ...]  # batch_argnums, in fun's positions
+  rng: tuple[int, ...]  # rng_argnums, in fun's positions
+  batch_names: tuple[str, ...]
+  default_batch: bool  # batch_argnums was not given (messages say "by default")
+  names: list[str]  # fun's positional parameter names, for messages
+  fun_name: str
+
+
+def _check_layout(fun: Any, options: dict[str, Any], batch_argnums: Any, batch_argnames: Any,
+                  rng_argnums: Any) -> _Layout:
+  """The construction-time checks of :func:`value_and_grad`'s arguments."""
   for name, why in _RESERVED.items():
     if name in options:
       raise TypeError(f"jaxaccum.nnx.value_and_grad takes no {name}= option: {why}.")
@@ -324,10 +358,9 @@ def value_and_grad(
     batch_argnums = _options.BATCH_ARGNUMS
   # As in the core: with batch_argnames, the default batch argument 1 applies when passed.
   optional = batch_argnums is _options.BATCH_ARGNUMS and batch_argnames is not None
-  user_batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
-  user_rng = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
-  needed = 1 + max((j for j in (() if optional else user_batch) + user_rng if j >= 0),
-                   default=0)
+  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
+  rng = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
+  needed = 1 + max((j for j in (() if optional else batch) + rng if j >= 0), default=0)
   found = _split.short_signature(fun, needed)
   if found:
     raise TypeError(
@@ -338,138 +371,228 @@ def value_and_grad(
         "accumulated function with the full batch. Pack the inputs and targets into one "
         "batch pytree such as (x, y), or name keyword batch arguments with "
         "batch_argnames=('batch',).")
-  both = [] if optional else sorted(set(user_batch) & set(user_rng))
+  both = [] if optional else sorted(set(batch) & set(rng))
   if both:
     raise ValueError(
         f"rng_argnums={rng_argnums!r} names argument {both[0]}, which is the batch "
-        f"(batch_argnums={user_batch}). rng_argnums must point at PRNG-key arguments, such "
+        f"(batch_argnums={batch}). rng_argnums must point at PRNG-key arguments, such "
         "as fun(model, batch, key) with rng_argnums=2. Keys inside the model (nnx.Rngs) need "
         "no option: they are threaded and advance by themselves.")
+  batch_names = ((batch_argnames,) if isinstance(batch_argnames, str)
+                 else tuple(batch_argnames or ()))
+  return _Layout(optional, batch, rng, batch_names, batch_argnums is _options.BATCH_ARGNUMS,
+                 _param_names(fun), getattr(fun, "__name__", "fun"))
+
+
+def _wrt_predicate(wrt: Any) -> Callable[[Any, Any], bool]:
   try:
-    wrt_pred = nnx.filterlib.to_predicate(wrt)
+    return nnx.filterlib.to_predicate(wrt)
   except (TypeError, ValueError):
     raise TypeError(
         f"wrt must be an NNX filter such as nnx.Param, a Variable type, a tuple of filters or "
         f"nnx.All(...), got wrt={wrt!r}.") from None
 
-  def model_pred(path, value):
-    # Node 0 is the model; the user's filter sees paths from the model's root.
-    return bool(path) and path[0] == 0 and wrt_pred(tuple(path[1:]), value)
 
-  def inner(diff, *args, **kwargs):
-    call = _CALL.get()
-    args, rest = args[:-1], args[-1]
-    # Fresh Variable objects, owned by this trace, so that fun may write to them.
-    diff, rest = jax.tree.map(lambda x: x, (diff, rest))
-    nodes = nnx.merge(call.graphdef, diff, rest)
-    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(j), nodes)
-                              for j, a in enumerate(args, start=1)]
-    call_kwargs = {name: _fill(v, call.kw_slots.get(name), nodes)
-                   for name, v in kwargs.items()}
-    out = fun(*call_args, **call_kwargs)
-    if has_aux:
-      if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(
-            f"fun must return (value, aux) because has_aux=True, got {_split.describe(out)}.")
-      value, aux = out
-    else:
-      value, aux = out, None
-    new_graphdef, _, new_rest = nnx.split(nodes, model_pred, ...)
-    _check_rest(call, new_graphdef, new_rest)
-    return (value, (new_rest, aux)) if has_aux else (value, new_rest)
+def _core_options(layout: _Layout, options: dict[str, Any], batch_argnames: Any,
+                  has_aux: bool) -> dict[str, Any]:
+  """The core's options: fun's positions shifted past the threaded state, passed last."""
 
-  sig = _inner_signature(fun)
-  if sig is not None:
-    inner.__signature__ = sig  # type: ignore[attr-defined]
-  inner.__name__ = getattr(fun, "__name__", "fun")
-  inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
-
-  def shift(argnums):  # fun's positions -> the core's (the threaded state comes last)
+  def shift(argnums):
     return tuple(j if j >= 0 else j - 1 for j in argnums)
 
-  core_options = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
-  if user_rng:
-    core_options["rng_argnums"] = shift(user_rng)
-  if not optional:
-    core_options["batch_argnums"] = shift(user_batch)
+  core = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
+  if layout.rng:
+    core["rng_argnums"] = shift(layout.rng)
+  if not layout.optional:
+    core["batch_argnums"] = shift(layout.batch)
   if batch_argnames is not None:
-    core_options["batch_argnames"] = batch_argnames
-  core = _api.value_and_grad(inner, **core_options)
-  batch_names = ((batch_argnames,) if isinstance(batch_argnames, str)
-                 else tuple(batch_argnames or ()))
-  fun_name = getattr(fun, "__name__", "fun")
-  names = _param_names(fun)
+    core["batch_argnames"] = batch_argnames
+  return core
 
-  @functools.wraps(fun)
-  def value_and_grad_fn(*args, **kwargs):
+
+class _Threaded(NamedTuple):
+  """One call's NNX objects, threaded, and its arguments with holes where they were."""
+
+  nodes: tuple[Any, ...]  # the model first, then the NNX objects of the other arguments
+  labels: tuple[str, ...]
+  args: tuple[Any, ...]  # the positional arguments after the model
+  kwargs: dict[str, Any]
+  arg_slots: dict[int, _Slots]
+  kw_slots: dict[str, _Slots]
+
+
+def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[int, ...]
+            ) -> _Threaded:
+  """Takes every NNX object out of the arguments not in ``split`` (batch and key arguments)."""
+  nodes: list[Any] = [args[0]]
+  labels: list[str] = [_arg_label(layout.names, 0)]
+  core_args: list[Any] = []
+  arg_slots: dict[int, _Slots] = {}
+  for j, a in enumerate(args[1:], start=1):
+    if j in split:
+      core_args.append(a)
+      continue
+    stripped, slots, found = _strip(a, len(nodes))
+    core_args.append(stripped)
+    if slots is not None:
+      arg_slots[j] = slots
+      labels += _labels(_arg_label(layout.names, j), a)
+      nodes += found
+  core_kwargs: dict[str, Any] = {}
+  kw_slots: dict[str, _Slots] = {}
+  for name, v in kwargs.items():
+    stripped, slots, found = _strip(v, len(nodes))
+    core_kwargs[name] = stripped
+    if slots is not None:
+      kw_slots[name] = slots
+      labels += _labels(name, v)
+      nodes += found
+  return _Threaded(tuple(nodes), tuple(labels), tuple(core_args), core_kwargs, arg_slots,
+                   kw_slots)
+
+
+class _ValueAndGradWrapper:
+  """What :func:`value_and_grad` returns (as flax's ``nnx.value_and_grad`` wraps ``fun``).
+
+  It holds ``fun``, the checked argument roles and the core transform, whose options are
+  validated once, here. A call checks its arguments, splits the NNX objects into the
+  ``wrt`` state (the core's argument 0) and the threaded state (the core's last argument:
+  the other variables and the values the ``wrt`` variables hold), runs the core on a
+  function built for that call (:meth:`_inner`), and writes the results back.
+  """
+
+  def __init__(self, fun: Callable[..., Any], wrt: Any, batch_argnums: Any, batch_argnames: Any,
+               rng_argnums: Any, has_aux: bool, options: dict[str, Any]):
+    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
+    self.layout = _check_layout(fun, options, batch_argnums, batch_argnames, rng_argnums)
+    self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
+    self.wrt_pred = _wrt_predicate(wrt)
+    self.core = _api.value_and_grad(
+        fun, **_core_options(self.layout, options, batch_argnames, has_aux))
+    self.signature = _inner_signature(fun)
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.nnx.value_and_grad of {self.fun!r}>"
+
+  def __get__(self, instance: Any, owner: Any = None) -> Any:
+    """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
+    return self if instance is None else functools.partial(self, instance)
+
+  def model_pred(self, path: Sequence[Any], value: Any) -> bool:
+    """The ``wrt`` filter on the threaded nodes: node 0 is the model, whose root the user's
+    filter sees paths from."""
+    return bool(path) and path[0] == 0 and self.wrt_pred(tuple(path[1:]), value)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    split = self._check_call(args, kwargs)
+    threaded = _thread(self.layout, args, kwargs, split)
+    graphdef, diff, rest = nnx.split(threaded.nodes, self.model_pred, ...)
+    if not jax.tree.leaves(diff):
+      raise ValueError(
+          f"the model {type(args[0]).__name__} has no variables matching wrt={self.wrt!r}, "
+          "so there is nothing to differentiate. Pass the filter of the variables to train, "
+          "e.g. wrt=nnx.Param, and check that the model was built with them.")
+    old = {tuple(p): v for s in (diff, rest) for p, v in nnx.to_flat_state(s)}
+    call = _Call(graphdef, old, threaded.arg_slots, threaded.kw_slots, threaded.labels, set())
+    core = self.core.with_fun(self._inner(call))
+    out = core(diff, *threaded.args, (rest, diff), **threaded.kwargs)
+    return self._write_back(call, threaded.nodes, out)
+
+  def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """Checks the model and the split arguments; returns the batch and key positions."""
+    layout = self.layout
     if not args:
       raise TypeError(
-          f"the accumulated {fun_name} must be called with the model as its first positional "
-          "argument, fun(model, batch, ...); got no positional arguments.")
-    model = args[0]
-    if not isinstance(model, nnx.Pytree):
+          f"the accumulated {layout.fun_name} must be called with the model as its first "
+          "positional argument, fun(model, batch, ...); got no positional arguments.")
+    if not isinstance(args[0], nnx.Pytree):
       raise TypeError(
-          f"the first argument ({_arg_label(names, 0)}) must be an NNX object such as an "
-          f"nnx.Module, got {_split.describe(model)}. For plain pytrees of parameters use "
-          "jaxaccum.value_and_grad.")
-    rng_pos = _positions("rng_argnums", user_rng, len(args), fun_name, names)
-    batch_pos = (((1,) if len(args) > 1 and 1 not in rng_pos else ()) if optional else
-                 _positions("batch_argnums", user_batch, len(args), fun_name, names))
+          f"the first argument ({_arg_label(layout.names, 0)}) must be an NNX object such as "
+          f"an nnx.Module, got {_split.describe(args[0])}. For plain pytrees of parameters "
+          "use jaxaccum.value_and_grad.")
+    rng_pos = _positions("rng_argnums", layout.rng, len(args), layout.fun_name, layout.names)
+    batch_pos = (((1,) if len(args) > 1 and 1 not in rng_pos else ()) if layout.optional else
+                 _positions("batch_argnums", layout.batch, len(args), layout.fun_name,
+                            layout.names))
     for j in batch_pos + rng_pos:
       if _has_node(args[j]):
         _raise_node_in_batch(args, j, "batch_argnums" if j in batch_pos else "rng_argnums",
-                             batch_argnums is _options.BATCH_ARGNUMS, names)
-    for name in batch_names:
+                             layout.default_batch, layout.names)
+    for name in layout.batch_names:
       if name in kwargs and _has_node(kwargs[name]):
         raise TypeError(
             f"batch_argnames names {name!r}, which holds an NNX object; NNX objects are "
             f"threaded through the micro-batches, never split: drop {name!r} from "
             "batch_argnames.")
+    return batch_pos + rng_pos
 
-    # Every NNX object outside the batch arguments is threaded with the model.
-    nodes: list[Any] = [model]
-    labels: list[str] = [_arg_label(names, 0)]
-    core_args: list[Any] = []
-    arg_slots: dict[int, _Slots] = {}
-    for j, a in enumerate(args[1:], start=1):
-      if j in batch_pos or j in rng_pos:
-        core_args.append(a)
-        continue
-      stripped, slots, found = _strip(a, len(nodes))
-      core_args.append(stripped)
-      if slots is not None:
-        arg_slots[j] = slots
-        labels += _labels(_arg_label(names, j), a)
-        nodes += found
-    core_kwargs: dict[str, Any] = {}
-    kw_slots: dict[str, _Slots] = {}
-    for name, v in kwargs.items():
-      stripped, slots, found = _strip(v, len(nodes))
-      core_kwargs[name] = stripped
-      if slots is not None:
-        kw_slots[name] = slots
-        labels += _labels(name, v)
-        nodes += found
+  def _inner(self, call: _Call) -> Callable[..., Any]:
+    """The function the core runs for this call: ``inner(diff, *args, (rest, at), **kw)``,
+    named like ``fun`` and with its signature (the threaded state added), for messages."""
 
-    graphdef, diff, rest = nnx.split(tuple(nodes), model_pred, ...)
-    if not jax.tree.leaves(diff):
-      raise ValueError(
-          f"the model {type(model).__name__} has no variables matching wrt={wrt!r}, so "
-          "there is nothing to differentiate. Pass the filter of the variables to train, "
-          "e.g. wrt=nnx.Param, and check that the model was built with them.")
-    call = _Call(graphdef, nnx.to_flat_state(rest), arg_slots, kw_slots, tuple(labels))
-    token = _CALL.set(call)
-    try:
-      out = core(diff, *core_args, rest, **core_kwargs)
-    finally:
-      _CALL.reset(token)
+    def inner(diff, *args, **kwargs):
+      return self._micro_batch(call, diff, args, kwargs)
+
+    if self.signature is not None:
+      inner.__signature__ = self.signature  # type: ignore[attr-defined]
+    inner.__name__ = self.layout.fun_name
+    inner.__qualname__ = getattr(self.fun, "__qualname__", inner.__name__)
+    return inner
+
+  def _micro_batch(self, call: _Call, diff: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``fun`` on one micro-batch, on the NNX objects rebuilt from ``diff`` and the state."""
+    args, (rest, at) = args[:-1], args[-1]
+    # Fresh Variable objects, owned by this trace, so that fun may write to them.
+    seen = jax.tree.map(_rebase, diff, at)
+    rest = jax.tree.map(lambda x: x, rest)
+    # The merged Variables are seen's own, and fun may write to them: note what they hold.
+    given = [tuple(jax.tree.leaves(v)) for _, v in nnx.to_flat_state(seen)]
+    nodes = nnx.merge(call.graphdef, seen, rest)
+    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(j), nodes)
+                              for j, a in enumerate(args, start=1)]
+    call_kwargs = {name: _fill(v, call.kw_slots.get(name), nodes)
+                   for name, v in kwargs.items()}
+    out = self.fun(*call_args, **call_kwargs)
+    if self.has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          f"fun must return (value, aux) because has_aux=True, got {_split.describe(out)}.")
+    value, aux = out if self.has_aux else (out, None)
+    new_graphdef, new_diff, new_rest = nnx.split(nodes, self.model_pred, ...)
+    _check_variables(call, new_graphdef, new_diff, new_rest)
+    state = (new_rest, _carry_writes(call, given, new_diff, at))
+    return (value, (state, aux)) if self.has_aux else (value, state)
+
+  def _write_back(self, call: _Call, nodes: tuple, out: tuple) -> Any:
+    """Updates the NNX objects in place and returns the core's output without the state."""
     (value, extra), grads, *info = out
-    new_rest, aux = extra if has_aux else (extra, None)
-    nnx.update(tuple(nodes), new_rest)
-    return _api.pack(value, aux, grads[0], info[0] if info else None,
-                           has_extra=has_aux, with_info=bool(info))
+    (new_rest, new_at), aux = extra if self.has_aux else (extra, None)
+    nnx.update(nodes, new_rest)
+    if call.written:
+      flat = list(nnx.to_flat_state(new_at))
+      nnx.update(nodes, nnx.from_flat_state([flat[k] for k in sorted(call.written)]))
+    return _api.pack(value, aux, grads[0], info[0] if info else None, has_extra=self.has_aux,
+                     with_info=bool(info))
 
-  return value_and_grad_fn
+
+def _carry_writes(call: _Call, given: list[tuple], new_diff: Any, at: Any) -> Any:
+  """The ``wrt`` values for the next micro-batch: what ``fun`` wrote, else ``at`` itself.
+
+  A variable is written when its value after ``fun`` is another array than the one it was
+  given (``given``: per ``wrt`` variable, the leaves that ``fun`` was called on); its index
+  is recorded in ``call.written`` so that the call writes it back. An unwritten value is
+  ``at`` itself, so that the scan's carry passes it through unchanged (and
+  :func:`jax.lax.scan` moves it out of the loop).
+  """
+  flat_new, flat_at = list(nnx.to_flat_state(new_diff)), list(nnx.to_flat_state(at))
+  out = []
+  for k, ((path, v_new), (_, v_at), leaves) in enumerate(
+      zip(flat_new, flat_at, given, strict=True)):
+    if any(a is not b for a, b in zip(jax.tree.leaves(v_new), leaves, strict=True)):
+      call.written.add(k)
+      out.append((path, v_new))
+    else:
+      out.append((path, v_at))
+  return nnx.from_flat_state(out)
 
 
 def _raise_node_in_batch(args: tuple, j: int, role: str, default: bool, names: list[str]):

@@ -160,3 +160,35 @@ def test_eqx_state_is_threaded_through_the_micro_batches_in_order():
   assert_close(grads_acc, jax.tree.map(lambda *g: sum(g) / N, *grads))
   assert_close(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), new_state),
                jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), ref_state))
+
+
+def test_nested_call_inside_another_accumulated_loss():
+  """An accumulated function called inside another's loss (re-entrant): each call combines
+  its own model's static part (relu for the student, tanh for the teacher)."""
+  n, m = 2, 2
+  student = eqx.nn.MLP(4, 3, 8, depth=1, activation=jax.nn.relu, key=jax.random.key(0))
+  teacher = eqx.nn.MLP(4, 3, 8, depth=1, activation=jnp.tanh, key=jax.random.key(1))
+
+  def teacher_loss(teacher, x):
+    return jnp.mean(jax.vmap(teacher)(x) ** 2)
+
+  inner = jaxaccum.eqx.filter_value_and_grad(teacher_loss, num_micro_batches=m)
+
+  def student_loss(model, x, teacher, vg):
+    t_loss, t_grads = vg(teacher, x)
+    g2 = sum(jnp.sum(g ** 2) for g in jax.tree.leaves(t_grads))
+    return jnp.mean(jax.vmap(model)(x) ** 2) * (1.0 + g2) + t_loss
+
+  def ref_inner(teacher, x):  # the inner accumulation by hand: x[j::m]
+    outs = [eqx.filter_value_and_grad(teacher_loss)(teacher, x[j::m]) for j in range(m)]
+    return jax.tree.map(lambda *o: sum(o) / m, *outs)
+
+  x, _ = data(3)
+  step = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
+      lambda model, x, teacher: student_loss(model, x, teacher, inner), num_micro_batches=n))
+  loss, grads = step(student, x, teacher)
+  ref_vg = eqx.filter_jit(eqx.filter_value_and_grad(
+      lambda model, x, teacher: student_loss(model, x, teacher, ref_inner)))
+  refs = [ref_vg(student, x[i::n], teacher) for i in range(n)]
+  chex.assert_trees_all_close((loss, grads), jax.tree.map(lambda *r: sum(r) / n, *refs),
+                              rtol=1e-5, atol=1e-6)

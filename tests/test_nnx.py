@@ -523,3 +523,76 @@ def test_nnx_object_as_keyword_argument_is_threaded():
   batch = (jnp.ones((4, 4)), jnp.ones((4, 2)))
   ref = nnx.value_and_grad(lambda model, batch: loss_fn(model, batch, rngs=None))(model, batch)
   assert_close(grad_fn(model, batch, rngs=nnx.Rngs(1)), ref)
+
+
+class SpectralHead(nnx.Module):
+  """A spectrally normalised layer (power iteration written back into its kernel and ``u``)
+  and a Param that the forward pass updates in place (an EMA of the inputs)."""
+
+  def __init__(self, rngs):
+    self.sn = nnx.SpectralNorm(nnx.Linear(4, 3, rngs=rngs), rngs=rngs)
+    self.center = nnx.Param(jnp.zeros(4))
+
+  def __call__(self, x):
+    self.center[...] = 0.5 * self.center[...] + 0.5 * jax.lax.stop_gradient(x.mean(0))
+    return self.sn(x - self.center[...], update_stats=True)
+
+
+def test_writes_to_differentiated_variables_are_threaded_like_nnx_value_and_grad():
+  """A write to a wrt variable (SpectralNorm's kernel, a Param updated in place) is kept,
+  as nnx.value_and_grad keeps it, and micro-batch i + 1 sees micro-batch i's."""
+  n = 4
+  model, ref_model = SpectralHead(nnx.Rngs(0)), SpectralHead(nnx.Rngs(0))
+  x, y = data("mlp", 0, batch_size=8)
+  step = nnx.jit(jaxaccum.nnx.value_and_grad(classify_loss, num_micro_batches=n))
+  loss, grads = step(model, (x, y))
+  (ref_loss, ref_grads), _ = sequential_reference(ref_model, classify_loss, (x, y), n)
+  chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(arrays(model), arrays(ref_model), rtol=1e-5, atol=1e-6)
+  # Not the model left by a single step on the full batch.
+  full = SpectralHead(nnx.Rngs(0))
+  nnx.jit(nnx.value_and_grad(classify_loss))(full, (x, y))
+  assert not np.allclose(model.center[...], full.center[...])
+
+
+class Teacher(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(4, 3, rngs=rngs)
+    self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+  def __call__(self, x):
+    self.calls[...] += 1
+    return self.lin(x)
+
+
+def teacher_loss(teacher, x):
+  return jnp.mean(jnp.tanh(teacher(x)) ** 2)
+
+
+def test_nested_call_inside_another_accumulated_loss():
+  """An accumulated function called inside another's loss (re-entrant): each call keeps its
+  own model, and the teacher's gradients and counter thread through both loops."""
+  n, m = 2, 2
+  inner = jaxaccum.nnx.value_and_grad(teacher_loss, num_micro_batches=m)
+
+  def student_loss(model, x, teacher, vg):
+    t_loss, t_grads = vg(teacher, x)
+    g2 = sum(jnp.sum(g ** 2) for g in jax.tree.leaves(t_grads))
+    return jnp.mean(model(x) ** 2) * (1.0 + g2) + t_loss
+
+  def ref_inner(teacher, x):  # the inner accumulation by hand: x[j::m], in order
+    outs = [nnx.value_and_grad(teacher_loss)(teacher, xj) for xj in micro_batches(x, m)]
+    return jax.tree.map(lambda *o: sum(o) / m, *outs)
+
+  model, teacher = MLP(nnx.Rngs(0)), Teacher(nnx.Rngs(1))
+  ref_model, ref_teacher = MLP(nnx.Rngs(0)), Teacher(nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(5), (8, 4))
+  step = nnx.jit(jaxaccum.nnx.value_and_grad(
+      lambda model, x, teacher: student_loss(model, x, teacher, inner), num_micro_batches=n))
+  loss, grads = step(model, x, teacher)
+  ref_vg = nnx.jit(nnx.value_and_grad(
+      lambda model, x, teacher: student_loss(model, x, teacher, ref_inner)))
+  refs = [ref_vg(ref_model, xi, ref_teacher) for xi in micro_batches(x, n)]
+  chex.assert_trees_all_close((loss, grads), jax.tree.map(lambda *r: sum(r) / n, *refs),
+                              rtol=1e-5, atol=1e-6)
+  assert int(teacher.calls[...]) == n * m == int(ref_teacher.calls[...])
