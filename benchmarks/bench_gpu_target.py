@@ -62,7 +62,6 @@ GIB = 2.0**30
 ALL_NS = (1, 2, 4, 8, 16, 32)
 QUICK_NS = (1, 4, 16)
 COLLECTIVE_N = 4
-COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 NOTE = ("Compiled-program figures, not timings: every program was compiled for a described "
         "GPU on a machine without one (jaxaccum.target_mesh) and never run. Without the "
         "device XLA does not autotune, so on a real GPU the autotuner may choose other GEMM "
@@ -191,7 +190,6 @@ def methods(loss_fn, batch_size: int, n: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- HLO text
 
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_OP = re.compile(r"=\s*(.+?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -236,22 +234,16 @@ def _loops(text: str):
   return comps, live, _reachable(comps, bodies)
 
 
-def collectives(text: str) -> list[dict[str, Any]]:
-  comps, live, in_loop = _loops(text)
+def collectives(compiled) -> list[dict[str, Any]]:
+  """Every collective of a compiled program, read with ``jaxaccum.collectives``: kind,
+  whether it sits in a loop, how many times it runs per step, dtypes, elements and bytes."""
   out = []
-  for c in live:
-    for line in comps[c]:
-      m = _OP.search(line)
-      if m:
-        result = m.group(1)
-        arrays = [(dt, math.prod(int(d) for d in dims.split(",") if d))
-                  for dt, dims in _ARRAY.findall(result) if dt not in ("token",)]
-        # An async start's result holds its operands and its results: count the results.
-        if "-start(" in line and len(arrays) > 1:
-          arrays = arrays[len(arrays) // 2:]
-        out.append({"kind": m.group(2), "in_loop": c in in_loop,
-                    "dtypes": sorted({dt for dt, _ in arrays}),
-                    "elements": int(sum(k for _, k in arrays))})
+  for op in jaxaccum.collectives(compiled):
+    runs = op.executions if op.executions is not None else COLLECTIVE_N ** op.loop_depth
+    out.append({"kind": op.kind, "in_loop": op.in_loop, "executions": runs,
+                "dtypes": sorted({o.dtype for o in op.operands}),
+                "elements": int(sum(math.prod(o.shape) for o in op.operands)),
+                "bytes": op.bytes})
   return out
 
 
@@ -316,8 +308,8 @@ def run_collectives(name, make, cfg, device_counts) -> list[dict[str, Any]]:
       options = {"data_axis": "data", "mesh": mesh} if mode == "data_axis" else {}
       fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=COLLECTIVE_N, **options)
       compiled, seconds = compile_for(fn, args)
-      found = collectives(compiled.as_text())
-      per_step = sum(COLLECTIVE_N if c["in_loop"] else 1 for c in found)
+      found = collectives(compiled)
+      per_step = sum(c["executions"] for c in found)
       rows.append({"model": name, "devices": count, "mode": mode, "n": COLLECTIVE_N,
                    "collectives": found, "per_step": per_step, "compile_s": seconds,
                    "bytes_per_step": bytes_per_step(found), **memory(compiled)})
@@ -345,13 +337,8 @@ def run_fusion(name, make, cfg) -> list[dict[str, Any]]:
 
 
 def bytes_per_step(found: Sequence[dict[str, Any]]) -> int:
-  """Bytes the collectives reduce or move per step (elements x dtype size x executions)."""
-  size = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "f64": 8}
-  total = 0
-  for c in found:
-    width = max((size.get(d, 4) for d in c["dtypes"]), default=4)
-    total += c["elements"] * width * (COLLECTIVE_N if c["in_loop"] else 1)
-  return total
+  """Bytes the collectives reduce or move per step (result bytes x executions)."""
+  return sum(c["bytes"] * c["executions"] for c in found)
 
 
 def summarize(found: Sequence[dict[str, Any]]) -> str:

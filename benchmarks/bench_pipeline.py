@@ -39,7 +39,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -57,7 +56,6 @@ import _common  # noqa: E402
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 STAGES, BLOCKS, BATCH, WIDTH, HIDDEN, CLASSES = 8, 16, 256, 128, 512, 10
 KINDS = ("collective-permute", "all-reduce", "all-gather", "all-to-all", "reduce-scatter")
-_OP = re.compile(r"=\s*\S.*?\s(" + "|".join(KINDS) + r")(?:-start)?\(")
 # name -> (num_repeats, remat)
 METHODS = {"gpipe remat": (1, True), "gpipe": (1, False), "circular R=2 remat": (2, True)}
 
@@ -113,12 +111,11 @@ def bubble(m: int, repeats: int) -> float:
   return 1 - sum(e is not None for row in table for e in row) / (STAGES * len(table))
 
 
-def count_collectives(hlo: str) -> dict[str, int]:
-  """How many collective ops of each kind the compiled program contains (not executions)."""
-  counts = dict.fromkeys(KINDS, 0)
-  for m in _OP.finditer(hlo):
-    counts[m.group(1)] += 1
-  return {k: v for k, v in counts.items() if v}
+def count_collectives(compiled) -> dict[str, int]:
+  """How many collective ops of each kind the compiled program contains (not executions),
+  read with ``jaxaccum.collectives``."""
+  found = jaxaccum.collectives(compiled)
+  return {k: found.count(k) for k in KINDS if found.count(k)}
 
 
 def rel_error(got, ref) -> float:
@@ -147,7 +144,7 @@ def target_section(ms: tuple[int, ...]) -> dict[str, Any]:
                jax.tree.map(lambda a: spec(a, P()), batch))
       compiled = step.lower(*specs).compile()
       mem = compiled.memory_analysis()
-      rows.append({"m": m, "collectives": count_collectives(compiled.as_text()),
+      rows.append({"m": m, "collectives": count_collectives(compiled),
                    "temp": float(mem.temp_size_in_bytes)})
     return {"status": "measured", "rows": rows}
   except (ImportError, RuntimeError) as e:  # the gpu-plan extra is not installed here
@@ -182,7 +179,7 @@ def run(quick: bool, ms: tuple[int, ...] | None = None, repeats: int | None = No
       rows.append({
           "m": m, "method": name, "repeats": r, "remat": remat, "ticks": ticks,
           "bubble": bubble(m, r), "micro_batch": BATCH // m, "temp": stats["temp"],
-          "compile_s": stats["compile_s"], "collectives": count_collectives(compiled.as_text()),
+          "compile_s": stats["compile_s"], "collectives": count_collectives(compiled),
           "rel_err": max(rel_error(grads, ref_grads), rel_error(loss, ref_loss)),
           # Stage-boundary activations of one micro-batch, f32: the stash unit.
           "boundary_bytes": BATCH // m * WIDTH * 4,

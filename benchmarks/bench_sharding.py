@@ -36,7 +36,6 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -61,48 +60,20 @@ METHODS = (("jaxaccum", "Auto"), ("jaxaccum data_axis", "Auto"), ("optax.microba
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
          "collective-permute": "CP"}
-BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
-         "pred": 1, "s64": 8, "u64": 8}
 
 
-# --- Collectives executed per step, from the compiled HLO text ----------------------------
-
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_OP = re.compile(r"=\s*(.+?)\s(" + "|".join(KINDS) + r")(?:-start)?\(")
-_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# --- Collectives executed per step, from the compiled program -----------------------------
 
 
-def collectives_per_step(hlo: str, default_trip: int) -> dict[str, tuple[int, float]]:
-  """``{kind: (executions per step, MiB of results per step)}`` for a compiled program."""
-  comps, entry, current = {}, None, None
-  for line in hlo.splitlines():
-    m = None if line.startswith((" ", "}")) else _HEADER.match(line)
-    if m:
-      current = m.group(2)
-      comps[current] = []
-      entry = current if m.group(1) else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      comps[current].append(line)
+def collectives_per_step(compiled, default_trip: int) -> dict[str, tuple[int, float]]:
+  """``{kind: (executions per step, MiB of results per step)}`` for a compiled program,
+  read with ``jaxaccum.collectives`` (a loop whose trip count the text does not give counts
+  ``default_trip`` times)."""
   counts: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-  stack = [(entry, 1)]
-  while stack:
-    comp, times = stack.pop()
-    for line in comps.get(comp, ()):
-      m = _OP.search(line)
-      if m:
-        size = sum(BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
-                   for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
-        counts[m.group(2)][0] += times
-        counts[m.group(2)][1] += times * size / 2**20
-      trip = _TRIP.search(line)
-      for how, callee in _CALLS.findall(line):
-        if how == "body":
-          stack.append((callee, times * (int(trip.group(1)) if trip else default_trip)))
-        elif how != "condition":
-          stack.append((callee, times))
+  for op in jaxaccum.collectives(compiled):
+    times = op.executions if op.executions is not None else default_trip ** op.loop_depth
+    counts[op.kind][0] += times
+    counts[op.kind][1] += times * op.bytes / 2**20
   return {k: (int(v[0]), v[1]) for k, v in counts.items()}
 
 
@@ -169,7 +140,7 @@ def run(args) -> dict:
       for n in args.ns:
         step = make_step(method, n, args.batch, mesh, data_axis)
         compiled, cstats = _common.compile_with_stats(lambda s=step: s, params, batch)
-        colls = collectives_per_step(compiled.as_text(), n)
+        colls = collectives_per_step(compiled, n)
         err = rel_error(compiled(params, batch), ref)
         key = (method, axis_type, n)
         stats[key] = {"collectives": colls, "compile_s": cstats["compile_s"], "rel_error": err}

@@ -16,6 +16,7 @@ from jaxaccum._collectives import collectives as collectives
 from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
+from jaxaccum._local import local_value_and_grad as local_value_and_grad
 from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._noise import NoiseScale as NoiseScale
@@ -69,6 +70,7 @@ __all__ = (
     "collectives",
     "evaluate",
     "grad",
+    "local_value_and_grad",
     "merge_micro_batches",
     "pipeline",
     "pipeline_schedule",

@@ -20,7 +20,7 @@ trace time (shapes, dtypes, Python values) raises a ``ValueError``/``TypeError``
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _info, _reduce, _split, _stats
+from jaxaccum import _info, _reduce, _sharding, _split, _stats
 from jaxaccum._types import PyTree
 
 # The empty AccumInfo's leaves: numpy scalars stand in for the arrays (jax.Array in
@@ -51,7 +51,8 @@ class MultiStepsState(NamedTuple):
       schedules see.
     inner_opt_state: the wrapped optimizer's state.
     acc_grads: the running (weighted) mean of the window's gradients, or their
-      (weighted) sum with ``use_grad_mean=False``, in ``accumulator_dtype``.
+      (weighted) sum with ``use_grad_mean=False``, in ``accumulator_dtype``; with
+      ``data_axis``, of their per-device pieces (a leading axis of the data shards).
     skip_state: what ``should_skip_update_fn`` returned on the last call (``()`` without
       one).
     acc_weight: the total weight of the open window: the sum of ``weight`` over its
@@ -229,11 +230,23 @@ class MultiSteps:
       dropped: it returns zero updates, leaves the open window as it was (the next good
       call continues it) and adds 1 to ``state.skipped`` (and, with ``with_info=True``,
       to the window's ``info.skipped``). It costs one ``isfinite`` reduction per call.
+    data_axis: the mesh axis name (or names) of a data-parallel mesh, for gradients that
+      are per-device pieces: each ``updates`` leaf has a leading axis of the ``D`` data
+      shards, sharded over ``data_axis``, and the gradient is its sum over that axis, as
+      :func:`jaxaccum.local_value_and_grad` returns them. The calls add the pieces into a
+      ``(D, *param.shape)`` accumulator on each device without communicating; the call
+      that completes the window sums them over the devices, once (one all-reduce of the
+      whole gradient, in float32 or the wider ``accumulator_dtype``), then applies the
+      inner optimizer. ``should_skip_update_fn`` sees the pieces, and ``skip_nonfinite``
+      costs one boolean all-reduce per call; ``with_info`` is not available.
+    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
+      :func:`jax.set_mesh` when :meth:`init` runs.
 
   Raises:
     ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable,
-      ``accumulator_dtype`` is not a floating dtype, or ``micro_batch_size`` or
-      ``skip_nonfinite`` is of the wrong type or value.
+      ``accumulator_dtype`` is not a floating dtype, ``micro_batch_size`` or
+      ``skip_nonfinite`` is of the wrong type or value, ``data_axis`` or ``mesh`` is bad,
+      or ``with_info`` is combined with ``data_axis``.
 
   Statistics (``with_info=True``): each call's gradient ``g_i`` is one sample of its
   window, of size ``b_i`` (its ``weight``, else ``micro_batch_size``); the emitted
@@ -279,6 +292,8 @@ class MultiSteps:
       with_info: bool = False,
       micro_batch_size: float | None = None,
       skip_nonfinite: bool = False,
+      data_axis: str | Sequence[str] | None = None,
+      mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise TypeError(
@@ -336,6 +351,13 @@ class MultiSteps:
     if not isinstance(skip_nonfinite, (bool, np.bool_)):
       raise TypeError(f"skip_nonfinite must be a bool, got skip_nonfinite={skip_nonfinite!r}.")
     self._skip_nonfinite = bool(skip_nonfinite)
+    self._data_axis = _sharding.check_data_axis(data_axis)
+    self._mesh = _sharding.check_mesh(mesh, self._data_axis)
+    if self._data_axis is not None and self._with_info:
+      raise ValueError(
+          f"with_info=True cannot be combined with data_axis={data_axis!r}: the statistics "
+          "need each call's reduced gradient, one all-reduce per call, which is what "
+          "data_axis avoids. Drop with_info, or data_axis (and pass reduced gradients).")
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -351,7 +373,8 @@ class MultiSteps:
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=gradient_step,
         inner_opt_state=self._opt.init(params),
-        acc_grads=optax.tree.zeros_like(params, dtype=self._accumulator_dtype),
+        acc_grads=(optax.tree.zeros_like(params, dtype=self._accumulator_dtype)
+                   if self._data_axis is None else self._shard_zeros(params)),
         skip_state=skip_state,
         acc_weight=jnp.zeros([], self._weight_dtype),
         weighted=jnp.zeros([], jnp.bool_),
@@ -408,6 +431,8 @@ class MultiSteps:
         the step runs, as a :class:`jax.errors.JaxRuntimeError`).
     """
     w, k = self._check_call(state, weight)
+    if self._data_axis is not None:
+      self._check_pieces(updates, state)
     skip, skip_state = self._should_skip(updates, state, params)
     window = self._accumulate(updates, state, w)
     skip = skip | window.nonfinite
@@ -508,8 +533,8 @@ class MultiSteps:
     """The call that completes the window: the inner update on the window's (weighted) mean
     gradient, the window's statistics, and a new, empty window."""
     new_updates, new_inner = self._opt.update(
-        optax.tree.cast_like(window.acc_grads, updates), state.inner_opt_state, params=params,
-        **extra_args)
+        optax.tree.cast_like(self._reduce_pieces(window.acc_grads), updates),
+        state.inner_opt_state, params=params, **extra_args)
     new_inner = jax.tree.map(lambda new, old: jnp.astype(new, jnp.asarray(old).dtype),
                              new_inner, state.inner_opt_state)
     return new_updates, MultiStepsState(
@@ -579,6 +604,55 @@ class MultiSteps:
                                  window_skipped).astype(jnp.int32),
         info=_empty_info(),
     )
+
+  # --- data_axis: per-device gradient pieces, summed once per window ---------------------
+
+  def _shards(self) -> tuple[Any, int]:
+    """The mesh holding ``data_axis`` and its number ``D`` of data shards."""
+    assert self._data_axis is not None
+    mesh = _sharding._resolve_mesh(self._mesh, self._data_axis)
+    return mesh, int(np.prod([mesh.shape[a] for a in self._data_axis]))
+
+  def _shard_zeros(self, params: optax.Params) -> Any:
+    """The accumulator of per-device pieces: zeros of shape ``(D, *p.shape)`` per leaf,
+    the leading axis sharded over ``data_axis``."""
+    assert self._data_axis is not None
+    mesh, shards = self._shards()
+    zeros = jax.tree.map(lambda p: jnp.zeros(
+        (shards, *jnp.shape(p)), self._accumulator_dtype or jnp.result_type(p)), params)
+    spec = jax.sharding.PartitionSpec(self._data_axis)
+    if isinstance(mesh, jax.sharding.Mesh):
+      return jax.device_put(zeros, jax.sharding.NamedSharding(mesh, spec))
+    if set(getattr(mesh, "explicit_axes", ())) & set(self._data_axis):
+      return jax.tree.map(lambda x: jax.sharding.reshard(x, spec), zeros)
+    return lax.with_sharding_constraint(zeros, spec)
+
+  def _check_pieces(self, updates: optax.Updates, state: MultiStepsState) -> None:
+    """Raises unless ``updates`` are per-device pieces shaped like the accumulator."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    acc_flat, acc_def = jax.tree.flatten(state.acc_grads)
+    if treedef != acc_def:
+      raise TypeError(
+          f"updates have the structure {treedef}, but the parameters given to init have "
+          f"{acc_def}.")
+    for (path, g), a in zip(flat, acc_flat, strict=True):
+      if jnp.shape(g) != jnp.shape(a):
+        raise ValueError(
+            f"MultiSteps(data_axis={self._data_axis!r}) accumulates per-device gradient "
+            f"pieces with a leading axis of the {jnp.shape(a)[0]} data shards, shaped "
+            f"{jnp.shape(a)} for updates{jax.tree_util.keystr(path)}, got "
+            f"{_split.describe(g)}. Compute the gradients with jaxaccum.local_value_and_grad"
+            f"(loss, data_axis={self._data_axis!r}), or drop data_axis to pass reduced "
+            "gradients.")
+
+  def _reduce_pieces(self, acc: Any) -> Any:
+    """The window's gradient: without ``data_axis`` the accumulator itself; with it the
+    sum of the per-device pieces over their leading axis, in float32 or wider (one
+    all-reduce over the data axes)."""
+    if self._data_axis is None:
+      return acc
+    return jax.tree.map(
+        lambda a: jnp.sum(a, axis=0, dtype=jnp.promote_types(a.dtype, jnp.float32)), acc)
 
   def has_updated(self, state: MultiStepsState | PyTree) -> jax.Array:
     """Whether the last call applied the inner optimizer (completed a window)."""

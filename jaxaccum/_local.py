@@ -1,0 +1,171 @@
+"""``jaxaccum.local_value_and_grad``: per-device, unreduced gradients on a data-parallel mesh.
+
+Under :func:`jax.jit` a gradient with respect to replicated parameters of a loss over a
+sharded batch is reduced across devices as soon as it is computed, in every call. When the
+gradients of several calls are added up before they are used (:class:`jaxaccum.MultiSteps`
+across calls), those reductions can wait: this transform runs the loss inside
+:func:`jax.shard_map` over the data axes with the parameters marked device-varying, so each
+device's backward pass yields the gradient of its own rows and nothing is communicated. The
+result is *unreduced*, in the sense of JAX's sharding types: every leaf gains a leading axis
+of size ``D`` (the data shards), sharded over the data axes, and its sum over that axis is
+the gradient of the whole batch. ``MultiSteps(..., data_axis=...)`` accumulates such
+gradients and sums them over the leading axis once, on the window's last call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxaccum import _api, _sharding, _split
+from jaxaccum._types import ArgNums
+
+_REDUCES = ("mean", "sum")
+
+
+def local_value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    data_axis: str | Sequence[str],
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    argnums: ArgNums = 0,
+    batch_argnums: ArgNums = 1,
+    has_aux: bool = False,
+    reduce: str = "mean",
+    **accumulate: Any,
+) -> Callable[..., Any]:
+  """Like :func:`jax.value_and_grad`, per data shard and unreduced: no cross-device reduction.
+
+  The batch arguments are split over the ``D`` data shards of ``data_axis`` along their
+  leading axis; every other argument must be replicated over the data axes (plain data
+  parallelism). Each device computes ``fun`` and its gradients on its own rows, with no
+  collective, and every output leaf comes back with a new leading axis of size ``D``,
+  sharded over ``data_axis``: entry ``d`` is shard ``d``'s piece. The pieces of the value
+  and of the gradients *sum* to the full batch's value and gradients: under
+  ``reduce="mean"`` (``fun`` returns a mean over its rows) each shard's result is divided by
+  ``D``, under ``reduce="sum"`` it is kept as it is. So ``value.sum()`` is the batch's loss
+  (taking it costs a scalar all-reduce) and ``jax.tree.map(lambda g: g.sum(0), grads)`` its
+  gradients, which is what :class:`jaxaccum.MultiSteps` with ``data_axis`` does once per
+  window. ``aux`` keeps each shard's value, stacked along the leading axis.
+
+  A loss that is a mean or a sum over rows gives exactly the full batch's gradient. A loss
+  that is not (a statistic of the batch such as BatchNorm's, the in-batch negatives of a
+  contrastive loss) is computed on each shard's ``B / D`` rows, a different loss: see the
+  devices guide, "What data_axis computes". ``reduce="weighted"`` (a token mean) would need
+  the total token count of every shard, a collective: give such calls their ``weight`` in
+  :meth:`jaxaccum.MultiSteps.update` and return from ``fun`` the sum of token losses
+  divided by that count, under ``reduce="sum"``.
+
+  Args:
+    fun: the loss, ``fun(params, batch, ...)``: a mean over its rows (``reduce="mean"``)
+      or a sum (``reduce="sum"``); ``(loss, aux)`` with ``has_aux``.
+    data_axis: the mesh axis name (or names) the batch is sharded over.
+    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
+      :func:`jax.set_mesh`.
+    argnums: the positional argument(s) to differentiate, as in :func:`jax.grad`.
+    batch_argnums: the positional argument(s) that carry the batch (leading axis split
+      over the data shards).
+    has_aux: ``fun`` returns ``(value, aux)``.
+    reduce: ``"mean"`` or ``"sum"``: what ``fun``'s value is over its rows.
+    **accumulate: options of :func:`jaxaccum.value_and_grad` (``num_micro_batches``,
+      ``micro_batch_size``, ``remat``, ...) to also accumulate over micro-batches within
+      each device's rows in this call; without them the gradient is taken in one pass.
+
+  Returns:
+    A function with ``fun``'s positional arguments returning ``(value, grads)`` (or
+    ``((value, aux), grads)``), each leaf with the leading axis of the ``D`` shards.
+
+  Raises:
+    ValueError, TypeError: a bad ``data_axis``, ``mesh`` or ``reduce``; at trace time, a
+      batch whose size is not a multiple of ``D``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> import jaxaccum
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+  >>> w0, x0 = jnp.ones(3), jnp.arange(48.0).reshape(16, 3) / 48
+  >>> w = jax.device_put(w0, NamedSharding(mesh, P()))
+  >>> x = jax.device_put(x0, NamedSharding(mesh, P("data")))
+  >>> fn = jax.jit(jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh))
+  >>> value, grads = fn(w, x)
+  >>> grads.shape                  # one unreduced piece per device
+  (8, 3)
+  >>> jaxaccum.collectives(fn, w, x).count()
+  0
+  >>> full_value, full_grads = jax.value_and_grad(loss)(w0, x0)
+  >>> bool(jnp.allclose(value.sum(), full_value)), bool(jnp.allclose(grads.sum(0), full_grads))
+  (True, True)
+  """
+  axes = _sharding.check_data_axis(data_axis)
+  if axes is None:
+    raise TypeError(
+        "local_value_and_grad needs data_axis, the mesh axis name (or names) the batch is "
+        "sharded over; for a gradient reduced over the devices use jaxaccum.value_and_grad.")
+  mesh = _sharding.check_mesh(mesh, axes)
+  if reduce not in _REDUCES:
+    raise ValueError(
+        f"reduce must be 'mean' or 'sum' for local_value_and_grad (what fun returns over its "
+        f"rows), got reduce={reduce!r}. A token mean needs the total count over every shard, "
+        "a collective: return the sum of token losses divided by the call's total count under "
+        "reduce='sum' (the count known from the data, or passed in).")
+  diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
+  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
+  if accumulate:
+    inner = _api.value_and_grad(fun, argnums=argnums, batch_argnums=batch_argnums,
+                                has_aux=has_aux, reduce=reduce, **accumulate)
+  else:
+    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def local_fn(*args: Any) -> Any:
+    m = _sharding._resolve_mesh(mesh, axes)
+    shards = math.prod(m.shape[a] for a in axes)
+    diff_j = _split.resolve_argnums("argnums", diff, len(args))
+    batch_j = _split.resolve_argnums("batch_argnums", batch, len(args))
+    explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
+    arrays, in_specs = list(args), []
+    for j, arg in enumerate(args):
+      if j in batch_j:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+          if not leaf.ndim or leaf.shape[0] % shards:
+            raise ValueError(
+                f"batch leaf {j}{jax.tree_util.keystr(path)} has shape {leaf.shape}; its "
+                f"leading axis must be a multiple of the {shards} data shards of "
+                f"{_sharding._axes_str(axes, m)}.")
+        if explicit:  # a manual Explicit shard_map needs its input typed as it maps it
+          arrays[j] = jax.tree.map(lambda x, m=m: _reshard_rows(x, m, axes), arg)
+        in_specs.append(PartitionSpec(axes))
+      else:
+        in_specs.append(PartitionSpec())
+    scale = 1 / shards if reduce == "mean" else 1
+
+    def per_shard(*largs):
+      largs = list(largs)
+      for j in diff_j:  # varying: the gradient stays this device's own, unreduced
+        largs[j] = _sharding._vary(largs[j], axes)
+      out, grads = inner(*largs)
+      value, aux = out if has_aux else (out, None)
+      lead = lambda x, s=scale: (x * s if s != 1 else x)[None]  # noqa: E731
+      value, grads = lead(value), jax.tree.map(lead, grads)
+      aux = jax.tree.map(lambda x: _sharding._vary(x, axes)[None], aux)
+      return ((value, aux) if has_aux else value), grads
+
+    out_specs = PartitionSpec(axes)
+    mapped = jax.shard_map(per_shard, mesh=m, in_specs=tuple(in_specs), out_specs=out_specs,
+                           axis_names=frozenset(axes))
+    return mapped(*arrays)
+
+  local_fn.__doc__ = fun.__doc__
+  return local_fn
+
+
+def _reshard_rows(x: jax.Array, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
+  """``x`` with its leading axis sharded over ``axes`` (its other dimensions kept)."""
+  have = _sharding._explicit_spec(x)
+  spec = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)
+                              if isinstance(mesh, jax.sharding.Mesh) else spec)
