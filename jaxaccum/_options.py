@@ -54,10 +54,12 @@ class Options:
   remat: bool
   remat_policy: Callable[..., bool] | None
   unroll: int | bool
-  data_axis: tuple[AxisName, ...] | None
+  data_axis: tuple[AxisName, ...] | str | None  # a tuple of axes, "auto" or None
   mesh: Any
   with_info: bool
   skip_nonfinite: bool
+  param_gather: str = "step"
+  grad_scatter: str = "micro_batch"
 
   @property
   def has_extra(self) -> bool:
@@ -123,7 +125,8 @@ def make_options(
     batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
     aux_reduce: Any, rng_argnums: Any, state_argnums: Any, accumulator_dtype: Any,
     grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any, data_axis: Any, mesh: Any,
-    with_info: Any, skip_nonfinite: Any) -> Options:
+    with_info: Any, skip_nonfinite: Any, param_gather: Any = "step",
+    grad_scatter: Any = "micro_batch") -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`."""
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
@@ -159,7 +162,7 @@ def make_options(
       not isinstance(unroll, bool) and unroll < 1):
     raise TypeError(
         f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
-  axes = _sharding.check_data_axis(data_axis)
+  axes = _sharding.check_data_axis_option(data_axis)
   state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
   return Options(
       fun=fun, count=count, size=size,
@@ -174,4 +177,6 @@ def make_options(
       remat=remat or policy is not None, remat_policy=policy,
       unroll=unroll if isinstance(unroll, bool) else int(unroll),
       data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
-      skip_nonfinite=skip_nonfinite)
+      skip_nonfinite=skip_nonfinite,
+      param_gather=_sharding.check_placement("param_gather", param_gather, axes),
+      grad_scatter=_sharding.check_placement("grad_scatter", grad_scatter, axes))
