@@ -20,6 +20,14 @@ text and multiplied by the trip count of the loops they sit in (``known_trip_cou
 timed round-robin in this one process (medians). Each result is checked against the
 full-batch gradient. Output: ``benchmarks/results/sharding.{md,json}``.
 
+A second section (``--section placement``) compiles the four FSDP placements
+(``param_gather`` x ``grad_scatter``) of an MLP and of a scan-over-layers LM with parameters
+sharded over the 8-device data axis: compiled memory, where the all-gathers and
+reduce-scatters sit and their bytes per step, and (on this machine's devices) step time as a
+ratio; then the same programs compiled for 8 described H100s (``--gpu-target``; needs the
+``gpu-plan`` extra and ``JAX_PLATFORMS=cpu``). Output: ``benchmarks/results/
+sharding_placement.{md,json}``.
+
 Run: ``python benchmarks/bench_sharding.py`` (``--quick`` for N in {1, 4, 16}).
 """
 
@@ -195,6 +203,180 @@ def markdown(result: dict) -> str:
   return "\n".join(lines)
 
 
+# --- FSDP placement: param_gather x grad_scatter ------------------------------------------
+
+PLACEMENTS = (("step", "micro_batch"), ("micro_batch", "micro_batch"), ("step", "step"),
+              ("micro_batch", "step"))
+
+
+def mlp_fsdp(batch: int, width: int, depth: int):
+  """An MLP of ``depth`` square ``width`` layers (tanh), a squared-error loss."""
+  rng = np.random.default_rng(1)
+  params = {f"w{i}": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32)
+            for i in range(depth)}
+  data = {"x": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)}
+  return params, data, {k: P("data") for k in params}, mlp_fsdp_loss
+
+
+def mlp_fsdp_loss(params, batch):
+  h = batch["x"]
+  for i in range(len(params)):
+    h = jnp.tanh(h @ params[f"w{i}"])
+  return jnp.mean((h - batch["y"]) ** 2)
+
+
+def scan_lm(batch: int, width: int, depth: int, vocab: int = 512, seq: int = 32):
+  """A causal-free residual LM whose ``depth`` layers run in one ``lax.scan`` (stacked
+  parameters, the shape of MaxText's and NNX's scanned transformers), next-token loss."""
+  rng = np.random.default_rng(2)
+  params = {
+      "embed": jnp.asarray(rng.normal(size=(vocab, width)) * 0.3, jnp.float32),
+      "w_in": jnp.asarray(rng.normal(size=(depth, width, 4 * width)) / np.sqrt(width),
+                          jnp.float32),
+      "w_out": jnp.asarray(rng.normal(size=(depth, 4 * width, width)) / np.sqrt(4 * width),
+                           jnp.float32),
+      "head": jnp.asarray(rng.normal(size=(width, vocab)) / np.sqrt(width), jnp.float32),
+  }
+  data = {"tokens": jnp.asarray(rng.integers(0, vocab, size=(batch, seq)), jnp.int32)}
+  specs = {"embed": P("data"), "w_in": P(None, "data"), "w_out": P(None, "data"),
+           "head": P(None, "data")}
+  return params, data, specs, scan_lm_loss
+
+
+def scan_lm_loss(params, batch):
+  tokens = batch["tokens"]
+  h = params["embed"][tokens]
+
+  def layer(h, w):
+    w_in, w_out = w
+    return h + jax.nn.gelu(h @ w_in) @ w_out, None
+
+  h, _ = jax.lax.scan(layer, h, (params["w_in"], params["w_out"]))
+  logp = jax.nn.log_softmax(h[:, :-1] @ params["head"])
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def placement_stats(compiled) -> dict:
+  """Memory and collectives of one compiled program (per device)."""
+  mem = compiled.memory_analysis()
+  colls = jaxaccum.collectives(compiled)
+
+  def per_step(kind):
+    ops = colls.select(kind)
+    return sum(c.bytes * (c.executions or 1) for c in ops) / _common.MIB
+
+  return {
+      "temp_mib": mem.temp_size_in_bytes / _common.MIB,
+      "argument_mib": mem.argument_size_in_bytes / _common.MIB,
+      "peak_mib": float(getattr(mem, "peak_memory_in_bytes", 0) or 0) / _common.MIB,
+      "ag_in_loop": colls.count("all-gather", in_loop=True),
+      "ag_out_loop": colls.count("all-gather", in_loop=False),
+      "rs_in_loop": colls.count("reduce-scatter", in_loop=True),
+      "rs_out_loop": colls.count("reduce-scatter", in_loop=False),
+      "ar": colls.count("all-reduce"),
+      "ag_mib": per_step("all-gather"),
+      "rs_mib": per_step("reduce-scatter"),
+  }
+
+
+def run_placement(args, target: str | None = None) -> list[dict]:
+  """The four FSDP placements on an MLP and a scan-over-layers LM, parameters sharded over
+  the 8-device data axis (Explicit axes). On this machine's devices: compiled, checked
+  against the full batch and timed interleaved; on described GPUs (``target``): compiled
+  only."""
+  n = args.placement_n
+  if target is None:
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sizes = {"MLP": (mlp_fsdp, 256, 512, 4), "scan LM": (scan_lm, 64, 256, 4)}
+  else:
+    base = jaxaccum.target_mesh(target, (8,), ("data",))
+    mesh = jax.sharding.Mesh(base.devices, base.axis_names,
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    sizes = {"MLP": (mlp_fsdp, 1024, 4096, 8), "scan LM": (scan_lm, 256, 1024, 8)}
+  rows = []
+  for model, (build, batch_size, width, depth) in sizes.items():
+    params0, batch0, specs, loss = build(batch_size, width, depth)
+    if target is None:
+      place = jax.device_put
+      ref = jax.jit(jax.value_and_grad(loss))(params0, batch0)
+    else:
+      place, ref = _shapes_on, None
+    params = place(params0, {k: NamedSharding(mesh, specs[k]) for k in params0})
+    batch = place(batch0, jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batch0))
+    runners, stats = {}, {}
+    for gather, scatter in PLACEMENTS:
+      step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n, data_axis="data",
+                                             mesh=mesh, param_gather=gather,
+                                             grad_scatter=scatter))
+      compiled, cstats = _common.compile_with_stats(lambda s=step: s, params, batch)
+      row = {"model": model, "target": target or jax.devices()[0].device_kind, "N": n,
+             "param_gather": gather, "grad_scatter": scatter,
+             "params_mib": sum(a.size * 4 for a in jax.tree.leaves(params0)) / _common.MIB,
+             "compile_s": cstats["compile_s"], **placement_stats(compiled)}
+      if ref is not None:
+        row["rel_error"] = rel_error(compiled(params, batch), ref)
+        runners[gather, scatter] = (lambda c=compiled, p=params, b=batch: _common.block(c(p, b)))
+      stats[gather, scatter] = row
+    if runners:
+      times = _common.time_interleaved(runners, repeats=args.repeats, warmup=args.warmup)
+      for key, ts in times.items():
+        stats[key]["step_ms"] = 1e3 * _common.median(ts)
+    rows += list(stats.values())
+    print(f"placement, {model}{' on ' + target if target else ''}: done", flush=True)
+  return rows
+
+
+def _shapes_on(tree, shardings):
+  """``tree`` as ShapeDtypeStructs with ``shardings``: compiled, never allocated."""
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      tree, shardings)
+
+
+def placement_markdown(result: dict) -> str:
+  dev = result["device"]
+  lines = [
+      "# FSDP placement under data_axis: param_gather x grad_scatter",
+      "",
+      f"jax {dev['jax']}, {dev['date']}, {dev['host_cpus']} host CPUs. Parameters (float32) "
+      "sharded over the 8-device `data` axis (Explicit axes), `data_axis=\"data\"`, "
+      f"N = {result['config']['placement_n']}. Memory per device from `memory_analysis()`: "
+      "temp (scratch: activations, accumulators, gathered parameters) and arguments; peak is "
+      "XLA's `peak_memory_in_bytes` (GPU only). Collectives from `jaxaccum.collectives`: "
+      "all-gathers (AG) and reduce-scatters (RS) inside / outside the micro-batch loop, "
+      "MiB per step = result bytes x executions. Step time: CPU only, medians of "
+      f"{result['config']['repeats']} interleaved steps, as a ratio to the default row.",
+      "",
+  ]
+  for target in dict.fromkeys(r["target"] for r in result["placement"]):
+    for model in dict.fromkeys(r["model"] for r in result["placement"]):
+      rows = [r for r in result["placement"] if r["target"] == target and r["model"] == model]
+      if not rows:
+        continue
+      base = rows[0]
+      timed = "step_ms" in base
+      machine = (f"{dev['host_cpus']}-core CPU host, 8 virtual devices" if timed else
+                 f"described 8 x {target.upper()}, deviceless compile")
+      lines += [f"## {model}, {machine} ({base['params_mib']:.1f} MiB of parameters)", "",
+                "| param_gather | grad_scatter | temp MiB | args MiB | temp + args | peak MiB "
+                "| AG in / out loop | RS in / out loop | AG MiB / step | RS MiB / step |"
+                + (" step vs default | rel err |" if timed else ""),
+                "|---|---|---:|---:|---:|---:|---|---|---:|---:|"
+                + ("---:|---:|" if timed else "")]
+      for r in rows:
+        # CPU's peak_memory_in_bytes leaves temporaries out (see jaxaccum.plan): not shown.
+        peak = f"{r['peak_mib']:.1f}" if r["peak_mib"] and not timed else "-"
+        line = (f"| {r['param_gather']} | {r['grad_scatter']} | {r['temp_mib']:.2f} | "
+                f"{r['argument_mib']:.2f} | {r['temp_mib'] + r['argument_mib']:.2f} | {peak} | "
+                f"{r['ag_in_loop']} / {r['ag_out_loop']} | {r['rs_in_loop']} / "
+                f"{r['rs_out_loop']} | {r['ag_mib']:.2f} | {r['rs_mib']:.2f} |")
+        if timed:
+          line += f" {r['step_ms'] / base['step_ms']:.2f}x | {r['rel_error']:.1e} |"
+        lines.append(line)
+      lines.append("")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
@@ -207,16 +389,36 @@ def main(argv=None) -> None:
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--section", choices=("all", "methods", "placement"), default="all",
+                      help="methods: the mesh comparison; placement: the FSDP placements")
+  parser.add_argument("--placement-n", type=int, default=4)
+  parser.add_argument("--gpu-target", default="h100",
+                      help="described GPU for the placement section ('' to skip); needs the "
+                           "gpu-plan extra and JAX_PLATFORMS=cpu")
   args = parser.parse_args(argv)
   args.ns = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16]
   if args.quick:
     args.repeats = min(args.repeats, 10)
-  result = run(args)
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "sharding.json").write_text(json.dumps(result, indent=1))
-  table = markdown(result)
-  (args.out / "sharding.md").write_text(table + "\n")
-  print(table)
+  if args.section in ("all", "methods"):
+    result = run(args)
+    (args.out / "sharding.json").write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (args.out / "sharding.md").write_text(table + "\n")
+    print(table)
+  if args.section in ("all", "placement"):
+    rows = run_placement(args)
+    if args.gpu_target:
+      try:
+        rows += run_placement(args, args.gpu_target)
+      except (ImportError, RuntimeError) as e:
+        print(f"placement on {args.gpu_target!r} skipped: {e}", flush=True)
+    result = {"device": _common.device_info(), "config": {**vars(args), "out": str(args.out)},
+              "placement": rows}
+    (args.out / "sharding_placement.json").write_text(json.dumps(result, indent=1))
+    table = placement_markdown(result)
+    (args.out / "sharding_placement.md").write_text(table + "\n")
+    print(table)
 
 
 if __name__ == "__main__":

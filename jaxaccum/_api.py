@@ -51,6 +51,8 @@ def value_and_grad(
     with_info: bool = False,
     skip_nonfinite: bool = False,
     per_example_transform: Callable[[Any], Any] | None = None,
+    param_gather: str = "step",
+    grad_scatter: str = "micro_batch",
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -135,7 +137,9 @@ def value_and_grad(
       over. Each device accumulates the gradients of its own rows and they are reduced
       once per step, after the loop. ``fun`` sees ``B / (N * D)`` rows per call on each of
       the ``D`` data shards. Arrays ``fun`` closes over and non-batch keyword arguments
-      are replicated. See the devices guide.
+      are replicated. ``"auto"`` reads the axes from the batch: the mesh axes its leading
+      axis is sharded over (from the types under ``Explicit`` mesh axes; under ``Auto`` axes
+      only from placed arrays, outside :func:`jax.jit`). See the devices guide.
     mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
       :func:`jax.set_mesh`.
     with_info: also return a :class:`jaxaccum.AccumInfo` (gradient noise statistics,
@@ -160,6 +164,15 @@ def value_and_grad(
       must come back the same from each; example ``r`` of micro-batch ``i`` gets
       ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and ``with_info`` see each
       micro-batch's sum of transformed gradients. See the DP-SGD guide.
+    param_gather: under ``data_axis``, when parameters sharded over data axes (FSDP) are
+      all-gathered: ``"step"`` (default) once per step, before the loop (the full
+      parameters stay live across it), or ``"micro_batch"`` inside every micro-batch,
+      behind an optimization barrier that XLA cannot hoist (``N`` times the gather bytes).
+    grad_scatter: under ``data_axis``, when their gradients are reduce-scattered:
+      ``"micro_batch"`` (default) inside every micro-batch, into an accumulator of the
+      shard's size, or ``"step"`` once after the loop, from a full-size accumulator of
+      local gradients. Both need an FSDP parameter (an ``Explicit`` sharding type over a
+      data axis); see the devices guide for the trade-off.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or

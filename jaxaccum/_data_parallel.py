@@ -7,9 +7,12 @@ unreduced gradient and no cross-device reduction is emitted inside the loop. Aft
 the core's carry (loss, gradients, denominators, aux, state, statistics) is reduced over the
 data axes by :func:`combine`, once: the number of all-reduces per step does not depend on
 the number of micro-batches. A parameter sharded over some of the data axes (FSDP, read
-from its ``Explicit`` sharding type) is all-gathered inside ``fun``; the transpose of that
-gather reduce-scatters its gradient once per micro-batch into an accumulator of the shard's
-size, and only the remaining data axes are reduced after the loop.
+from its ``Explicit`` sharding type) is all-gathered, by default once before the loop
+(``param_gather="step"``), and its gradient reduce-scattered once per micro-batch into an
+accumulator of the shard's size (``grad_scatter="micro_batch"``); only the remaining data
+axes are reduced after the loop. ``param_gather="micro_batch"`` gathers in every iteration
+and ``grad_scatter="step"`` accumulates full-size local gradients and reduce-scatters them
+once, after the loop (:func:`_placed_gathers`).
 
 Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``): ``fun``
 sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live on its
@@ -32,12 +35,14 @@ its own rows: pass keys through ``rng_argnums`` when shards must draw independen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -52,9 +57,10 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   Batch arguments (positional and keyword) are mapped over ``data_axis`` along their
   leading axis. Other array arguments are mapped with their own sharding over the data
   axes (replicated, for plain data parallelism); a differentiated argument sharded over a
-  data axis (FSDP / ZeRO-3) is all-gathered inside ``fun``, so its gradient comes back
-  reduce-scattered, one reduce-scatter per micro-batch, into an accumulator of the
-  shard's size. Non-batch keyword arrays sharded over a data axis are all-gathered too.
+  data axis (FSDP / ZeRO-3) is all-gathered and its gradient comes back reduce-scattered,
+  by default one reduce-scatter per micro-batch into an accumulator of the shard's size
+  (where they run: ``param_gather``, ``grad_scatter``, :func:`_placed_gathers`).
+  Non-batch keyword arrays sharded over a data axis are all-gathered too.
   The sharding of a non-batch argument is read from its type, so FSDP needs ``Explicit``
   mesh axes; with ``Auto`` axes every non-batch argument is treated as replicated. Arrays
   that ``fun`` closes over are replicated when typed with ``Auto`` axes; ``shard_map``
@@ -65,20 +71,23 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     ``(value, extra, grads, info)`` as the core's ``finalize`` returns them, reduced over
     the data axes.
   """
-  axes = opts.data_axis
-  assert axes is not None
-  mesh = _sharding._resolve_mesh(opts.mesh, axes)
   roles = opts.roles(len(args), kwargs)
-  shards = math.prod(mesh.shape[a] for a in axes)
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   leaf_axes = _split.batch_axes(batches, opts.batch_axis)
+  if opts.data_axis == _sharding.AUTO:
+    opts = _resolve_auto(opts, batches, leaf_axes)
+  axes = opts.data_axis
+  assert isinstance(axes, tuple)
+  mesh = _sharding._resolve_mesh(opts.mesh, axes)
+  shards = math.prod(mesh.shape[a] for a in axes)
   n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.count, opts.size,
                            shards=shards, where=_sharding._axes_str(axes, mesh),
                            of=_split.size_note(batches, leaf_axes))
   batch_axes = dict(zip((*roles.batch, *roles.batch_names), leaf_axes.values(), strict=True))
   placed = _place(opts, roles, mesh, args, kwargs, batch_axes)
   grad_axes, grad_specs = _gradient_layout(opts, roles, placed)
+  scatters = _check_placement(opts, roles, placed)
   # A traced count enters as a replicated input: shard_map cannot close over a tracer
   # typed with Explicit mesh axes.
   act = None if active is None else _transform.check_active(active, n)
@@ -86,8 +95,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   if act is not None:
     arrays.append(act)
     in_specs.append(PartitionSpec())
-  local_opts = dataclasses.replace(opts, fun=_gathering(opts.fun, roles, placed.gathers),
-                                   count=n, size=None, data_axis=None, mesh=None)
+  local_opts = dataclasses.replace(opts, count=n, size=None, data_axis=None, mesh=None)
   reduce_is_sum = _reduce.sums_across_devices(opts.terms)
   meta: dict[str, Any] = {}
 
@@ -95,6 +103,11 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     local_act = local_arrays[-1] if act is not None else None
     largs, lkwargs = placed.unflatten(local_arrays[:len(placed.arrays)], len(args))
     for j in (*roles.diff, *roles.state):
+      largs[j] = _sharding._vary(largs[j], axes)
+    # After _vary: a parameter gathered before the loop must vary over every data axis, or
+    # its cotangent would be summed over the others inside every micro-batch.
+    fun = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
+    for j in roles.diff:
       largs[j] = _sharding._vary(largs[j], axes)
     shard = lax.axis_index(axes)
     for j in roles.rng:
@@ -107,10 +120,11 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     def across(carry, stacked, kinds):
       meta["kinds"] = kinds
       return combine(carry, stacked, kinds, axes=axes, grad_axes=grad_axes,
-                     reduce_is_sum=reduce_is_sum)
+                     reduce_is_sum=reduce_is_sum, grad_scatters=scatters)
 
     value, extra, grads, info = _transform.accumulate(
-        local_opts, tuple(largs), lkwargs, local_act, n=n, shards=shards, combine=across)
+        dataclasses.replace(local_opts, fun=fun), tuple(largs), lkwargs, local_act, n=n,
+        shards=shards, combine=across)
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
     kept, rows, meta["unsplit"] = _split_rows(opts, extra, meta["kinds"])
     return value, kept, rows, grads, info
@@ -162,7 +176,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
   """The in_specs and gathers of every array leaf of every argument; a batch argument's
   leaves are mapped along their batch axes (``batch_axes``, per argument a tree of ints)."""
   axes = opts.data_axis
-  assert axes is not None
+  assert isinstance(axes, tuple)
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
   all_manual = set(axes) == set(mesh.axis_names)
   named = [(j, args[j]) for j in range(len(args))] + sorted(kwargs.items())
@@ -207,7 +221,7 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   all-gather already reduce-scattered it), and it leaves with the parameter's own spec.
   """
   axes = opts.data_axis
-  assert axes is not None
+  assert isinstance(axes, tuple)
   grad_axes, grad_specs = [], []
   for j in roles.diff:
     specs = []
@@ -228,32 +242,185 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   return tuple(grad_axes), grad_specs
 
 
-def _gathering(fun: Callable[..., Any], roles: Any, gathers: dict) -> Callable[..., Any]:
-  """``fun`` with its data-sharded non-batch arguments all-gathered first.
+def _resolve_auto(opts: Options, batches: dict[Any, PyTree],
+                  leaf_axes: dict[Any, PyTree]) -> Options:
+  """``data_axis="auto"``: the options with the axes read from the batch (and its mesh,
+  when neither ``mesh=`` nor :func:`jax.set_mesh` gives one)."""
+  axes, batch_mesh = _sharding.batch_data_axes(batches, leaf_axes)
+  mesh = opts.mesh
+  if mesh is None and jax.sharding.get_abstract_mesh().empty:
+    mesh = batch_mesh
+  return dataclasses.replace(opts, data_axis=axes, mesh=mesh)
 
-  The gather runs inside the differentiated function, so its transpose reduce-scatters
-  the gradient of an FSDP parameter once per micro-batch.
+
+def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple:
+  """Checks that ``param_gather`` / ``grad_scatter`` have FSDP parameters to act on.
+
+  Returns, per gradient leaf, the gathers that :func:`combine` undoes with reduce-scatters
+  after the loop (``grad_scatter="step"``), ``()`` where the backward pass of the gather
+  reduce-scatters each micro-batch's gradient (the default).
   """
-  to_gather = {k: g for k, g in gathers.items()
-               if k not in roles.batch and k not in roles.batch_names and any(g)}
-  if not to_gather:
-    return fun
+  gathered = [g for j in roles.diff for g in placed.gathers[j]]
+  others = [g for k, gs in placed.gathers.items() if k not in roles.diff
+            and k not in roles.batch and k not in roles.batch_names for g in gs]
+  for name, needs in (("param_gather", gathered + others), ("grad_scatter", gathered)):
+    value = getattr(opts, name)
+    if value != _sharding.PLACEMENTS[name][0] and not any(needs):
+      raise ValueError(
+          f"{name}={value!r} places the all-gathers and reduce-scatters of parameters "
+          f"sharded over the data axes {opts.data_axis} (FSDP), but no differentiated "
+          "argument is sharded over them: every parameter is replicated over the data axes "
+          "(or its sharding is not in its type: FSDP needs Explicit mesh axes). Shard the "
+          "parameters over a data axis, e.g. jax.sharding.reshard(params, P('data')), or "
+          f"drop {name}.")
+  if opts.grad_scatter != "step":
+    return tuple(() for _ in gathered)
+  return tuple(gathered)
 
-  def gathered(value, gs):
+
+def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs: list,
+                    lkwargs: dict) -> Callable[..., Any]:
+  """All-gathers the data-sharded non-batch arguments where the placement options say.
+
+  Updates the core's local arguments ``largs`` and ``lkwargs`` in place and returns the
+  ``fun`` the core runs. ``param_gather="step"`` gathers before the loop, once (the full
+  arrays stay live across it); ``"micro_batch"`` gathers inside ``fun``, in every
+  iteration, behind a pin to the micro-batch (:func:`_pin`) that keeps XLA from hoisting the
+  gather out of the loop. For a differentiated argument, ``grad_scatter="micro_batch"``
+  differentiates with respect to the shard, so the transpose of the gather reduce-scatters
+  each micro-batch's gradient into a shard-sized accumulator (with a gather before the loop,
+  :func:`_gathered_once` gives the shard that transpose); ``"step"`` differentiates with
+  respect to full-size values (the gathered arrays, or full-size zeros added to the
+  per-micro-batch gather), so each device accumulates its full-size local gradients and
+  :func:`combine` reduce-scatters them once.
+  """
+  per_micro_batch = opts.param_gather == "micro_batch"
+  step_scatter = opts.grad_scatter == "step"
+  in_fun: dict[Any, Callable[[Any, Any], Any]] = {}
+  for k, gs in placed.gathers.items():
+    if k in roles.batch or k in roles.batch_names or not any(gs):
+      continue
+    value = largs[k] if isinstance(k, int) else lkwargs[k]
     leaves, treedef = jax.tree.flatten(value)
-    return jax.tree.unflatten(treedef, [
-        _gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)])
+    diff = k in roles.diff
+    if not per_micro_batch:
+      full = [_gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)]
+      if diff and not step_scatter:
+        in_fun[k] = functools.partial(_use_full, gathers=gs, full=_boxed(full))
+      else:
+        value = jax.tree.unflatten(treedef, full)
+    elif diff and step_scatter:
+      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=_boxed(leaves))
+      value = jax.tree.unflatten(treedef, [
+          jnp.zeros(_gathered_shape(x.shape, g, mesh), x.dtype) if g else x
+          for x, g in zip(leaves, gs, strict=True)])
+    else:
+      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=None)
+    if isinstance(k, int):
+      largs[k] = value
+    else:
+      lkwargs[k] = value
+  if not in_fun:
+    return opts.fun
+  batch_keys = (*roles.batch, *roles.batch_names)
 
   def fun_local(*call_args, **call_kwargs):
     call_args = list(call_args)
-    for k, gs in to_gather.items():
+    tie = _tie(call_args, call_kwargs, batch_keys) if per_micro_batch else None
+    for k, make in in_fun.items():
       if isinstance(k, int):
-        call_args[k] = gathered(call_args[k], gs)
+        call_args[k] = make(call_args[k], tie)
       else:
-        call_kwargs[k] = gathered(call_kwargs[k], gs)
-    return fun(*call_args, **call_kwargs)
+        call_kwargs[k] = make(call_kwargs[k], tie)
+    return opts.fun(*call_args, **call_kwargs)
 
   return fun_local
+
+
+def _use_full(value: Any, tie: Any, *, gathers: tuple, full: list) -> Any:
+  """``value`` (shards) replaced by the arrays gathered before the loop, differentiably."""
+  del tie
+  leaves, treedef = jax.tree.flatten(value)
+  return jax.tree.unflatten(treedef, [
+      _gathered_once(x, f[0], g, tuple(sorted(_sharding._varying(x), key=str))) if g else x
+      for x, f, g in zip(leaves, full, gathers, strict=True)])
+
+
+def _gather_into(value: Any, tie: Any, *, gathers: tuple, shards: list | None) -> Any:
+  """The shards (``value``'s, or ``shards`` with ``value`` full-size zeros to add to them)
+  all-gathered in this iteration, pinned to the micro-batch."""
+  leaves, treedef = jax.tree.flatten(value)
+  own = leaves if shards is None else [x[0] for x in shards]
+  full = [_gather(_pin(x, tie), g) if g else x for x, g in zip(own, gathers, strict=True)]
+  if shards is not None:
+    full = [f + d if g else d for f, d, g in zip(full, leaves, gathers, strict=True)]
+  return jax.tree.unflatten(treedef, full)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gathered_once(shard: jax.Array, full: jax.Array, gathers: tuple,
+                   varying: tuple) -> jax.Array:
+  """``full`` (``shard`` all-gathered before the loop) whose cotangent goes to ``shard``,
+  reduce-scattered: what the gather's own transpose gives, without gathering again.
+  ``varying`` holds the manual axes ``shard`` varies over, which its cotangent must too."""
+  del shard, gathers, varying
+  return full
+
+
+def _gathered_once_fwd(shard, full, gathers, varying):
+  del shard, gathers, varying
+  return full, None
+
+
+def _gathered_once_bwd(gathers, varying, _, ct):
+  ct = _scatter(ct, gathers)
+  missing = tuple(a for a in varying if a not in _sharding._varying(ct))
+  return (lax.pcast(ct, missing, to="varying") if missing else ct), None
+
+
+_gathered_once.defvjp(_gathered_once_fwd, _gathered_once_bwd)
+
+
+def _pin(x: jax.Array, tie: Any) -> jax.Array:
+  """``x``, made to depend on the micro-batch so that nothing computed from it is hoisted
+  out of the loop.
+
+  An optimization barrier with the micro-batch orders the gather after the iteration starts
+  on GPU, but XLA's CPU pipeline expands barriers before its loop-invariant code motion; a
+  select on a predicate read from the micro-batch that is always false (``t != t and t ==
+  t`` is false for every float, NaN included), which XLA does not fold, holds on both.
+  """
+  if tie is None:
+    return x
+  never = (tie != tie) & (tie == tie)
+  x, _ = lax.optimization_barrier((jnp.where(never, jnp.zeros_like(x), x), tie))
+  return x
+
+
+def _boxed(leaves: list) -> list:
+  """Arrays that ``fun`` closes over, each behind a leading axis of size 1 (free: a
+  reshape): the core warns about closed-over arrays with the batch's rows
+  (``BatchBroadcastWarning``), and a gathered parameter or a shard may have that many."""
+  return [x[None] if _sharding._is_array(x) else x for x in leaves]
+
+
+def _tie(call_args: list, call_kwargs: dict, batch_keys: tuple) -> Any:
+  """A float scalar read from the micro-batch: what changes in every iteration of the loop,
+  so that values behind an optimization barrier with it cannot be hoisted out of it."""
+  for k in batch_keys:
+    value = call_args[k] if isinstance(k, int) else call_kwargs.get(k)
+    for x in jax.tree.leaves(value):
+      if _sharding._is_array(x):
+        first = jnp.ravel(x)[0] if np.size(x) else jnp.zeros((), jnp.float32)
+        return lax.stop_gradient(first.astype(jnp.float32))
+  return None
+
+
+def _gathered_shape(shape: tuple, gathers: tuple, mesh: Any) -> tuple:
+  out = list(shape)
+  for dim, names in gathers:
+    out[dim] *= math.prod(mesh.shape[a] for a in names)
+  return tuple(out)
 
 
 def _split_rows(opts: Options, extra: Any, kinds: PyTree):
@@ -315,19 +482,33 @@ def _gather(x: jax.Array, gathers: tuple) -> jax.Array:
   return x
 
 
+def _scatter(x: jax.Array, gathers: tuple) -> jax.Array:
+  """Sums ``x`` over the devices of ``gathers`` and keeps this device's shard: the
+  transpose of :func:`_gather`."""
+  for dim, names in reversed(gathers):
+    x = lax.psum_scatter(x, names if len(names) > 1 else names[0], scatter_dimension=dim,
+                         tiled=True)
+  return x
+
+
 def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName, ...],
-            grad_axes: tuple, reduce_is_sum: bool):
+            grad_axes: tuple, reduce_is_sum: bool, grad_scatters: tuple | None = None):
   """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop.
 
   ``grad_axes`` gives, per gradient leaf, the data axes it still has to be summed over:
   all of them for a replicated parameter; those it is not sharded over for an FSDP
-  parameter, whose gradient the backward pass already reduce-scattered.
+  parameter, whose gradient the backward pass already reduce-scattered. ``grad_scatters``
+  (``grad_scatter="step"``) gives, per gradient leaf, the gathers whose reduce-scatter is
+  still to be done: the accumulator then holds a full-size local gradient, reduce-scattered
+  here first (over the FSDP axes), then summed over ``grad_axes`` at the shard's size.
   """
   num = tuple(lax.psum(c, axes) for c in carry.num)
   den = tuple(None if c is None else lax.psum(c, axes) for c in carry.den)
   grads = []
+  scatters = grad_scatters or tuple(() for _ in grad_axes)
   for acc in carry.grads:
     flat, treedef = jax.tree.flatten(acc)
+    flat = [_scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
     grads.append(jax.tree.unflatten(treedef, [
         lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]))
   _reduce.check_combinable(kinds)

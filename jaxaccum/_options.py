@@ -57,11 +57,13 @@ class Options:
   remat: bool
   remat_policy: Callable[..., bool] | None
   unroll: int | bool
-  data_axis: tuple[AxisName, ...] | None
+  data_axis: tuple[AxisName, ...] | str | None  # a tuple of axes, "auto" or None
   mesh: Any
   with_info: bool
   skip_nonfinite: bool
   per_example_transform: Callable[[Any], Any] | None
+  param_gather: str = "step"
+  grad_scatter: str = "micro_batch"
 
   @property
   def has_extra(self) -> bool:
@@ -152,7 +154,8 @@ def make_options(
     aux_reduce: Any, rng_argnums: Any, rng_argnames: Any, state_argnums: Any,
     accumulator_dtype: Any, grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any,
     data_axis: Any, mesh: Any, with_info: Any, skip_nonfinite: Any,
-    per_example_transform: Any, batch_axis: Any, evaluate: bool = False) -> Options:
+    per_example_transform: Any, batch_axis: Any, param_gather: Any, grad_scatter: Any,
+    evaluate: bool = False) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
 
   ``evaluate=True`` is :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is
@@ -193,7 +196,7 @@ def make_options(
       not isinstance(unroll, bool) and unroll < 1):
     raise TypeError(
         f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
-  axes = _sharding.check_data_axis(data_axis)
+  axes = _sharding.check_data_axis_option(data_axis)
   state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
   check_per_example(per_example_transform, reduce, terms)
   rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
@@ -219,7 +222,9 @@ def make_options(
       remat=remat or policy is not None, remat_policy=policy,
       unroll=unroll if isinstance(unroll, bool) else int(unroll),
       data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
-      skip_nonfinite=skip_nonfinite, per_example_transform=per_example_transform)
+      skip_nonfinite=skip_nonfinite, per_example_transform=per_example_transform,
+      param_gather=_sharding.check_placement("param_gather", param_gather, axes),
+      grad_scatter=_sharding.check_placement("grad_scatter", grad_scatter, axes))
 
 
 def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> None:

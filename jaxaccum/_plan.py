@@ -67,6 +67,8 @@ class PlanCandidate(NamedTuple):
     in_loop_collectives: how many collective ops of the compiled program sit inside a loop
       (each runs once per iteration: per micro-batch, or per layer of a scanned model), as
       :func:`jaxaccum.collectives` counts them.
+    placement: ``(param_gather, grad_scatter)`` of this candidate when the planner chose
+      among the FSDP placements (parameters sharded over ``data_axis``), else ``None``.
   """
 
   num_micro_batches: int
@@ -79,6 +81,7 @@ class PlanCandidate(NamedTuple):
   alias_bytes: int
   fits: bool
   in_loop_collectives: int = 0
+  placement: tuple[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,9 @@ class Plan:
     collectives: the chosen program's collectives (a :class:`jaxaccum.Collectives`, as
       :func:`jaxaccum.collectives` reads them), for a described GPU too: what a step
       communicates, and how much of it inside the micro-batch loop.
+    placement: ``(param_gather, grad_scatter)`` of the chosen program when the planner
+      chose among the FSDP placements (see :func:`plan`), else ``None``; pass them to
+      :func:`jaxaccum.value_and_grad` with the chosen count.
 
   ``str(plan)`` (or :meth:`table`) is a readable table of the candidates.
   """
@@ -118,29 +124,34 @@ class Plan:
   num_devices: int = 1
   collectives: Collectives = dataclasses.field(
       default_factory=lambda: Collectives(ops=()), repr=False, compare=False)
+  placement: tuple[str, str] | None = None
 
   def table(self) -> str:
     """The candidates as a text table, the chosen row marked."""
     return _table(self.candidates, self.batch_size, self.memory_budget_bytes,
-                  self.num_micro_batches, self.device, self.num_devices)
+                  self.num_micro_batches, self.device, self.num_devices, self.placement)
 
   def __str__(self) -> str:
     return self.table()
 
 
 def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
-           chosen: int | None, device: str = "", num_devices: int = 1) -> str:
-  header = ("N", "micro-batch", "peak", "temp", "arguments", "outputs", "aliased",
-            "in-loop collectives", "compile s", "")
+           chosen: int | None, device: str = "", num_devices: int = 1,
+           placement: tuple[str, str] | None = None) -> str:
+  placed = any(c.placement is not None for c in candidates)
+  header = ("N", "micro-batch", *(("gather/scatter",) if placed else ()), "peak", "temp",
+            "arguments", "outputs", "aliased", "in-loop collectives", "compile s", "")
   rows: list[tuple[str, ...]] = [header]
-  for c in sorted(candidates):
+  for c in sorted(candidates, key=_candidate_order):
     verdict = "fits" if c.fits else "too big"
-    if c.num_micro_batches == chosen:
+    if c.num_micro_batches == chosen and c.placement == placement:
       verdict += "  <- chosen"
-    rows.append((str(c.num_micro_batches), str(c.micro_batch_size), _fmt_bytes(c.peak_bytes),
-                 _fmt_bytes(c.temp_bytes), _fmt_bytes(c.argument_bytes),
-                 _fmt_bytes(c.output_bytes), _fmt_bytes(c.alias_bytes),
-                 str(c.in_loop_collectives), f"{c.compile_seconds:.2f}", verdict))
+    where = ("/".join(c.placement) if c.placement else "",) if placed else ()
+    rows.append((str(c.num_micro_batches), str(c.micro_batch_size), *where,
+                 _fmt_bytes(c.peak_bytes), _fmt_bytes(c.temp_bytes),
+                 _fmt_bytes(c.argument_bytes), _fmt_bytes(c.output_bytes),
+                 _fmt_bytes(c.alias_bytes), str(c.in_loop_collectives),
+                 f"{c.compile_seconds:.2f}", verdict))
   widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
   on = f" on {num_devices} x {device}" if device else ""
   lines = [f"memory plan{on}: batch of {batch_size} rows, budget {_fmt_bytes(budget)} "
@@ -150,11 +161,31 @@ def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
     lines.append("  ".join(cells).rstrip())
   n_divisors = len(_split.divisors(batch_size))
   if chosen is not None:
-    peak = next(c.peak_bytes for c in candidates if c.num_micro_batches == chosen)
+    peak = next(c.peak_bytes for c in candidates
+                if c.num_micro_batches == chosen and c.placement == placement)
+    how = (f", param_gather={placement[0]!r}, grad_scatter={placement[1]!r}"
+           if placement else "")
+    counts = len({c.num_micro_batches for c in candidates})
     lines.append(f"chosen: num_micro_batches={chosen} (micro_batch_size={batch_size // chosen})"
-                 f", peak {_fmt_bytes(peak)} of {_fmt_bytes(budget)}; compiled "
-                 f"{len(candidates)} of {n_divisors} divisors of {batch_size}")
+                 f"{how}, peak {_fmt_bytes(peak)} of {_fmt_bytes(budget)}; compiled "
+                 f"{counts} of {n_divisors} divisors of {batch_size}"
+                 + (f" ({len(candidates)} programs)" if placed else ""))
   return "\n".join(lines)
+
+
+# The FSDP placements (param_gather, grad_scatter) the planner compares, least communication
+# first: per step the gathers move the full parameters once ("step") or N times
+# ("micro_batch"), the reduce-scatters once from a full-size accumulator ("step") or N times
+# into a shard-sized one ("micro_batch").
+_PLACEMENT_ORDER = (("step", "step"), ("step", "micro_batch"), ("micro_batch", "step"),
+              ("micro_batch", "micro_batch"))
+# The placement that holds the least memory (nothing full-size lives across the loop): a
+# count it does not fit is taken not to fit under any placement.
+_LEAST_MEMORY = ("micro_batch", "micro_batch")
+
+
+def _candidate_order(c: PlanCandidate) -> tuple:
+  return (c.num_micro_batches, _PLACEMENT_ORDER.index(c.placement) if c.placement else 0)
 
 
 def _check_budget(budget: Any) -> int | None:
@@ -295,10 +326,10 @@ class _Trial(NamedTuple):
   collectives: Collectives
 
 
-def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget: Any,
+def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: Any,
             search: str, shards: int = 1, *, target: _gpu_target.GpuTarget | None = None,
             verbose: bool | None = None, context: Callable[[], Any] | None = None,
-            batch_axis: Any = 0) -> Plan:
+            batch_axis: Any = 0, placements: bool = False) -> Plan:
   budget = _check_search(budget, search, verbose)
   argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
   argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
@@ -316,11 +347,25 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
   expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
   progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
 
+  compiled: list[PlanCandidate] = []
+
+  def trial(n: int, placement: tuple[str, str] | None) -> _Trial:
+    t = _compile(make, n, args, size, budget, platform, context, placement)
+    progress.add(t.row)
+    compiled.append(t.row)
+    return t
+
   def fits(i: int) -> bool:
     n = counts[i]
     if n not in trials:
-      trials[n] = _compile(make, n, args, size, budget, platform, context)
-      progress.add(trials[n].row)
+      if not placements:
+        trials[n] = trial(n, None)
+      else:
+        # trials[n]: the placement that fits with the least communication, else the gate.
+        trials[n] = gate = trial(n, _LEAST_MEMORY)
+        if gate.row.fits:
+          trials[n] = next((t for t in (trial(n, p) for p in _PLACEMENT_ORDER[:-1]) if t.row.fits),
+                           gate)
     return trials[n].row.fits
 
   try:
@@ -331,13 +376,14 @@ def _search(make: Callable[[int], Any], args: tuple, batch_argnums: Any, budget:
   if found == len(counts):
     fits(len(counts) - 1)  # the most micro-batches allowed, for the error message
     raise _too_small(trials, size, counts[-1], budget, device, len(devices),
-                     described=target is not None)
+                     described=target is not None, compiled=compiled)
   n = counts[found]
-  trial = trials[n]
-  return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=trial.row.peak_bytes,
-              candidates=_rows(trials), batch_size=size, memory_budget_bytes=budget,
-              compiled=trial.compiled, jitted=trial.jitted, device=device,
-              num_devices=len(devices), collectives=trial.collectives)
+  best = trials[n]
+  return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=best.row.peak_bytes,
+              candidates=tuple(sorted(compiled, key=_candidate_order)), batch_size=size,
+              memory_budget_bytes=budget, compiled=best.compiled, jitted=best.jitted,
+              device=device, num_devices=len(devices), collectives=best.collectives,
+              placement=best.row.placement)
 
 
 def _check_search(budget: Any, search: str, verbose: bool | None) -> int | None:
@@ -362,11 +408,13 @@ def _counts(size: int, shards: int) -> list[int]:
   return counts
 
 
-def _compile(make: Callable[[int], Any], n: int, args: tuple, size: int, budget: int,
-             platform: str, context: Callable[[], Any] | None) -> _Trial:
-  """Builds ``make(n)``, compiles it for ``args`` and reads its memory and collectives."""
+def _compile(make: Callable[..., Any], n: int, args: tuple, size: int, budget: int,
+             platform: str, context: Callable[[], Any] | None,
+             placement: tuple[str, str] | None = None) -> _Trial:
+  """Builds ``make(n)`` (``make(n, placement)`` with one), compiles it for ``args`` and
+  reads its memory and collectives."""
   start = time.perf_counter()
-  jitted = make(n)
+  jitted = make(n) if placement is None else make(n, placement)
   if not hasattr(jitted, "lower"):
     raise TypeError(
         f"make_step({n}) must return a jitted function (jax.jit(step, "
@@ -379,7 +427,8 @@ def _compile(make: Callable[[int], Any], n: int, args: tuple, size: int, budget:
   mem = _memory(compiled, platform)
   row = PlanCandidate(num_micro_batches=n, micro_batch_size=size // n,
                       compile_seconds=seconds, fits=mem["peak_bytes"] <= budget,
-                      in_loop_collectives=colls.count(in_loop=True), **mem)
+                      in_loop_collectives=colls.count(in_loop=True), placement=placement,
+                      **mem)
   return _Trial(row, compiled, jitted, colls)
 
 
@@ -423,7 +472,8 @@ def _rows(trials: dict[int, _Trial]) -> tuple[PlanCandidate, ...]:
 
 
 def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, device: str,
-               num_devices: int, *, described: bool) -> ValueError:
+               num_devices: int, *, described: bool,
+               compiled: Sequence[PlanCandidate] = ()) -> ValueError:
   """The error for a budget that no count fits, ``last`` the most micro-batches allowed.
 
   The message names ``device`` when it is a ``described`` GPU (``target=``).
@@ -442,7 +492,7 @@ def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, dev
       f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
       "over the budget. Raise the budget, shard the batch over more devices, shrink the "
       "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
-      f"\n{_table(rows, size, budget, None, device, num_devices)}"
+      f"\n{_table(compiled or rows, size, budget, None, device, num_devices)}"
   )
 
 
@@ -592,18 +642,18 @@ def plan(
         f"of jaxaccum.value_and_grad: {', '.join(_VALUE_AND_GRAD_OPTIONS)}."
     ) from None
 
-  axes = _sharding.check_data_axis(options.get("data_axis"))
+  axes = _sharding.check_data_axis_option(options.get("data_axis"))
   batch_argnums = options.get("batch_argnums", 1)
   gpu = None
   if target is not None:
     gpu = _gpu_target.resolve(target)
-    if axes is not None and len(axes) != 1:
+    if isinstance(axes, tuple) and len(axes) != 1:
       raise ValueError(
           f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
           f"name one axis, got data_axis={options['data_axis']!r}. For a mesh of several axes "
           "build it with jaxaccum.target_mesh and pass it as mesh=..., with arguments "
           "sharded on it.")
-    axis = axes[0] if axes else "data"
+    axis = axes[0] if isinstance(axes, tuple) else "data"
     if axes is not None and options.get("mesh") is not None:
       mesh = options["mesh"]
     else:
@@ -616,11 +666,18 @@ def plan(
         f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
         "devices the arguments are placed on.")
 
-  def make(n: int) -> Any:
-    return jax.jit(value_and_grad(fun, num_micro_batches=n, **options))
+  # FSDP parameters under named data axes: the placement is a dimension of the search too,
+  # unless the options fix it.
+  placements = (isinstance(axes, tuple) and not {"param_gather", "grad_scatter"} & set(options)
+                and _shards_over(args, options.get("argnums", 0), axes))
+
+  def make(n: int, placement: tuple[str, str] | None = None) -> Any:
+    extra = {} if placement is None else dict(param_gather=placement[0],
+                                              grad_scatter=placement[1])
+    return jax.jit(value_and_grad(fun, num_micro_batches=n, **extra, **options))
 
   shards = 1
-  if axes is not None:
+  if isinstance(axes, tuple):
     mesh = options.get("mesh")
     if mesh is None:
       mesh = jax.sharding.get_abstract_mesh()
@@ -629,7 +686,25 @@ def plan(
       _sharding.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
   return _search(make, args, batch_argnums, memory_budget_bytes, search, shards=shards,
-                 target=gpu, verbose=verbose, batch_axis=options.get("batch_axis", 0))
+                 target=gpu, verbose=verbose, batch_axis=options.get("batch_axis", 0),
+                 placements=placements)
+
+
+def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
+  """Whether a differentiated argument has a leaf sharded over a data axis of an Explicit
+  mesh (FSDP): what ``param_gather`` and ``grad_scatter`` act on."""
+  diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
+  for j in _split.resolve_argnums("argnums", diff, len(args)):
+    for leaf in jax.tree.leaves(args[j]):
+      sharding = getattr(leaf, "sharding", None)
+      if not isinstance(sharding, jax.sharding.NamedSharding):
+        continue
+      explicit = set(getattr(sharding.mesh, "explicit_axes", ()))
+      used = {a for entry in sharding.spec if entry is not None
+              for a in (entry if isinstance(entry, tuple) else (entry,))}
+      if used & explicit & set(axes):
+        return True
+  return False
 
 
 _VALUE_AND_GRAD_OPTIONS = tuple(

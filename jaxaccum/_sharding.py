@@ -167,6 +167,15 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
 # --- Options ------------------------------------------------------------------------------
 
 
+AUTO = "auto"  # data_axis="auto": the axes the batch's leading axis is sharded over
+
+
+def check_data_axis_option(data_axis: Any) -> tuple[str, ...] | str | None:
+  """The ``data_axis`` option: :func:`check_data_axis`, or ``"auto"`` (:data:`AUTO`) as it
+  is, whose axes are read from the batch at trace time (:func:`batch_data_axes`)."""
+  return AUTO if data_axis == AUTO else check_data_axis(data_axis)
+
+
 def check_data_axis(data_axis: Any) -> tuple[str, ...] | None:
   """Normalizes ``data_axis`` (a mesh axis name or a tuple of them) to a tuple."""
   if data_axis is None:
@@ -182,7 +191,7 @@ def check_data_axis(data_axis: Any) -> tuple[str, ...] | None:
   return axes
 
 
-def check_mesh(mesh: Any, data_axis: tuple[AxisName, ...] | None) -> Any:
+def check_mesh(mesh: Any, data_axis: tuple[AxisName, ...] | str | None) -> Any:
   """Validates the ``mesh`` option (a Mesh, an AbstractMesh or None)."""
   if mesh is None:
     return None
@@ -194,8 +203,93 @@ def check_mesh(mesh: Any, data_axis: tuple[AxisName, ...] | None) -> Any:
         "mesh=... was given without data_axis: the mesh is only used by the data-parallel "
         "mode. Pass data_axis='<your data axis>' too, or drop mesh (sharded inputs under "
         "jax.jit need no option).")
-  _check_axes_in(data_axis, mesh)
+  if data_axis != AUTO:
+    _check_axes_in(tuple(data_axis), mesh)
   return mesh
+
+
+PLACEMENTS = {"param_gather": ("step", "micro_batch"), "grad_scatter": ("micro_batch", "step")}
+
+
+def check_placement(name: str, value: Any, data_axis: Any) -> str:
+  """Validates ``param_gather`` / ``grad_scatter`` (the FSDP placement under ``data_axis``)."""
+  choices = PLACEMENTS[name]
+  if not isinstance(value, str) or value not in choices:
+    raise ValueError(
+        f"{name} must be one of {', '.join(map(repr, choices))}, got {name}={value!r}.")
+  if value != choices[0] and data_axis is None:
+    raise ValueError(
+        f"{name}={value!r} places the gathers and reduce-scatters of parameters sharded over "
+        "the data axes (FSDP), which only the data-parallel mode runs: pass data_axis=... "
+        f"(the mesh axes the batch and the parameters are sharded over), or drop {name}.")
+  return value
+
+
+def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree] | None = None
+                    ) -> tuple[tuple[AxisName, ...], Any]:
+  """``data_axis="auto"``: the mesh axes every batch leaf's batch axis is sharded over.
+
+  ``leaf_axes`` (as :func:`jaxaccum._split.batch_axes` gives them, keyed like ``batches``)
+  holds each leaf's batch axis; the leading axis without it.
+
+  ``batches`` maps a label (``"argument 1 ('batch')"``) to a batch argument. A leaf's axes
+  are read from its type under ``Explicit`` mesh axes, or from a placed (concrete) array's
+  sharding under ``Auto`` axes; inside :func:`jax.jit` a tracer typed with ``Auto`` axes
+  carries no sharding, so there the axes must be named. Returns ``(axes, mesh)``, the mesh
+  the batch is placed on.
+
+  Raises:
+    ValueError: a leaf not sharded on its leading axis, leaves sharded over different axes,
+      or a tracer whose sharding is unknown.
+  """
+  found: dict[str, tuple[AxisName, ...]] = {}
+  meshes = []
+  for label, tree in batches.items():
+    along = (jax.tree.leaves(leaf_axes[label]) if leaf_axes is not None
+             else [0] * len(jax.tree.leaves(tree)))
+    for (path, x), axis in zip(jax.tree_util.tree_leaves_with_path(tree), along, strict=True):
+      if not hasattr(x, "shape") or not np.shape(x):
+        continue
+      where = f"{label}{jax.tree_util.keystr(path)}"
+      spec, mesh = None, None
+      # A placed array has a sharding; a tracer (a jax.Array too) has none, only its type.
+      placed = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+      if isinstance(placed, jax.sharding.NamedSharding):
+        spec, mesh = placed.spec, placed.mesh
+      elif isinstance(x, jax.Array) and placed is None:
+        typed = jax.typeof(x).sharding
+        mesh = typed.mesh
+        if not mesh.empty and mesh.explicit_axes:
+          spec = typed.spec
+        else:
+          raise ValueError(
+              f"data_axis='auto' cannot read how batch leaf {where} (shape {x.shape}) is "
+              "sharded: inside jax.jit an array on a mesh with Auto axes carries no sharding "
+              "at trace time. Name the axes, e.g. data_axis='data', or use Explicit axes "
+              "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...))), whose "
+              "types carry the sharding; outside jax.jit, placed arrays work too.")
+      entry = spec[axis] if spec is not None and len(spec) > axis else None
+      axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+      if not axes:
+        placed = (f"spec {spec}" if spec is not None else "not placed on a mesh")
+        raise ValueError(
+            f"data_axis='auto' needs the batch sharded over mesh axes on its batch axis "
+            f"(axis {axis}), but batch leaf {where} (shape {x.shape}) is not ({placed}). "
+            "Place the batch, "
+            "e.g. jax.device_put(batch, NamedSharding(mesh, P('data'))), or name the axes: "
+            "data_axis='data'.")
+      found[where] = axes
+      meshes.append(mesh)
+  if not found:
+    raise ValueError("data_axis='auto' found no array in the batch arguments to read the "
+                     "data axes from: name them, e.g. data_axis='data'.")
+  if len(set(found.values())) > 1:
+    listed = "; ".join(f"{w}: {a}" for w, a in found.items())
+    raise ValueError(
+        "data_axis='auto' found batch leaves sharded over different mesh axes on their "
+        f"batch axis ({listed}). Place every batch leaf alike, or name the axes with "
+        "data_axis=(...).")
+  return next(iter(found.values())), meshes[0]
 
 
 def _axes_str(axes: Sequence[AxisName], mesh: Any) -> str:
