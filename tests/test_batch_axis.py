@@ -276,6 +276,25 @@ def test_data_axis_with_the_batch_sharded_along_axis_1(axis_type):
     assert coll.count(in_loop=True) == 0 and coll.count("all-reduce") == 1, coll
 
 
+def test_data_axis_auto_reads_the_sharding_of_the_batch_axis():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y, mask = _data(12, b=32)
+
+  def loss(params, x, y, mask):
+    pred = x @ params["w"] + params["b"]
+    return jnp.sum((pred - y) ** 2 * mask), jnp.sum(mask)
+
+  ref = jax.value_and_grad(lambda *a: jnp.divide(*loss(*a)))(PARAMS, x, y, mask)
+  step = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=2, batch_argnums=(1, 2, 3), batch_axis=1, reduce="weighted",
+      data_axis="auto"))
+  with jax.set_mesh(mesh):
+    close(step(PARAMS, *_sharded(x, y, mask)), ref)
+    # Replicated: the batch axis is not sharded, a clear error naming it.
+    with pytest.raises(ValueError, match=r"batch axis \(axis 1\)"):
+      step(PARAMS, *_sharded(x, y, mask, spec=P()))
+
+
 def test_split_along_a_sharded_axis_1_moves_no_data():
   """Without data_axis, the compiled program has no collective or copy for the split: only
   the gradients' and loss's all-reduces, none of batch size, and no all-gather, all-to-all or
