@@ -748,6 +748,7 @@ def evaluate(
         "jaxaccum.nnx.evaluate takes no wrt= option: nothing is differentiated. The model's "
         "nnx.Param variables are passed to every micro-batch and its other variables "
         "threaded; use jaxaccum.nnx.value_and_grad(wrt=...) for gradients.")
-  _api.refuse_gradient_options("jaxaccum.nnx.evaluate", options)
+  _api.refuse_gradient_options("jaxaccum.nnx.evaluate", options,
+                                "jaxaccum.nnx.value_and_grad")
   return _EvaluateWrapper(fun, nnx.Param, batch_argnums, batch_argnames, rng_argnums, has_aux,
                           options)
