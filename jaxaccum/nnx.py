@@ -718,7 +718,10 @@ def evaluate(
   Args:
     fun: ``fun(model, batch, ...)``, returning a value as ``reduce`` says, or ``(value,
       aux)`` with ``has_aux=True``.
-    batch_argnums, batch_argnames, rng_argnums, has_aux: as for :func:`value_and_grad`.
+    batch_argnums: as for :func:`value_and_grad` (default: argument 1).
+    batch_argnames: as for :func:`value_and_grad`.
+    rng_argnums: as for :func:`value_and_grad`.
+    has_aux: ``fun`` returns ``(value, aux)``.
     **options: the other options of :func:`jaxaccum.evaluate`, passed to it unchanged.
       ``state_argnums`` is set by the adapter (the model's variables are the state), and
       options about gradients (``wrt``, ``argnums``, ``with_info``, ``remat``...) do not
