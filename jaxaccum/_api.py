@@ -324,6 +324,23 @@ class Evaluate:
   def __repr__(self) -> str:
     return f"<jaxaccum.evaluate of {self.options.fun!r}>"
 
+  def with_fun(self, fun: Callable[..., Any]) -> Evaluate:
+    """The same validated options around another ``fun``, as :meth:`ValueAndGrad.with_fun`."""
+    return Evaluate(dataclasses.replace(self.options, fun=fun))
+
+
+def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
+  """An adapter's ``evaluate`` given an option about gradients (one that
+  :func:`value_and_grad` has and :func:`evaluate` has not) gets a ``TypeError`` naming it
+  and ``instead``, the adapter's transform that takes it."""
+  gradient = (inspect.signature(value_and_grad).parameters.keys()
+              - inspect.signature(evaluate).parameters.keys())
+  given = sorted(k for k in options if k in gradient)
+  if given:
+    raise TypeError(
+        f"{where} takes no {given[0]}= option: it is about gradients, and {where} "
+        f"differentiates nothing. Drop it, or use {instead} for gradients.")
+
 
 class ValueAndGrad:
   """What :func:`value_and_grad` returns: ``fun`` accumulated, with its validated options.

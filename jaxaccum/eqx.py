@@ -1,4 +1,4 @@
-"""Gradient accumulation for Equinox models: ``filter_value_and_grad`` and ``filter_grad``.
+"""Accumulation for Equinox models: ``filter_value_and_grad``, ``filter_grad``, ``filter_evaluate``.
 
 This module imports :mod:`equinox` (the optional extra ``jaxaccum[eqx]``); ``import
 jaxaccum`` does not (the submodule loads on first use of ``jaxaccum.eqx``).
@@ -8,11 +8,11 @@ the first argument of ``fun`` (usually an ``eqx.Module``) is split with
 ``eqx.partition(model, eqx.is_inexact_array)``; its floating and complex array leaves are
 differentiated and everything else in it (activation functions, integer arrays, Python
 values) is held static. The rest is :func:`jaxaccum.value_and_grad`, built once when the
-transform is built: argument 1 is the batch by default, and the core's options
-(``batch_argnums``, ``batch_argnames``, ``reduce``, ``aux_reduce``, ``rng_argnums`` for
-``key`` arguments, ``state_argnums`` for an ``eqx.nn.State``, ``with_info``...) are passed
-to it unchanged. Gradients come back shaped like the model, with ``None`` where a leaf is
-not differentiated, as equinox returns them.
+transform is built: argument 1 is the batch by default, and the core's options are passed
+to it unchanged (``state_argnums`` for an ``eqx.nn.State``, ``rng_argnums`` or
+``rng_argnames="key"`` for a key). Gradients come back shaped like the model, with ``None``
+where a leaf is not differentiated, as equinox returns them. :func:`filter_evaluate` is the
+forward-only counterpart, on :func:`jaxaccum.evaluate`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 
 from jaxaccum import _api
 
-__all__ = ("filter_grad", "filter_value_and_grad")
+__all__ = ("filter_evaluate", "filter_grad", "filter_value_and_grad")
 
 
 def filter_value_and_grad(
@@ -46,12 +46,14 @@ def filter_value_and_grad(
     fun: the loss, ``fun(model, batch, ...)``; only its first argument is differentiated.
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over the micro-batches as
       ``aux_reduce`` says.
-    **options: the options of :func:`jaxaccum.value_and_grad` but ``argnums``, passed to
-      it unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
-      ``batch_argnums`` (default 1), ``batch_argnames``, ``reduce``, ``aux_reduce``,
-      ``rng_argnums`` (a ``key`` argument: micro-batch ``i`` gets ``fold_in(key, i)``),
-      ``state_argnums`` (an ``eqx.nn.State``: ``fun`` returns ``(value, new_state)``),
-      ``with_info``, ``skip_nonfinite``, ``accumulator_dtype``, ``remat``, ``data_axis``...
+    **options: the options of :func:`jaxaccum.value_and_grad` (the split,
+      ``num_micro_batches`` or ``micro_batch_size``, is required), passed to it unchanged
+      and meaning what they mean there, positions counted in ``fun``'s arguments (the
+      model is 0, the batch 1 by default). The adapter sets ``argnums`` itself and refuses
+      it. Equinox's usual arguments map onto the core's: an ``eqx.nn.State`` is named by
+      ``state_argnums`` (``fun`` then returns ``(value, new_state)``), and a PRNG key by
+      ``rng_argnums``, or by ``rng_argnames="key"`` for a ``key=`` keyword (micro-batch
+      ``i`` gets ``fold_in(key, i)``).
 
   Returns:
     A function with ``fun``'s arguments returning what :func:`jaxaccum.value_and_grad`
@@ -83,38 +85,44 @@ def filter_value_and_grad(
         "jaxaccum.eqx.filter_value_and_grad takes no argnums= option: as in equinox, the "
         "inexact arrays of the first argument are differentiated. Put everything to "
         "differentiate in the first argument, e.g. fun((model, extra), batch).")
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
-        f"{type(fun).__name__}.")
+  _check_callable(fun)
   return _ValueAndGradWrapper(fun, has_aux, options)
 
 
-class _ValueAndGradWrapper:
-  """What :func:`filter_value_and_grad` returns (as equinox's ``_ValueAndGradWrapper``).
+class _Wrapper:
+  """What :func:`filter_value_and_grad` and :func:`filter_evaluate` return (as equinox's
+  ``_ValueAndGradWrapper``).
 
   It holds ``fun`` and the core transform, whose options are validated once, here. A call
-  partitions the model; the core then runs a function built for that call, which closes
-  over the model's static part and differentiates its inexact arrays (argument 0).
+  partitions the model with :attr:`filter_spec`; the core then runs a function built for
+  that call, which closes over the model's static part and takes its arrays as argument 0
+  (differentiated by :class:`_ValueAndGradWrapper`, passed whole by
+  :class:`_EvaluateWrapper`).
   """
+
+  name = ""  # the public function, in messages
+  filter_spec: Callable[[Any], bool] = staticmethod(eqx.is_inexact_array)
 
   def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
     functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
     self.fun = fun
     self.has_aux = has_aux
     self.check_state = not options.get("state_argnums")
-    self.core = _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
+    self.core = self._core(fun, has_aux, options)
+
+  def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
+    raise NotImplementedError
 
   def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-    diff, static = eqx.partition(model, eqx.is_inexact_array)
-    return self.core.with_fun(self._inner(static))(diff, *args, **kwargs)
+    arrays, static = eqx.partition(model, self.filter_spec)
+    return self.core.with_fun(self._inner(static))(arrays, *args, **kwargs)
 
   def _inner(self, static: Any) -> Callable[..., Any]:
-    """``fun`` of the differentiated part, with this call's ``static`` part of the model."""
+    """``fun`` of the model's arrays, with this call's ``static`` part of the model."""
 
     @functools.wraps(self.fun)  # the core names arguments by fun's parameter names
-    def inner(diff, *args, **kwargs):
-      out = self.fun(eqx.combine(diff, static), *args, **kwargs)
+    def inner(arrays, *args, **kwargs):
+      out = self.fun(eqx.combine(arrays, static), *args, **kwargs)
       if self.check_state:
         _check_no_state(out, args, self.has_aux)
       return out
@@ -122,11 +130,31 @@ class _ValueAndGradWrapper:
     return inner
 
   def __repr__(self) -> str:
-    return f"<jaxaccum.eqx.filter_value_and_grad of {self.fun!r}>"
+    return f"<jaxaccum.eqx.{self.name} of {self.fun!r}>"
 
   def __get__(self, instance: Any, owner: Any = None) -> Any:
     """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
     return self if instance is None else functools.partial(self, instance)
+
+
+class _ValueAndGradWrapper(_Wrapper):
+  """:func:`filter_value_and_grad`'s: the model's inexact arrays differentiated."""
+
+  name = "filter_value_and_grad"
+
+  def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
+    return _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
+
+
+class _EvaluateWrapper(_Wrapper):
+  """:func:`filter_evaluate`'s: the model's arrays (all of them: nothing is differentiated)
+  passed whole to every micro-batch."""
+
+  name = "filter_evaluate"
+  filter_spec = staticmethod(eqx.is_array)
+
+  def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
+    return _api.evaluate(fun, has_aux=has_aux, **options)
 
 
 def _check_no_state(out: Any, args: tuple, has_aux: bool) -> None:
@@ -149,7 +177,8 @@ def filter_grad(
 ) -> Callable[..., Any]:
   """Like :func:`equinox.filter_grad`, accumulated over micro-batches.
 
-  Options as :func:`filter_value_and_grad`. Returns a function giving ``grads``, or
+  Arguments and options as :func:`filter_value_and_grad`. Returns a function giving
+  ``grads``, or
   ``(grads, aux)`` with ``has_aux=True`` (or ``state_argnums``); with ``with_info=True`` it
   gives ``(grads_part, info)`` as :func:`jaxaccum.grad` does.
 
@@ -168,3 +197,57 @@ def filter_grad(
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
   return _api.Grad(vg, has_extra=has_aux or bool(options.get("state_argnums")),
                             with_info=options.get("with_info", False))
+
+
+def filter_evaluate(
+    fun: Callable[..., Any] | None = None, *, has_aux: bool = False, **options: Any
+) -> Callable[..., Any]:
+  """:func:`jaxaccum.evaluate` for an Equinox model: ``fun(model, batch, ...)``, forward only.
+
+  The forward-only counterpart of :func:`filter_value_and_grad`, with its argument layout:
+  the model's array leaves are passed to every micro-batch as they are and everything
+  else in it is held static; ``fun`` runs on one micro-batch at a time inside one
+  ``lax.scan`` and its outputs are reduced as :func:`jaxaccum.evaluate` reduces them, so
+  the result is ``fun`` on the full batch (``aux_reduce="concat"`` gives per-example rows
+  in batch order). An ``eqx.nn.State`` is threaded through the micro-batches with
+  ``state_argnums``, and a ``key=`` keyword folded per micro-batch with
+  ``rng_argnames="key"``. Like equinox's transforms it can be used as a decorator.
+
+  Args:
+    fun: ``fun(model, batch, ...)``, returning a value as ``reduce`` says, or ``(value,
+      aux)`` with ``has_aux=True`` (``(value, new_state)`` with ``state_argnums``).
+    has_aux: ``fun`` returns ``(value, aux)``.
+    **options: the options of :func:`jaxaccum.evaluate`, passed to it unchanged. Options
+      about gradients (``argnums``, ``with_info``, ``remat``...) do not exist here: each
+      is refused with an error naming it.
+
+  Returns:
+    A function with ``fun``'s arguments returning what :func:`jaxaccum.evaluate` returns.
+
+  >>> import equinox as eqx, jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+  >>> def metrics(model, x):
+  ...   out = jax.vmap(model)(x)
+  ...   return jnp.mean(out ** 2), out
+  >>> x = jnp.arange(24.0).reshape(8, 3) / 24
+  >>> ev = eqx.filter_jit(jaxaccum.eqx.filter_evaluate(
+  ...     metrics, num_micro_batches=4, has_aux=True, aux_reduce="concat"))
+  >>> value, out = ev(model, x)
+  >>> ref_value, ref_out = metrics(model, x)
+  >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(out, ref_out))
+  (True, True)
+  """
+  if fun is None:
+    return functools.partial(filter_evaluate, has_aux=has_aux, **options)
+  _api.refuse_gradient_options("jaxaccum.eqx.filter_evaluate", options,
+                                "jaxaccum.eqx.filter_value_and_grad")
+  _check_callable(fun)
+  return _EvaluateWrapper(fun, has_aux, options)
+
+
+def _check_callable(fun: Any) -> None:
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
+        f"{type(fun).__name__}.")

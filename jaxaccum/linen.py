@@ -121,11 +121,10 @@ def value_and_grad(
       3 are the parameters, the mutable collections and the keys.
     has_aux: ``fun`` returns ``(loss, (new_model_state, aux))``; aux is reduced over the
       micro-batches as ``aux_reduce`` says.
-    **options: every other option of :func:`jaxaccum.value_and_grad`, passed to it
-      unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
-      ``batch_argnames``, ``reduce``, ``aux_reduce``, ``with_info``, ``skip_nonfinite``,
-      ``loss_weights``, ``accumulator_dtype``, ``grads_dtype``, ``remat``,
-      ``remat_policy``, ``unroll``, ``data_axis``, ``mesh``, ``per_example_transform``.
+    **options: the other options of :func:`jaxaccum.value_and_grad` (the split,
+      ``num_micro_batches`` or ``micro_batch_size``, is required), passed to it unchanged
+      and meaning what they mean there. The layout fixes ``argnums=0``,
+      ``state_argnums=2`` and ``rng_argnums=3``; those three are refused.
 
   Returns:
     A function ``(params, batch, model_state, rngs, ...) -> ((loss, new_model_state),
@@ -192,7 +191,8 @@ def evaluate(
   or ``(value, (new_model_state, aux))`` with ``has_aux=True``. The returned function
   takes the same arguments with the full batch and returns the same structure, reduced
   over the micro-batches as :func:`jaxaccum.evaluate` documents; ``**options`` are
-  :func:`jaxaccum.evaluate`'s.
+  :func:`jaxaccum.evaluate`'s but the three the layout fixes (``argnums``,
+  ``state_argnums``, ``rng_argnums``), and options about gradients are refused by name.
 
   >>> import jax, jax.numpy as jnp
   >>> import flax.linen as nn
@@ -212,6 +212,8 @@ def evaluate(
           f"jaxaccum.linen.evaluate takes no {name}= option: the argument layout is fixed, "
           "fun(params, batch, model_state, rngs, ...), with model_state threaded and the "
           "keys of rngs folded per micro-batch.")
+  _api.refuse_gradient_options("jaxaccum.linen.evaluate", options,
+                               "jaxaccum.linen.value_and_grad")
   _check_fun(fun)
   return _api.evaluate(_match_state(fun, has_aux), batch_argnums=batch_argnums,
                        state_argnums=2, rng_argnums=3, has_aux=has_aux, **options)
@@ -256,8 +258,10 @@ def make_train_step(
     axis_name: the ``pmap``/``shard_map`` axis (or tuple of axes) to combine the replicas
       over; ``None`` (default) exchanges nothing.
     has_aux: ``fun`` returns ``(loss, (new_model_state, aux))``.
-    **options: passed to :func:`value_and_grad` (``num_micro_batches``, ``reduce``,
-      ``aux_reduce``, ``with_info``, ...).
+    **options: passed to :func:`value_and_grad`, hence the options of
+      :func:`jaxaccum.value_and_grad` but the three its layout fixes. With ``axis_name``,
+      ``reduce`` must be ``"mean"``, ``"sum"`` or ``"weighted"`` and ``data_axis`` is
+      refused.
 
   Returns:
     ``train_step(state, batch, rngs) -> (new_state, loss)`` (``(loss, aux)`` with
@@ -266,7 +270,8 @@ def make_train_step(
     ``{"dropout": key}``.
 
   Raises:
-    TypeError: ``collections`` is not a sequence of names, or ``state`` lacks one of them.
+    TypeError: ``collections`` is not a sequence of names, ``state`` lacks one of them, or
+      ``batch_argnames``/``rng_argnames`` is given (``train_step`` takes no keywords).
     ValueError: ``axis_name`` with a ``reduce`` other than ``"mean"``, ``"sum"`` or
       ``"weighted"``, or with ``data_axis``.
 
@@ -305,6 +310,13 @@ def make_train_step(
         f"axis_name={axis_name!r} and data_axis={options['data_axis']!r} were both given: "
         "axis_name combines the replicas of an enclosing jax.pmap or jax.shard_map, "
         "data_axis maps over the mesh itself. Pass one of them.")
+  for name in ("batch_argnames", "rng_argnames"):
+    if options.get(name) is not None:
+      raise TypeError(
+          f"jaxaccum.linen.make_train_step takes no {name}= option: train_step(state, batch, "
+          "rngs) passes no keyword arguments to fun. Put the whole batch in batch and the "
+          "PRNG keys in rngs (each folded per micro-batch), or build the step on "
+          "jaxaccum.linen.value_and_grad to pass keyword arguments.")
   vg = value_and_grad(fun, has_aux=has_aux, **options)
   if axis_name is None:
     accumulated = vg

@@ -1,4 +1,4 @@
-"""Gradient accumulation for Flax NNX models: ``jaxaccum.nnx.value_and_grad`` and ``grad``.
+"""Accumulation for Flax NNX models: ``jaxaccum.nnx.value_and_grad``, ``grad``, ``evaluate``.
 
 This module imports :mod:`flax.nnx`; ``import jaxaccum`` does not (the submodule loads on
 first use of ``jaxaccum.nnx``).
@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxaccum import _api, _options, _split
 
-__all__ = ("grad", "value_and_grad")
+__all__ = ("evaluate", "grad", "value_and_grad")
 
 # Options that the adapter sets itself: the model's wrt variables are differentiated
 # (argnums) and its other variables threaded (state_argnums).
@@ -282,13 +282,13 @@ def value_and_grad(
       ``jax.random.fold_in(key, i)``. Not needed for ``nnx.Rngs``.
     has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over the micro-batches as
       ``aux_reduce`` says.
-    **options: every other option of :func:`jaxaccum.value_and_grad`, passed to it
-      unchanged: ``num_micro_batches`` or ``micro_batch_size`` (one is required),
-      ``reduce``, ``aux_reduce``, ``with_info``, ``skip_nonfinite``, ``loss_weights``,
-      ``accumulator_dtype``, ``grads_dtype``, ``remat``, ``remat_policy``, ``unroll``,
-      ``data_axis``, ``mesh``. Under ``data_axis`` the model's other state is threaded per
-      shard and combined at the end (floating leaves averaged, counters the maximum, keys
-      shard 0's), so ``nnx.Rngs`` streams draw the same masks on every shard.
+    **options: the other options of :func:`jaxaccum.value_and_grad` (the split,
+      ``num_micro_batches`` or ``micro_batch_size``, is required), passed to it unchanged
+      and meaning what they mean there, positions counted in ``fun``'s arguments. The
+      adapter sets ``argnums`` and ``state_argnums`` itself and refuses them. Under
+      ``data_axis`` the model's other state is threaded per shard and combined at the end
+      (floating leaves averaged, counters the maximum, keys shard 0's), so ``nnx.Rngs``
+      streams draw the same masks on every shard.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
@@ -345,11 +345,12 @@ class _Layout(NamedTuple):
 
 
 def _check_layout(fun: Any, options: dict[str, Any], batch_argnums: Any, batch_argnames: Any,
-                  rng_argnums: Any) -> _Layout:
-  """The construction-time checks of :func:`value_and_grad`'s arguments."""
+                  rng_argnums: Any, where: str = "value_and_grad") -> _Layout:
+  """The construction-time checks of :func:`value_and_grad`'s (or :func:`evaluate`'s)
+  arguments; ``where`` names the transform in messages."""
   for name, why in _RESERVED.items():
     if name in options:
-      raise TypeError(f"jaxaccum.nnx.value_and_grad takes no {name}= option: {why}.")
+      raise TypeError(f"jaxaccum.nnx.{where} takes no {name}= option: {why}.")
   if not callable(fun):
     raise TypeError(
         f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
@@ -400,7 +401,7 @@ def _core_options(layout: _Layout, options: dict[str, Any], batch_argnames: Any,
   def shift(argnums):
     return tuple(j if j >= 0 else j - 1 for j in argnums)
 
-  core = dict(options, argnums=0, state_argnums=-1, has_aux=has_aux)
+  core = dict(options, state_argnums=-1, has_aux=has_aux)
   if layout.rng:
     core["rng_argnums"] = shift(layout.rng)
   if not layout.optional:
@@ -451,28 +452,35 @@ def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[i
                    kw_slots)
 
 
-class _ValueAndGradWrapper:
-  """What :func:`value_and_grad` returns (as flax's ``nnx.value_and_grad`` wraps ``fun``).
+class _Wrapper:
+  """The steps that :func:`value_and_grad` and :func:`evaluate` share.
 
   It holds ``fun``, the checked argument roles and the core transform, whose options are
-  validated once, here. A call checks its arguments, splits the NNX objects into the
-  ``wrt`` state (the core's argument 0) and the threaded state (the core's last argument:
-  the other variables and the values the ``wrt`` variables hold), runs the core on a
-  function built for that call (:meth:`_inner`), and writes the results back.
+  validated once, here. A call checks its arguments (:meth:`_check_call`), splits the NNX
+  objects into the model's ``wrt`` state (the core's argument 0) and the threaded state
+  (the core's last argument: the other variables and the values the ``wrt`` variables
+  hold), runs the core on a function built for that call (:meth:`_inner`), and writes the
+  threaded state back (:meth:`_update`). The subclasses choose the core (:meth:`_core`)
+  and what a call returns (:meth:`_write_back`).
   """
+
+  name = ""  # the public function, in messages
 
   def __init__(self, fun: Callable[..., Any], wrt: Any, batch_argnums: Any, batch_argnames: Any,
                rng_argnums: Any, has_aux: bool, options: dict[str, Any]):
     functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
-    self.layout = _check_layout(fun, options, batch_argnums, batch_argnames, rng_argnums)
+    self.layout = _check_layout(fun, options, batch_argnums, batch_argnames, rng_argnums,
+                                self.name)
     self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
     self.wrt_pred = _wrt_predicate(wrt)
-    self.core = _api.value_and_grad(
-        fun, **_core_options(self.layout, options, batch_argnames, has_aux))
+    self.core = self._core(fun, _core_options(self.layout, options, batch_argnames, has_aux))
     self.signature = _inner_signature(fun)
 
+  def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
+    raise NotImplementedError
+
   def __repr__(self) -> str:
-    return f"<jaxaccum.nnx.value_and_grad of {self.fun!r}>"
+    return f"<jaxaccum.nnx.{self.name} of {self.fun!r}>"
 
   def __get__(self, instance: Any, owner: Any = None) -> Any:
     """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
@@ -487,16 +495,15 @@ class _ValueAndGradWrapper:
     split = self._check_call(args, kwargs)
     threaded = _thread(self.layout, args, kwargs, split)
     graphdef, diff, rest = nnx.split(threaded.nodes, self.model_pred, ...)
-    if not jax.tree.leaves(diff):
-      raise ValueError(
-          f"the model {type(args[0]).__name__} has no variables matching wrt={self.wrt!r}, "
-          "so there is nothing to differentiate. Pass the filter of the variables to train, "
-          "e.g. wrt=nnx.Param, and check that the model was built with them.")
+    self._check_wrt(args[0], diff)
     old = {tuple(p): v for s in (diff, rest) for p, v in nnx.to_flat_state(s)}
     call = _Call(graphdef, old, threaded.arg_slots, threaded.kw_slots, threaded.labels, set())
     core = self.core.with_fun(self._inner(call))
     out = core(diff, *threaded.args, (rest, diff), **threaded.kwargs)
     return self._write_back(call, threaded.nodes, out)
+
+  def _check_wrt(self, model: Any, diff: Any) -> None:
+    """Checks the model's ``wrt`` state; any state will do where nothing is differentiated."""
 
   def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
     """Checks the model and the split arguments; returns the batch and key positions."""
@@ -509,7 +516,7 @@ class _ValueAndGradWrapper:
       raise TypeError(
           f"the first argument ({_arg_label(layout.names, 0)}) must be an NNX object such as "
           f"an nnx.Module, got {_split.describe(args[0])}. For plain pytrees of parameters "
-          "use jaxaccum.value_and_grad.")
+          f"use jaxaccum.{self.name}.")
     rng_pos = _positions("rng_argnums", layout.rng, len(args), layout.fun_name, layout.names)
     batch_pos = (((1,) if len(args) > 1 and 1 not in rng_pos else ()) if layout.optional else
                  _positions("batch_argnums", layout.batch, len(args), layout.fun_name,
@@ -562,16 +569,56 @@ class _ValueAndGradWrapper:
     state = (new_rest, _carry_writes(call, given, new_diff, at))
     return (value, (state, aux)) if self.has_aux else (value, state)
 
-  def _write_back(self, call: _Call, nodes: tuple, out: tuple) -> Any:
-    """Updates the NNX objects in place and returns the core's output without the state."""
-    (value, extra), grads, *info = out
+  def _write_back(self, call: _Call, nodes: tuple, out: Any) -> Any:
+    raise NotImplementedError
+
+  def _update(self, call: _Call, nodes: tuple, extra: Any) -> Any:
+    """Updates the NNX objects in place from the core's threaded state; returns the aux."""
     (new_rest, new_at), aux = extra if self.has_aux else (extra, None)
     nnx.update(nodes, new_rest)
     if call.written:
       flat = list(nnx.to_flat_state(new_at))
       nnx.update(nodes, nnx.from_flat_state([flat[k] for k in sorted(call.written)]))
+    return aux
+
+
+class _ValueAndGradWrapper(_Wrapper):
+  """What :func:`value_and_grad` returns (as flax's ``nnx.value_and_grad`` wraps ``fun``):
+  the core's :func:`jaxaccum.value_and_grad`, differentiating the ``wrt`` state."""
+
+  name = "value_and_grad"
+
+  def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
+    return _api.value_and_grad(fun, argnums=0, **options)
+
+  def _check_wrt(self, model: Any, diff: Any) -> None:
+    if not jax.tree.leaves(diff):
+      raise ValueError(
+          f"the model {type(model).__name__} has no variables matching wrt={self.wrt!r}, "
+          "so there is nothing to differentiate. Pass the filter of the variables to train, "
+          "e.g. wrt=nnx.Param, and check that the model was built with them.")
+
+  def _write_back(self, call: _Call, nodes: tuple, out: tuple) -> Any:
+    """Updates the NNX objects in place and returns the core's output without the state."""
+    (value, extra), grads, *info = out
+    aux = self._update(call, nodes, extra)
     return _api.pack(value, aux, grads[0], info[0] if info else None, has_extra=self.has_aux,
                      with_info=bool(info))
+
+
+class _EvaluateWrapper(_Wrapper):
+  """What :func:`evaluate` returns: the core's :func:`jaxaccum.evaluate`, the ``nnx.Param``
+  state passed whole to every micro-batch and the other variables threaded."""
+
+  name = "evaluate"
+
+  def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
+    return _api.evaluate(fun, **options)
+
+  def _write_back(self, call: _Call, nodes: tuple, out: tuple) -> Any:
+    value, extra = out
+    aux = self._update(call, nodes, extra)
+    return (value, aux) if self.has_aux else value
 
 
 def _carry_writes(call: _Call, given: list[tuple], new_diff: Any, at: Any) -> Any:
@@ -623,7 +670,7 @@ def _labels(name: str, tree: Any) -> list[str]:
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`flax.nnx.grad`, accumulated over micro-batches.
 
-  Options as :func:`value_and_grad`. Returns a function giving ``grads``, or
+  Arguments and options as :func:`value_and_grad`. Returns a function giving ``grads``, or
   ``(grads, aux)`` with ``has_aux=True``; with ``with_info=True`` it gives
   ``(grads_part, info)`` as :func:`jaxaccum.grad` does. The model's non-differentiated
   state is updated in place.
@@ -642,3 +689,69 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   vg = value_and_grad(fun, **options)
   return _api.Grad(vg, has_extra=options.get("has_aux", False),
                             with_info=options.get("with_info", False))
+
+
+def evaluate(
+    fun: Callable[..., Any],
+    *,
+    batch_argnums: int | Sequence[int] | None = _options.BATCH_ARGNUMS,
+    batch_argnames: str | Sequence[str] | None = None,
+    rng_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    **options: Any,
+) -> Callable[..., Any]:
+  """:func:`jaxaccum.evaluate` for an NNX model: ``fun(model, batch, ...)``, forward only.
+
+  The forward-only counterpart of :func:`value_and_grad`, with its argument layout and its
+  state rules: ``fun`` runs on one micro-batch at a time inside one ``lax.scan``, with the
+  model's ``nnx.Param`` variables passed to every micro-batch as they are and its other
+  variables (BatchNorm statistics, ``nnx.Rngs`` counters, any ``Variable`` that ``fun``
+  writes, a ``Param`` included) threaded from micro-batch ``i`` into micro-batch ``i + 1``
+  and written back to the model in place after the call, as are those of the NNX objects
+  in the other arguments. The value (and aux) is reduced over the micro-batches as
+  :func:`jaxaccum.evaluate` reduces it, so for a model in eval mode (``nnx.Dropout``
+  deterministic, ``nnx.BatchNorm(use_running_average=True)``, or after ``model.eval()``)
+  the result is ``fun`` on the full batch; ``aux_reduce="concat"`` gives per-example rows
+  in batch order. In train mode each micro-batch draws its own dropout masks and
+  normalises with its own batch statistics, as in :func:`value_and_grad`.
+
+  Args:
+    fun: ``fun(model, batch, ...)``, returning a value as ``reduce`` says, or ``(value,
+      aux)`` with ``has_aux=True``.
+    batch_argnums: as for :func:`value_and_grad` (default: argument 1).
+    batch_argnames: as for :func:`value_and_grad`.
+    rng_argnums: as for :func:`value_and_grad`.
+    has_aux: ``fun`` returns ``(value, aux)``.
+    **options: the other options of :func:`jaxaccum.evaluate`, passed to it unchanged.
+      ``state_argnums`` is set by the adapter (the model's variables are the state), and
+      options about gradients (``wrt``, ``argnums``, ``with_info``, ``remat``...) do not
+      exist here: each is refused with an error naming it.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``value``, or ``(value, aux)`` with
+    ``has_aux=True``. It takes the core's call-time keyword ``active_micro_batches`` too.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import jaxaccum
+  >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> def metrics(model, x):
+  ...   out = model(x)
+  ...   return jnp.mean(out ** 2), out
+  >>> x = jnp.arange(24.0).reshape(8, 3) / 24
+  >>> ev = nnx.jit(jaxaccum.nnx.evaluate(metrics, num_micro_batches=4, has_aux=True,
+  ...                                    aux_reduce="concat"))
+  >>> value, out = ev(model, x)
+  >>> ref_value, ref_out = metrics(model, x)
+  >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(out, ref_out))
+  (True, True)
+  """
+  if "wrt" in options:
+    raise TypeError(
+        "jaxaccum.nnx.evaluate takes no wrt= option: nothing is differentiated. The model's "
+        "nnx.Param variables are passed to every micro-batch and its other variables "
+        "threaded; use jaxaccum.nnx.value_and_grad(wrt=...) for gradients.")
+  _api.refuse_gradient_options("jaxaccum.nnx.evaluate", options,
+                                "jaxaccum.nnx.value_and_grad")
+  return _EvaluateWrapper(fun, nnx.Param, batch_argnums, batch_argnames, rng_argnums, has_aux,
+                          options)
