@@ -387,8 +387,8 @@ def test_bad_options():
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, num_micro_batches=4)
   with pytest.raises(TypeError, match="micro_batch_size=2"):
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, micro_batch_size=2)
-  with pytest.raises(TypeError, match="unknown option.*'batch_axis'"):
-    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, batch_axis=0)
+  with pytest.raises(TypeError, match="unknown option.*'batch_axes'"):
+    jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, batch_axes=0)
   with pytest.raises(ValueError, match="reduce must be one of"):  # value_and_grad's own check
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, reduce="avg")
   with pytest.raises(ValueError, match="search must be one of 'binary', 'all'"):
