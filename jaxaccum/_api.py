@@ -261,13 +261,23 @@ def evaluate(
     fun: the function to evaluate, ``fun(params, batch, ...)``, returning a value as
       ``reduce`` says (a mean, a sum, ``(numerator, denominator)`` or a dict of terms),
       or ``(value, aux)`` with ``has_aux``.
-    num_micro_batches, micro_batch_size: the split; give exactly one.
-    has_aux, reduce, aux_reduce: as for :func:`value_and_grad` (``aux_reduce="concat"``
-      returns per-example rows in batch order).
-    batch_argnums, batch_argnames, batch_axis, rng_argnums, rng_argnames, state_argnums:
-      the arguments' roles and the batch's axis, as for :func:`value_and_grad`.
-    accumulator_dtype, unroll, data_axis, mesh, skip_nonfinite: as for
-      :func:`value_and_grad`.
+    num_micro_batches: the number ``N`` of micro-batches.
+    micro_batch_size: alternatively, the rows per micro-batch; give exactly one of the two.
+    has_aux: ``fun`` returns ``(value, aux)``.
+    reduce: how the value combines, as for :func:`value_and_grad`.
+    aux_reduce: how aux leaves combine, as for :func:`value_and_grad`
+      (``"concat"`` returns per-example rows in batch order).
+    batch_argnums: the positional batch arguments, as for :func:`value_and_grad`.
+    batch_argnames: the keyword batch arguments.
+    batch_axis: the batch axis of the batch arguments.
+    rng_argnums: positional PRNG keys, folded per micro-batch.
+    rng_argnames: keyword PRNG keys, folded per micro-batch.
+    state_argnums: state threaded from one micro-batch to the next.
+    accumulator_dtype: dtype of the accumulators.
+    unroll: passed to :func:`jax.lax.scan`.
+    data_axis: the data-parallel mode's mesh axes, as for :func:`value_and_grad`.
+    mesh: the mesh holding ``data_axis``.
+    skip_nonfinite: drop micro-batches whose value or denominator is not finite.
 
   Returns:
     A function with ``fun``'s arguments returning ``value``, or ``(value, aux)`` with
