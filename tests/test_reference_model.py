@@ -311,7 +311,7 @@ def test_core_matches_the_reference_model(case):
 # --- data_axis on 8 devices -----------------------------------------------------------------
 
 
-@settings(deadline=None, derandomize=True, max_examples=2)
+@settings(deadline=None, derandomize=True, max_examples=1)  # 8 devices: a compile costs most
 @given(case=cases(shards=8).map(lambda c: dataclasses.replace(c, by_size=False)))
 @with_examples([
     # Mean terms folded into the sum group divide by the micro-batches of every shard;
