@@ -51,6 +51,7 @@ def value_and_grad(
     with_info: bool = False,
     skip_nonfinite: bool = False,
     per_example_transform: Callable[[Any], Any] | None = None,
+    overlap_grad_reduce: bool = False,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -160,6 +161,16 @@ def value_and_grad(
       must come back the same from each; example ``r`` of micro-batch ``i`` gets
       ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and ``with_info`` see each
       micro-batch's sum of transformed gradients. See the DP-SGD guide.
+    overlap_grad_reduce: with ``data_axis``, run the last micro-batch after the loop
+      instead of inside it (Megatron's option of the same name), so that the reduction of
+      each gradient across the data shards can start as soon as its last contribution
+      exists, while the rest of that backward pass runs. The results are the same; the
+      program holds the per-micro-batch computation twice (longer compile, larger code).
+      Whether the compiler does overlap depends on the model's shape and the compiler's
+      scheduler: see "Overlapping the last reduction" in the devices guide. Under
+      ``active_micro_batches=k`` micro-batch ``k - 1`` runs after the loop; with
+      ``N = 1`` there is no loop. Needs ``data_axis`` (a ``ValueError`` otherwise: without
+      it the gradients are reduced inside every micro-batch).
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
