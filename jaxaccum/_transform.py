@@ -754,10 +754,18 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     return (*lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll),
             shapes, kinds)
   carry, stacked = carry0, None
-  if n > 1:
-    carry, stacked = lax.scan(body, carry0, jnp.arange(n - 1, dtype=jnp.int32),
-                              unroll=opts.unroll)
   last = jnp.int32(n - 1) if active is None else active - 1
+  if n > 1:
+    # The loop counts its micro-batches and the last one's index is read from that count:
+    # without the dependence the compiler may run the last forward pass before the loop and
+    # keep its activations live through it.
+    def counted(c, i):
+      new, ys = body(c[0], i)
+      return (new, i + 1), ys
+
+    (carry, after), stacked = lax.scan(counted, (carry0, jnp.int32(0)),
+                                       jnp.arange(n - 1, dtype=jnp.int32), unroll=opts.unroll)
+    last = after if active is None else jnp.minimum(after, last)
   carry, ys = run(carry, last)
   if stacked is None:  # N = 1: no loop, the one micro-batch is the last
     return carry, jax.tree.map(lambda y: y[None], ys), shapes, kinds
