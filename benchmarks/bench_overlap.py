@@ -16,7 +16,9 @@ computation of the scheduled program (``compiled.as_text()``, printed in schedul
   option the last backward is inside the micro-batch ``while`` loop, so every reduction
   after the loop comes after the last GEMM by construction;
 * compile time, and code size: the HLO text's length, the number of entry instructions and
-  the generated code (``compiled.runtime_executable()`` serialised, where it can be).
+  the generated code (``compiled.runtime_executable()`` serialised, where it can be);
+* peak and temporary memory, against ``N / 2`` micro-batches without the option: the last
+  micro-batch's temporaries, outside the loop, do not share the loop body's buffers.
 
 Each configuration is compiled with XLA's defaults and with a few flag sets
 (``compiler_options`` on ``.compile()``) that control the combiner and the scheduler.
@@ -36,6 +38,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
@@ -146,10 +149,13 @@ def schedule(text: str, all_reduce_names: Sequence[str]) -> dict[str, Any]:
 
 def gradient_reductions(found: Any, params: Any) -> list[Any]:
   """The all-reduces after the loop (depth 0) that reduce a gradient: an operand with a
-  parameter's shape (the loss and the counters are reduced too, but are ready early)."""
+  parameter's shape, or a flat one at least as large as the smallest parameter (XLA's GPU
+  combiner concatenates the reductions it combines into one flat buffer). The loss and the
+  counters are reduced too, but are ready early: they are not counted."""
   shapes = {tuple(p.shape) for p in jax.tree.leaves(params)}
-  return [c for c in found.select("all-reduce") if not c.in_loop
-          and any(tuple(s) in shapes for s in c.shapes)]
+  smallest = min(math.prod(s) for s in shapes)
+  return [c for c in found.select("all-reduce") if not c.in_loop and any(
+      tuple(s) in shapes or len(s) == 1 and s[0] >= smallest for s in c.shapes)]
 
 
 def code_size(compiled: Any) -> int | None:
@@ -160,10 +166,11 @@ def code_size(compiled: Any) -> int | None:
     return None
 
 
-def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any]) -> dict[str, Any]:
+def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any],
+            n: int = N) -> dict[str, Any]:
   mesh = jaxaccum.target_mesh("h100", (DEVICES,), ("data",))
   args = (gt.place(params, mesh, P()), gt.place(batch, mesh, P("data")))
-  fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=N, data_axis="data", mesh=mesh,
+  fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=n, data_axis="data", mesh=mesh,
                                overlap_grad_reduce=overlap)
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile(compiler_options=flags or None)
@@ -172,11 +179,12 @@ def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any]) -> 
   found = jaxaccum.collectives(compiled)
   reduces = gradient_reductions(found, params)
   sched = schedule(text, [c.name for c in reduces])
-  return {"overlap": overlap, "compile_s": seconds, "hlo_chars": len(text),
+  return {"overlap": overlap, "n": n, "compile_s": seconds, "hlo_chars": len(text),
           "executable_bytes": code_size(compiled),
           "all_reduces": len(reduces), "all_reduce_bytes": sum(c.bytes for c in reduces),
           "in_loop_collectives": found.count(in_loop=True),
-          "peak": float(compiled.memory_analysis().peak_memory_in_bytes), **sched}
+          "peak": float(compiled.memory_analysis().peak_memory_in_bytes),
+          "temp": float(compiled.memory_analysis().temp_size_in_bytes), **sched}
 
 
 def problems(quick: bool) -> dict[str, tuple[Any, Any]]:
@@ -191,15 +199,17 @@ def run(quick: bool, flag_sets: Sequence[str]) -> list[dict[str, Any]]:
   rows = []
   for name, (make, cfg) in problems(quick).items():
     loss_fn, params, batch = make(cfg)
-    for label in flag_sets:
-      for overlap in (False, True):
-        r = analyse(loss_fn, params, batch, overlap=overlap, flags=FLAGS[label])
-        rows.append({"model": name, "flags": label, **r})
-        print(f"  {name} [{label}] overlap={overlap}: {r['starts_before_last_gemm']} of "
+    runs = [(label, overlap, N) for label in flag_sets for overlap in (False, True)]
+    # The memory reference: the option's temporaries against half as many micro-batches.
+    runs.append((flag_sets[0], False, N // 2))
+    for label, overlap, n in runs:
+      r = analyse(loss_fn, params, batch, overlap=overlap, flags=FLAGS[label], n=n)
+      rows.append({"model": name, "flags": label, **r})
+      print(f"  {name} [{label}] N={n} overlap={overlap}: {r['starts_before_last_gemm']} of "
               f"{r['all_reduce_starts']} all-reduce starts before the last GEMM (entry "
               f"position {r['last_gemm_position']} of {r['entry_instructions']}); compile "
               f"{r['compile_s']:.1f} s, HLO {r['hlo_chars']:,} chars, executable "
-              f"{r['executable_bytes']}", flush=True)
+              f"{r['executable_bytes']}, temp {r['temp'] / gt.GIB:.2f} GiB", flush=True)
   return rows
 
 
@@ -217,17 +227,20 @@ def markdown(results: dict[str, Any]) -> str:
             "computation before its last instruction that is or runs a GEMM (a loop over "
             "layers counts as one); \"GEMMs inside a reduction\": GEMM-running entry "
             "instructions scheduled between a gradient all-reduce's start and its done. "
-            "Executable: the serialised executable's bytes.", "",
-            "| model | flags | overlap | all-reduces (MiB) | starts before last GEMM | "
-            "GEMMs inside a reduction | compile (s) | HLO chars | executable bytes | peak (GiB) |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "Executable: the serialised executable's bytes. The last row of each model, "
+            f"N = {N // 2} without the option, is the memory reference.", "",
+            "| model | flags | N | overlap | gradient all-reduces (MiB) | starts before last "
+            "GEMM | GEMMs inside a reduction | compile (s) | HLO chars | executable bytes | "
+            "peak / temp (GiB) |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results["rows"]:
     lines.append(
-        f"| {r['model']} | {r['flags']} | {'on' if r['overlap'] else 'off'} | "
+        f"| {r['model']} | {r['flags']} | {r['n']} | {'on' if r['overlap'] else 'off'} | "
         f"{r['all_reduces']} ({r['all_reduce_bytes'] / 2**20:.1f}) | "
         f"{r['starts_before_last_gemm']} of {r['all_reduce_starts']} | "
         f"{r['gemm_positions_inside_an_all_reduce']} | {r['compile_s']:.1f} | "
-        f"{r['hlo_chars']:,} | {r['executable_bytes'] or 'n/a'} | {r['peak'] / gt.GIB:.2f} |")
+        f"{r['hlo_chars']:,} | {r['executable_bytes'] or 'n/a'} | "
+        f"{r['peak'] / gt.GIB:.2f} / {r['temp'] / gt.GIB:.2f} |")
   return "\n".join(lines) + "\n"
 
 

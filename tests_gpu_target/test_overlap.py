@@ -29,7 +29,7 @@ def mlp_loss(params, batch):
   return jnp.mean(jnp.square((x @ params[-1]["w"]).astype(jnp.float32) - y))
 
 
-def compiled_schedule(overlap, flags, width=1024, depth=4):
+def compiled_schedule(overlap, flags, width=1024, depth=4, **options):
   mesh = jaxaccum.target_mesh("h100", (8,), ("data",))
   sds = jax.ShapeDtypeStruct
   rep, rows = jax.sharding.NamedSharding(mesh, P()), jax.sharding.NamedSharding(mesh, P("data"))
@@ -39,7 +39,7 @@ def compiled_schedule(overlap, flags, width=1024, depth=4):
   batch = (sds((2048, width), jnp.bfloat16, sharding=rows),
            sds((2048, 1), jnp.float32, sharding=rows))
   fn = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=4, data_axis="data", mesh=mesh,
-                               overlap_grad_reduce=overlap)
+                               overlap_grad_reduce=overlap, **options)
   compiled = jax.jit(fn).lower(params, batch).compile(compiler_options=flags or None)
   found = jaxaccum.collectives(compiled)
   assert found.count(in_loop=True) == 0  # data_axis: every reduction after the loop
@@ -47,7 +47,10 @@ def compiled_schedule(overlap, flags, width=1024, depth=4):
   return bench_overlap.schedule(compiled.as_text(), [c.name for c in reduces])
 
 
-@pytest.mark.parametrize("flags", [{"xla_gpu_all_reduce_combine_threshold_bytes": 0},
+NO_COMBINE = {"xla_gpu_all_reduce_combine_threshold_bytes": 0}
+
+
+@pytest.mark.parametrize("flags", [NO_COMBINE,
                                    bench_overlap.FLAGS["LHS, 4 MiB combine"]],
                          ids=["no-combine", "lhs-4MiB"])
 def test_gradient_reductions_start_before_the_last_gemm_only_with_the_option(flags):
@@ -65,4 +68,12 @@ def test_one_combined_reduction_cannot_overlap():
   # all-reduce, which waits for the last of them: the option changes nothing here.
   on = compiled_schedule(True, {})
   assert on["all_reduce_starts"] == 1
+  assert on["starts_before_last_gemm"] == 0
+
+
+def test_skip_nonfinite_makes_every_reduction_wait_for_the_whole_backward():
+  # Whether the last micro-batch is kept depends on all of its gradients, and every
+  # gradient's add depends on that verdict.
+  on = compiled_schedule(True, NO_COMBINE, skip_nonfinite=True)
+  assert on["all_reduce_starts"] > 1
   assert on["starts_before_last_gemm"] == 0
