@@ -165,9 +165,11 @@ def value_and_grad(
       instead of inside it (Megatron's option of the same name), so that the reduction of
       each gradient across the data shards can start as soon as its last contribution
       exists, while the rest of that backward pass runs. The results are the same; the
-      program holds the per-micro-batch computation twice (longer compile, larger code).
-      Whether the compiler does overlap depends on the model's shape and the compiler's
-      scheduler: see "Overlapping the last reduction" in the devices guide. Under
+      program holds the per-micro-batch computation twice (longer compile, larger code),
+      and on GPU the temporary memory of two micro-batches (the last one's does not share
+      the loop's buffers). Whether the compiler does overlap depends on the model's shape
+      (not for the stacked gradients of a scan over layers) and on XLA's all-reduce
+      combiner: see "Overlapping the last reduction" in the devices guide. Under
       ``active_micro_batches=k`` micro-batch ``k - 1`` runs after the loop; with
       ``N = 1`` there is no loop. Needs ``data_axis`` (a ``ValueError`` otherwise: without
       it the gradients are reduced inside every micro-batch).
