@@ -35,6 +35,7 @@ bench: $(STAMP) $(GPU_STAMP)
 	$(BIN)/python benchmarks/bench_pipeline.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_gpu_target.py
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_overlap.py
 
 bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py

@@ -53,6 +53,7 @@ def value_and_grad(
     per_example_transform: Callable[[Any], Any] | None = None,
     param_gather: str = "step",
     grad_scatter: str = "micro_batch",
+    overlap_grad_reduce: bool = False,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -173,6 +174,18 @@ def value_and_grad(
       shard's size, or ``"step"`` once after the loop, from a full-size accumulator of
       local gradients. Both need an FSDP parameter (an ``Explicit`` sharding type over a
       data axis); see the devices guide for the trade-off.
+    overlap_grad_reduce: with ``data_axis``, run the last micro-batch after the loop
+      instead of inside it (Megatron's option of the same name), so that the reduction of
+      each gradient across the data shards can start as soon as its last contribution
+      exists, while the rest of that backward pass runs. The results are the same; the
+      program holds the per-micro-batch computation twice (longer compile, larger code),
+      and on GPU the temporary memory of two micro-batches (the last one's does not share
+      the loop's buffers). Whether the compiler does overlap depends on the model's shape
+      (not for the stacked gradients of a scan over layers) and on XLA's all-reduce
+      combiner: see "Overlapping the last reduction" in the devices guide. Under
+      ``active_micro_batches=k`` micro-batch ``k - 1`` runs after the loop; with
+      ``N = 1`` there is no loop. Needs ``data_axis`` (a ``ValueError`` otherwise: without
+      it the gradients are reduced inside every micro-batch).
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or

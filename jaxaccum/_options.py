@@ -62,6 +62,7 @@ class Options:
   with_info: bool
   skip_nonfinite: bool
   per_example_transform: Callable[[Any], Any] | None
+  overlap_grad_reduce: bool  # the last micro-batch runs after the scan (data_axis)
   param_gather: str = "step"
   grad_scatter: str = "micro_batch"
 
@@ -155,6 +156,7 @@ def make_options(
     accumulator_dtype: Any, grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any,
     data_axis: Any, mesh: Any, with_info: Any, skip_nonfinite: Any,
     per_example_transform: Any, batch_axis: Any, param_gather: Any, grad_scatter: Any,
+    overlap_grad_reduce: Any,
     evaluate: bool = False) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
 
@@ -197,6 +199,7 @@ def make_options(
     raise TypeError(
         f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
   axes = _sharding.check_data_axis_option(data_axis)
+  check_overlap(overlap_grad_reduce, axes)
   state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
   check_per_example(per_example_transform, reduce, terms)
   rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
@@ -224,7 +227,23 @@ def make_options(
       data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
       skip_nonfinite=skip_nonfinite, per_example_transform=per_example_transform,
       param_gather=_sharding.check_placement("param_gather", param_gather, axes),
-      grad_scatter=_sharding.check_placement("grad_scatter", grad_scatter, axes))
+      grad_scatter=_sharding.check_placement("grad_scatter", grad_scatter, axes),
+      overlap_grad_reduce=overlap_grad_reduce)
+
+
+def check_overlap(overlap: Any, axes: Any) -> None:
+  """``overlap_grad_reduce``: a bool, and only with ``data_axis``, the one mode whose
+  cross-device reduction runs after the loop (without it there is none to overlap)."""
+  if not isinstance(overlap, bool):
+    raise TypeError(f"overlap_grad_reduce must be a bool, got overlap_grad_reduce={overlap!r}.")
+  if overlap and axes is None:
+    raise ValueError(
+        "overlap_grad_reduce=True overlaps the cross-device gradient reduction that "
+        "data_axis runs once after the micro-batch loop with the last micro-batch's backward "
+        "pass, but data_axis is not set, so there is no such reduction: without data_axis "
+        "the compiler reduces gradients inside every micro-batch. Pass "
+        "data_axis='data' (the mesh axis the batch is sharded over), or drop "
+        "overlap_grad_reduce.")
 
 
 def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> None:

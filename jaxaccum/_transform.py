@@ -739,14 +739,49 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     ys = jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
     return Carry(num, den, grads, aux, state, stats), ys
 
+  # overlap_grad_reduce: the last micro-batch that runs (N - 1, or k - 1 for a count k)
+  # runs after the loop, so each of its gradients is final as soon as it is added.
+  peel = opts.overlap_grad_reduce
+  limit = None if active is None else active - 1 if peel else active
+
   def body(carry, i):
-    if active is None:
+    if limit is None:
       return run(carry, i)
     zeros = jax.tree.map(_zeros_like_struct, per_mb)
-    return lax.cond(i < active, run, lambda c, _: (c, zeros), carry, i)
+    return lax.cond(i < limit, run, lambda c, _: (c, zeros), carry, i)
 
-  carry, stacked = lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll)
-  return carry, stacked, shapes, kinds
+  if not peel:
+    return (*lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll),
+            shapes, kinds)
+  carry, stacked = carry0, None
+  last = jnp.int32(n - 1) if active is None else active - 1
+  if n > 1:
+    # The loop counts its micro-batches and the last one's index is read from that count:
+    # without the dependence the compiler may run the last forward pass before the loop and
+    # keep its activations live through it.
+    def counted(c, i):
+      new, ys = body(c[0], i)
+      return (new, i + 1), ys
+
+    (carry, after), stacked = lax.scan(counted, (carry0, jnp.int32(0)),
+                                       jnp.arange(n - 1, dtype=jnp.int32), unroll=opts.unroll)
+    last = after if active is None else jnp.minimum(after, last)
+  carry, ys = run(carry, last)
+  if stacked is None:  # N = 1: no loop, the one micro-batch is the last
+    return carry, jax.tree.map(lambda y: y[None], ys), shapes, kinds
+  at = None if active is None else last
+  return carry, jax.tree.map(lambda r, y, s: _insert_row(r, y, s, at), stacked, ys, per_mb), \
+      shapes, kinds
+
+
+def _insert_row(rows: jax.Array, row: jax.Array, like: Any, at: jax.Array | None) -> jax.Array:
+  """The peeled micro-batch's per-micro-batch aux ``row`` put back among the loop's
+  ``rows``: appended (the last of ``N``), or at ``at`` (the last of a count ``k``, the rows
+  from ``k`` on staying zeros as the skipped micro-batches' rows do)."""
+  if at is None:
+    return jnp.concatenate([rows, row[None]])
+  full = jnp.concatenate([rows, _zeros_like_struct(like)[None]])
+  return lax.dynamic_update_index_in_dim(full, row, at, axis=0)
 
 
 def aux_weight_term(opts: Options) -> int | None:

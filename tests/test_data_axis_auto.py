@@ -91,8 +91,8 @@ def test_a_batch_not_sharded_on_its_leading_axis():
   step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="auto"))
   replicated = jax.device_put(batch, NamedSharding(mesh, P()))
   with pytest.raises(ValueError, match=r"needs the batch sharded over mesh axes on its batch "
-                     r"axis \(axis 0\), but batch leaf argument 1 \('batch'\)\['label'\] \(shape \(64,\)\) "
-                     r"is not \(spec P\(None,?\)\)"):
+                     r"axis \(axis 0\), but batch leaf argument 1 \('batch'\)\['label'\] "
+                     r"\(shape \(64,\)\) is not \(spec P\(None,?\)\)"):
     step(params, replicated)
   # Sharded, but on another axis than the leading one.
   x = jax.device_put(batch["x"], NamedSharding(mesh, P(None, "data")))
