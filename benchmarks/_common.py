@@ -8,8 +8,11 @@ medians.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
+import pathlib
 import platform
 import statistics
 import time
@@ -97,3 +100,27 @@ def median(xs: Sequence[float]) -> float:
 def block(tree: Any) -> Any:
   """``jax.block_until_ready`` on a pytree; returns it."""
   return jax.block_until_ready(tree)
+
+
+def write_results(out_dir: pathlib.Path, name: str, results: dict[str, Any],
+                  markdown: Callable[[dict[str, Any]], str]) -> None:
+  """Writes ``name.json`` (the figures) and ``name.md`` (their tables) into ``out_dir``."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, default=float))
+  (out_dir / f"{name}.md").write_text(markdown(results))
+
+
+def main(doc: str, run: Callable[..., dict[str, Any]], markdown: Callable[..., str], *,
+         quick_help: str, out_dir: pathlib.Path, argv: Sequence[str] | None = None) -> None:
+  """The command line shared by the feature benchmarks: ``--quick`` (or ``BENCH_QUICK=1``),
+  ``--repeats``, ``--warmup`` and ``--out-dir``; runs ``run`` and prints its tables."""
+  parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
+                      == "1", help=f"{quick_help} (also BENCH_QUICK=1)")
+  parser.add_argument("--repeats", type=int)
+  parser.add_argument("--warmup", type=int)
+  parser.add_argument("--out-dir", type=pathlib.Path, default=out_dir)
+  args = parser.parse_args(argv)
+  results = run(quick=args.quick, repeats=args.repeats, warmup=args.warmup,
+                out_dir=args.out_dir)
+  print(markdown(results))

@@ -17,9 +17,6 @@ values of ``N`` and fewer repeats of the same model.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -110,23 +107,13 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
   counts = counts or ((4, 16) if quick else (2, 4, 8, 16, 32))
   results = {"environment": env, "quick": quick, "repeats": repeats, "warmup": warmup,
              "mlp": measure(cfg, counts, repeats=repeats, warmup=warmup)}
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "evaluate.json").write_text(json.dumps(results, indent=1, default=float))
-  (out_dir / "evaluate.md").write_text(markdown(results))
+  _common.write_results(out_dir, "evaluate", results, markdown)
   return results
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
-                      == "1", help="fewer N and repeats (also BENCH_QUICK=1)")
-  parser.add_argument("--repeats", type=int)
-  parser.add_argument("--warmup", type=int)
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
-  args = parser.parse_args(argv)
-  results = run(quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-                out_dir=args.out_dir)
-  print(markdown(results))
+  _common.main(__doc__, run, markdown, quick_help="fewer N and repeats", out_dir=RESULTS,
+               argv=argv)
 
 
 if __name__ == "__main__":

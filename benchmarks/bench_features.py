@@ -25,9 +25,6 @@ repeats of the same model.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -191,23 +188,13 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
   cfg = cfg or bench_accumulation.default_configs(env["platform"], quick=False)["mlp"]
   results = {"environment": env, "quick": quick, "repeats": repeats, "warmup": warmup,
              "mlp": measure(cfg, repeats=repeats, warmup=warmup)}
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "features.json").write_text(json.dumps(results, indent=1))
-  (out_dir / "features.md").write_text(markdown(results))
+  _common.write_results(out_dir, "features", results, markdown)
   return results
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
-                      == "1", help="fewer repeats (also BENCH_QUICK=1)")
-  parser.add_argument("--repeats", type=int)
-  parser.add_argument("--warmup", type=int)
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
-  args = parser.parse_args(argv)
-  results = run(quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-                out_dir=args.out_dir)
-  print(markdown(results))
+  _common.main(__doc__, run, markdown, quick_help="fewer repeats", out_dir=RESULTS,
+               argv=argv)
 
 
 if __name__ == "__main__":
