@@ -326,30 +326,49 @@ def _gradient_defaults() -> dict[str, Any]:
   return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
 
 
-class Evaluate:
-  """What :func:`evaluate` returns: ``fun`` run per micro-batch, with its validated options.
+class _Transform:
+  """A transformed ``fun`` holding its validated options (the frozen
+  :class:`jaxaccum._options.Options`); ``__wrapped__`` is ``fun``, so ``inspect.signature``
+  and ``functools`` see ``fun``'s name, docstring and parameters."""
 
-  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns what
-  ``fun`` returns on the full batch. ``options`` holds the frozen
-  :class:`jaxaccum._options.Options` (nothing differentiated); ``__wrapped__`` is ``fun``.
-  """
+  name = ""
 
   def __init__(self, options: Options):
     self.options = options
     functools.update_wrapper(self, options.fun)
 
-  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError
+
+  def run(self, args: tuple, kwargs: dict, active: Any) -> tuple:
+    """The core (or, under ``data_axis``, the data-parallel driver) on one call:
+    ``(value, extra, grads, info)``."""
     opts = self.options
     run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
-    value, extra, _, _ = run(opts, args, kwargs, active_micro_batches)
-    return (value, extra) if opts.has_extra else value
+    return run(opts, args, kwargs, active)
 
   def __repr__(self) -> str:
-    return f"<jaxaccum.evaluate of {self.options.fun!r}>"
+    return f"<jaxaccum.{self.name} of {self.options.fun!r}>"
 
-  def with_fun(self, fun: Callable[..., Any]) -> Evaluate:
-    """The same validated options around another ``fun``, as :meth:`ValueAndGrad.with_fun`."""
-    return Evaluate(dataclasses.replace(self.options, fun=fun))
+  def with_fun(self, fun: Callable[..., Any]) -> Any:
+    """The same validated options around another ``fun``: the adapters build their inner
+    function per call (it closes over the call's static parts) and run it through this."""
+    return type(self)(dataclasses.replace(self.options, fun=fun))
+
+
+class Evaluate(_Transform):
+  """What :func:`evaluate` returns: ``fun`` run per micro-batch, with its validated options
+  (nothing differentiated).
+
+  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns what
+  ``fun`` returns on the full batch.
+  """
+
+  name = "evaluate"
+
+  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
+    value, extra, _, _ = self.run(args, kwargs, active_micro_batches)
+    return (value, extra) if self.options.has_extra else value
 
 
 def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
@@ -365,33 +384,20 @@ def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -
         f"differentiates nothing. Drop it, or use {instead} for gradients.")
 
 
-class ValueAndGrad:
+class ValueAndGrad(_Transform):
   """What :func:`value_and_grad` returns: ``fun`` accumulated, with its validated options.
 
   Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns
-  ``(value, grads)`` as :func:`value_and_grad` documents. ``options`` holds the frozen
-  :class:`jaxaccum._options.Options`; ``__wrapped__`` is ``fun``, so ``inspect.signature``
-  and ``functools`` see ``fun``'s name, docstring and parameters.
+  ``(value, grads)`` as :func:`value_and_grad` documents.
   """
 
-  def __init__(self, options: Options):
-    self.options = options
-    functools.update_wrapper(self, options.fun)
+  name = "value_and_grad"
 
   def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
     opts = self.options
-    run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
-    value, extra, grads, info = run(opts, args, kwargs, active_micro_batches)
+    value, extra, grads, info = self.run(args, kwargs, active_micro_batches)
     grads = grads[0] if opts.argnums_is_int else grads
     return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
-
-  def __repr__(self) -> str:
-    return f"<jaxaccum.value_and_grad of {self.options.fun!r}>"
-
-  def with_fun(self, fun: Callable[..., Any]) -> ValueAndGrad:
-    """The same validated options around another ``fun``: the adapters build their inner
-    function per call (it closes over the call's static parts) and run it through this."""
-    return ValueAndGrad(dataclasses.replace(self.options, fun=fun))
 
 
 class Grad:
