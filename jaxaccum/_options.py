@@ -97,20 +97,15 @@ class Options:
     roles = Roles(diff, batch, rng, state, self.batch_argnames, self.rng_argnames)
     _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
                            "rng_argnums": roles.rng, "state_argnums": roles.state})
-    missing = [k for k in self.batch_argnames if k not in kwargs]
-    if missing:
-      raise ValueError(
-          f"batch_argnames={self.batch_argnames!r} names keyword argument(s) {missing}, but "
-          f"the function was called with keyword arguments {sorted(kwargs) or 'none'}. Pass "
-          f"the batch by keyword, e.g. f(params, {missing[0]}=batch), or name it by "
-          "position with batch_argnums.")
-    missing = [k for k in self.rng_argnames if k not in kwargs]
-    if missing:
-      raise ValueError(
-          f"rng_argnames={self.rng_argnames!r} names keyword argument(s) {missing}, but "
-          f"the function was called with keyword arguments {sorted(kwargs) or 'none'}. Pass "
-          f"the key by keyword, e.g. f(params, batch, {missing[0]}=key), or name it by "
-          "position with rng_argnums.")
+    for option, names, example, positional in (
+        ("batch_argnames", self.batch_argnames, "f(params, {k}=batch)", "batch_argnums"),
+        ("rng_argnames", self.rng_argnames, "f(params, batch, {k}=key)", "rng_argnums")):
+      missing = [k for k in names if k not in kwargs]
+      if missing:
+        raise ValueError(
+            f"{option}={names!r} names keyword argument(s) {missing}, but the function was "
+            f"called with keyword arguments {sorted(kwargs) or 'none'}. Pass it by keyword, "
+            f"e.g. {example.format(k=missing[0])}, or name it by position with {positional}.")
     return roles
 
 
