@@ -2,8 +2,10 @@
 
 :class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
 runs the same steps on each shard with a resolved count) uses :func:`dataclasses.replace`.
-Adding an option touches the signature of :func:`jaxaccum.value_and_grad` (which passes
-its arguments here as they are), :func:`make_options` and the field list, nothing else.
+Adding an option touches two places: its :class:`Options` field with its validator
+(:func:`option`), and its line in the signature of :func:`jaxaccum.value_and_grad` (with
+its docstring entry), which passes every option here as given. :func:`jaxaccum.evaluate`
+fills the options it does not take with ``value_and_grad``'s defaults.
 """
 
 from __future__ import annotations
@@ -31,40 +33,144 @@ class Roles(NamedTuple):
   rng_names: tuple[str, ...] = ()
 
 
+def _check_fun(fun: Any) -> Any:
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
+  return fun
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, bool):
+    hint = "; pass a jax.checkpoint policy as remat_policy=..." if name == "remat" else "."
+    raise TypeError(f"{name} must be a bool, got {name}={value!r}{hint}")
+  return value
+
+
+def _check_batch_argnums(batch_argnums: Any, names: tuple[str, ...]) -> tuple[int, ...]:
+  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
+  if not batch and not names:
+    raise ValueError(
+        f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
+        "name the batch by position (batch_argnums=1) or by keyword (batch_argnames='batch').")
+  return batch
+
+
+def _check_aux_reduce(aux_reduce: Any, has_aux: bool) -> Any:
+  if aux_reduce is not None and not has_aux:
+    raise ValueError(
+        f"aux_reduce={aux_reduce!r} was given but has_aux=False: set has_aux=True and "
+        "return (value, aux) from fun, or drop aux_reduce.")
+  _reduce.check_aux_reduce(aux_reduce)
+  return aux_reduce
+
+
+def _check_rng_argnames(rng_argnames: Any, batch_names: tuple[str, ...]) -> tuple[str, ...]:
+  rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
+  both = sorted(set(rng_names) & set(batch_names))
+  if both:
+    raise ValueError(
+        f"rng_argnames={rng_names!r} and batch_argnames={batch_names!r} both name {both}: an "
+        "argument can have only one role. One key for the whole batch, folded per "
+        "micro-batch, goes in rng_argnames; per-example keys (one row per example) are batch "
+        "data and go in batch_argnames.")
+  return rng_names
+
+
+def _check_policy(name: str, policy: Any) -> Callable[..., bool] | None:
+  if policy is not None and not callable(policy):
+    raise TypeError(
+        f"{name} must be a jax.checkpoint policy such as "
+        f"jax.checkpoint_policies.dots_saveable, got {policy!r}.")
+  # A policy answers whether to save a value (a bool).
+  return cast("Callable[..., bool] | None", policy)
+
+
+def _check_unroll(name: str, unroll: Any) -> int | bool:
+  if isinstance(unroll, np.integer):
+    unroll = int(unroll)
+  if not isinstance(unroll, (bool, numbers.Integral)) or (
+      not isinstance(unroll, bool) and unroll < 1):
+    raise TypeError(
+        f"{name} must be a positive int or a bool (as for jax.lax.scan), got {name}={unroll!r}.")
+  return unroll if isinstance(unroll, bool) else int(unroll)
+
+
+Raw = dict[str, Any]  # the keyword options as given (and ``fun``, ``evaluate``)
+
+
+def option(check: Callable[[Raw, dict[str, Any]], Any]) -> Any:
+  """An :class:`Options` field and its validator: ``check(raw, done)`` reads the options as
+  given (``raw``) and the fields validated before it (``done``), raises a clear error for a
+  bad value, and returns the field's value."""
+  return dataclasses.field(metadata={"check": check})
+
+
+def _given(name: str, check: Callable[[str, Any], Any] | None = None) -> Any:
+  """A field that holds option ``name`` as given, checked by ``check(name, value)``."""
+  return option(lambda raw, done: raw[name] if check is None else check(name, raw[name]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Everything fixed when the transform is built."""
+  """Everything fixed when the transform is built, each field with its validator.
 
-  fun: Callable[..., Any]
-  count: int | None
-  size: int | None
-  argnums: tuple[int, ...]
-  argnums_is_int: bool
-  batch_argnums: tuple[int, ...]
-  batch_argnames: tuple[str, ...]
-  batch_optional: bool  # the default batch_argnums=1 with batch_argnames: only if it exists
-  batch_axis: int | tuple  # one int, or one entry per batch argument (_split.batch_axes)
-  has_aux: bool
-  reduce: Any
-  terms: tuple[_reduce.Term, ...]
-  aux_reduce: Any
-  rng_argnums: tuple[int, ...]
-  rng_argnames: tuple[str, ...]
-  state_argnums: tuple[int, ...]
-  state_is_tuple: bool
-  accumulator_dtype: np.dtype | None
-  grads_dtype: np.dtype | None
-  remat: bool
-  remat_policy: Callable[..., bool] | None
-  unroll: int | bool
-  data_axis: tuple[AxisName, ...] | str | None  # a tuple of axes, "auto" or None
-  mesh: Any
-  with_info: bool
-  skip_nonfinite: bool
-  per_example_transform: Callable[[Any], Any] | None
-  overlap_grad_reduce: bool  # the last micro-batch runs after the scan (data_axis)
-  param_gather: str = "step"
-  grad_scatter: str = "micro_batch"
+  The fields are validated in order by :func:`make_options`: a field's validator may read
+  the fields above it.
+  """
+
+  fun: Callable[..., Any] = option(lambda raw, done: _check_fun(raw["fun"]))
+  count: int | None = option(lambda raw, done: _split.check_counts(
+      raw["num_micro_batches"], raw["micro_batch_size"])[0])
+  size: int | None = option(lambda raw, done: _split.check_counts(
+      raw["num_micro_batches"], raw["micro_batch_size"])[1])
+  argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
+      "argnums", raw["argnums"], allow_empty=raw["evaluate"]))
+  argnums_is_int: bool = option(lambda raw, done: not isinstance(raw["argnums"], (tuple, list)))
+  batch_argnames: tuple[str, ...] = _given("batch_argnames", _split.normalize_argnames)
+  batch_argnums: tuple[int, ...] = option(lambda raw, done: _check_batch_argnums(
+      raw["batch_argnums"], done["batch_argnames"]))
+  # The default batch_argnums=1 with batch_argnames: only where argument 1 exists.
+  batch_optional: bool = option(lambda raw, done: raw["batch_argnums"] is BATCH_ARGNUMS
+                                and bool(done["batch_argnames"]))
+  # One int, or one entry per batch argument (_split.batch_axes).
+  batch_axis: int | tuple = option(lambda raw, done: _check_batch_axis(
+      raw["batch_axis"], done["batch_argnums"], done["batch_argnames"], done["batch_optional"]))
+  has_aux: bool = _given("has_aux", _check_bool)
+  reduce: Any = option(lambda raw, done: _reduce.check_reduce(raw["reduce"]))
+  terms: tuple[_reduce.Term, ...] = option(
+      lambda raw, done: _reduce.make_terms(done["reduce"], raw["loss_weights"]))
+  aux_reduce: Any = option(lambda raw, done: _check_aux_reduce(raw["aux_reduce"],
+                                                               done["has_aux"]))
+  rng_argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
+      "rng_argnums", raw["rng_argnums"], allow_empty=True))
+  rng_argnames: tuple[str, ...] = option(lambda raw, done: _check_rng_argnames(
+      raw["rng_argnames"], done["batch_argnames"]))
+  state_argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
+      "state_argnums", raw["state_argnums"], allow_empty=True))
+  state_is_tuple: bool = option(lambda raw, done: isinstance(raw["state_argnums"],
+                                                             (tuple, list)))
+  accumulator_dtype: np.dtype | None = _given("accumulator_dtype", _reduce.check_dtype)
+  grads_dtype: np.dtype | None = _given("grads_dtype", _reduce.check_dtype)
+  remat_policy: Callable[..., bool] | None = _given("remat_policy", _check_policy)
+  remat: bool = option(lambda raw, done: _check_bool("remat", raw["remat"])
+                       or done["remat_policy"] is not None)
+  unroll: int | bool = _given("unroll", _check_unroll)
+  # A tuple of axes, "auto" or None.
+  data_axis: tuple[AxisName, ...] | str | None = option(
+      lambda raw, done: _sharding.check_data_axis_option(raw["data_axis"]))
+  mesh: Any = option(lambda raw, done: _sharding.check_mesh(raw["mesh"], done["data_axis"]))
+  with_info: bool = _given("with_info", _check_bool)
+  skip_nonfinite: bool = _given("skip_nonfinite", _check_bool)
+  per_example_transform: Callable[[Any], Any] | None = option(
+      lambda raw, done: check_per_example(raw["per_example_transform"], done["reduce"],
+                                          done["terms"]))
+  # The last micro-batch runs after the scan (data_axis).
+  overlap_grad_reduce: bool = option(
+      lambda raw, done: check_overlap(raw["overlap_grad_reduce"], done["data_axis"]))
+  param_gather: str = option(lambda raw, done: _sharding.check_placement(
+      "param_gather", raw["param_gather"], done["data_axis"]))
+  grad_scatter: str = option(lambda raw, done: _sharding.check_placement(
+      "grad_scatter", raw["grad_scatter"], done["data_axis"]))
 
   @property
   def has_extra(self) -> bool:
@@ -144,89 +250,22 @@ def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str,
   return _split.check_batch_axis(batch_axis, None if optional else len(batch) + len(names))
 
 
-def make_options(
-    fun: Any, *, num_micro_batches: Any, micro_batch_size: Any, argnums: Any,
-    batch_argnums: Any, batch_argnames: Any, has_aux: Any, reduce: Any, loss_weights: Any,
-    aux_reduce: Any, rng_argnums: Any, rng_argnames: Any, state_argnums: Any,
-    accumulator_dtype: Any, grads_dtype: Any, remat: Any, remat_policy: Any, unroll: Any,
-    data_axis: Any, mesh: Any, with_info: Any, skip_nonfinite: Any,
-    per_example_transform: Any, batch_axis: Any, param_gather: Any, grad_scatter: Any,
-    overlap_grad_reduce: Any,
-    evaluate: bool = False) -> Options:
+def make_options(fun: Any, *, evaluate: bool = False, **options: Any) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
 
-  ``evaluate=True`` is :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is
-  differentiated) is allowed only there.
+  ``options`` are :func:`jaxaccum.value_and_grad`'s keyword options, all of them, as given;
+  each :class:`Options` field validates its own (:func:`option`). ``evaluate=True`` is
+  :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is differentiated) is allowed
+  only there.
   """
-  if not callable(fun):
-    raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
-  count, size = _split.check_counts(num_micro_batches, micro_batch_size)
-  names = _split.normalize_argnames("batch_argnames", batch_argnames)
-  optional = batch_argnums is BATCH_ARGNUMS and bool(names)
-  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
-  axis = _check_batch_axis(batch_axis, batch, names, optional)
-  if not batch and not names:
-    raise ValueError(
-        f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
-        "name the batch by position (batch_argnums=1) or by keyword (batch_argnames='batch').")
-  for flag, value in (("has_aux", has_aux), ("remat", remat), ("with_info", with_info),
-                      ("skip_nonfinite", skip_nonfinite)):
-    if not isinstance(value, bool):
-      hint = "; pass a jax.checkpoint policy as remat_policy=..." if flag == "remat" else "."
-      raise TypeError(f"{flag} must be a bool, got {flag}={value!r}{hint}")
-  reduce = _reduce.check_reduce(reduce)
-  terms = _reduce.make_terms(reduce, loss_weights)
-  if aux_reduce is not None and not has_aux:
-    raise ValueError(
-        f"aux_reduce={aux_reduce!r} was given but has_aux=False: set has_aux=True and "
-        "return (value, aux) from fun, or drop aux_reduce.")
-  _reduce.check_aux_reduce(aux_reduce)
-  if remat_policy is not None and not callable(remat_policy):
-    raise TypeError(
-        "remat_policy must be a jax.checkpoint policy such as "
-        f"jax.checkpoint_policies.dots_saveable, got {remat_policy!r}.")
-  # Checked callable just above; a policy answers whether to save a value (a bool).
-  policy = cast("Callable[..., bool] | None", remat_policy)
-  if isinstance(unroll, np.integer):
-    unroll = int(unroll)
-  if not isinstance(unroll, (bool, numbers.Integral)) or (
-      not isinstance(unroll, bool) and unroll < 1):
-    raise TypeError(
-        f"unroll must be a positive int or a bool (as for jax.lax.scan), got unroll={unroll!r}.")
-  axes = _sharding.check_data_axis_option(data_axis)
-  check_overlap(overlap_grad_reduce, axes)
-  state = _split.normalize_argnums("state_argnums", state_argnums, allow_empty=True)
-  check_per_example(per_example_transform, reduce, terms)
-  rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
-  both = sorted(set(rng_names) & set(names))
-  if both:
-    raise ValueError(
-        f"rng_argnames={rng_names!r} and batch_argnames={names!r} both name {both}: an "
-        "argument can have only one role. One key for the whole batch, folded per "
-        "micro-batch, goes in rng_argnames; per-example keys (one row per example) are batch "
-        "data and go in batch_argnames.")
-  return Options(
-      fun=fun, count=count, size=size,
-      argnums=_split.normalize_argnums("argnums", argnums, allow_empty=evaluate),
-      argnums_is_int=not isinstance(argnums, (tuple, list)),
-      batch_argnums=batch, batch_argnames=names, batch_optional=optional, batch_axis=axis,
-      has_aux=has_aux,
-      reduce=reduce, terms=terms, aux_reduce=aux_reduce,
-      rng_argnums=_split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True),
-      rng_argnames=rng_names,
-      state_argnums=state, state_is_tuple=isinstance(state_argnums, (tuple, list)),
-      accumulator_dtype=_reduce.check_dtype("accumulator_dtype", accumulator_dtype),
-      grads_dtype=_reduce.check_dtype("grads_dtype", grads_dtype),
-      remat=remat or policy is not None, remat_policy=policy,
-      unroll=unroll if isinstance(unroll, bool) else int(unroll),
-      data_axis=axes, mesh=_sharding.check_mesh(mesh, axes), with_info=with_info,
-      skip_nonfinite=skip_nonfinite, per_example_transform=per_example_transform,
-      param_gather=_sharding.check_placement("param_gather", param_gather, axes),
-      grad_scatter=_sharding.check_placement("grad_scatter", grad_scatter, axes),
-      overlap_grad_reduce=overlap_grad_reduce)
+  raw = {"fun": fun, "evaluate": evaluate, **options}
+  done: dict[str, Any] = {}
+  for field in dataclasses.fields(Options):
+    done[field.name] = field.metadata["check"](raw, done)
+  return Options(**done)
 
 
-def check_overlap(overlap: Any, axes: Any) -> None:
+def check_overlap(overlap: Any, axes: Any) -> bool:
   """``overlap_grad_reduce``: a bool, and only with ``data_axis``, the one mode whose
   cross-device reduction runs after the loop (without it there is none to overlap)."""
   if not isinstance(overlap, bool):
@@ -239,13 +278,14 @@ def check_overlap(overlap: Any, axes: Any) -> None:
         "the compiler reduces gradients inside every micro-batch. Pass "
         "data_axis='data' (the mesh axis the batch is sharded over), or drop "
         "overlap_grad_reduce.")
+  return overlap
 
 
-def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> None:
+def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> Any:
   """``per_example_transform``: a callable, and a loss whose terms share one normalisation
   (the transform sees each example's whole gradient, so there is one divisor to apply)."""
   if transform is None:
-    return
+    return None
   if not callable(transform):
     raise TypeError(
         "per_example_transform must be a function from one example's gradient to a gradient "
@@ -260,3 +300,4 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
         "each example's whole gradient, so every term must be normalised the same way. Use "
         "one kind for all terms (all 'mean' or all 'sum'), or a single 'weighted' term; or "
         "accumulate the terms with separate transforms.")
+  return transform
