@@ -99,7 +99,7 @@ def mlp_data(rows=64):
                            jax.device_put(batch, NamedSharding(mesh, P("data"))))
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 4])
 def test_full_batch_and_concrete_active_count(n):
   (params, batch), on_mesh = mlp_data()
   f = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n, has_aux=True, data_axis="data",
@@ -112,7 +112,8 @@ def test_full_batch_and_concrete_active_count(n):
   # Stacked: entry i is the mean over shards of micro-batch i's loss (rows i::n of each block).
   x, y = batch
   blocks = [(x[d * 8:(d + 1) * 8], y[d * 8:(d + 1) * 8]) for d in range(8)]
-  per_mb = [np.mean([mlp_loss(params, (bx[i::n], by[i::n]))[0] for bx, by in blocks])
+  loss_of = jax.jit(mlp_loss)
+  per_mb = [np.mean([loss_of(params, (bx[i::n], by[i::n]))[0] for bx, by in blocks])
             for i in range(n)]
   chex.assert_trees_all_close(aux["mb"], jnp.asarray(per_mb), rtol=1e-5, atol=1e-6)
   # A concrete count, outside jit: micro-batches 0..k-1 only, k - 1 after the loop.
