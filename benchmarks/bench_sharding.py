@@ -7,6 +7,8 @@ One training-step gradient of an MLP classifier over a global batch sharded on a
   XLA reduces the gradients where it likes (on CPU: inside the loop, every micro-batch);
 * ``jaxaccum data_axis``: the same with ``data_axis=...``: local accumulation, one
   reduction per step after the loop;
+* ``jaxaccum data_axis overlap``: the same with ``overlap_grad_reduce=True`` (the last
+  micro-batch after the loop, so its reductions may overlap its backward pass);
 * ``optax.microbatch``: ``optax.microbatch(jax.value_and_grad(loss), ...)`` with a MEAN
   accumulator, under :func:`jax.jit` (a ``fori_loop`` over a contiguous split);
 
@@ -64,7 +66,8 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # last rows show jaxaccum on Explicit axes (jax.make_mesh's default), where the types
 # carry the FSDP parameters' sharding into the step.
 METHODS = (("jaxaccum", "Auto"), ("jaxaccum data_axis", "Auto"), ("optax.microbatch", "Auto"),
-           ("jaxaccum", "Explicit"), ("jaxaccum data_axis", "Explicit"))
+           ("jaxaccum", "Explicit"), ("jaxaccum data_axis", "Explicit"),
+           ("jaxaccum data_axis overlap", "Explicit"))
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
          "collective-permute": "CP"}
@@ -121,9 +124,10 @@ def layout(kind: str, axis_type: str):
 def make_step(method: str, n: int, batch: int, mesh, data_axis):
   if method == "jaxaccum":
     return jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=n))
-  if method == "jaxaccum data_axis":
+  if method.startswith("jaxaccum data_axis"):
     return jax.jit(jaxaccum.value_and_grad(
-        loss_fn, num_micro_batches=n, data_axis=data_axis, mesh=mesh))
+        loss_fn, num_micro_batches=n, data_axis=data_axis, mesh=mesh,
+        overlap_grad_reduce=method.endswith("overlap")))
   return jax.jit(optax.microbatch(
       jax.value_and_grad(loss_fn), argnums=1, microbatch_size=batch // n,
       accumulator=optax.microbatching.AccumulationType.MEAN))
@@ -151,7 +155,8 @@ def run(args) -> dict:
         colls = collectives_per_step(compiled, n)
         err = rel_error(compiled(params, batch), ref)
         key = (method, axis_type, n)
-        stats[key] = {"collectives": colls, "compile_s": cstats["compile_s"], "rel_error": err}
+        stats[key] = {"collectives": colls, "compile_s": cstats["compile_s"], "rel_error": err,
+                      "temp_mib": cstats["temp"] / 2**20}
         runners[key] = (lambda c=compiled, p=params, b=batch: _common.block(c(p, b)))
     times = _common.time_interleaved(runners, repeats=args.repeats, warmup=args.warmup)
     for (method, axis_type, n), ts in times.items():
@@ -160,7 +165,8 @@ def run(args) -> dict:
                    "step_ms": 1e3 * _common.median(ts),
                    "collectives": {k: v[0] for k, v in s["collectives"].items()},
                    "collective_mib": sum(v[1] for v in s["collectives"].values()),
-                   "compile_s": s["compile_s"], "rel_error": s["rel_error"]})
+                   "compile_s": s["compile_s"], "rel_error": s["rel_error"],
+                   "temp_mib": s["temp_mib"]})
     print(f"{kind}: done", flush=True)
   return {"device": _common.device_info(), "config": {**vars(args), "out": str(args.out)},
           "rows": rows}
@@ -176,7 +182,8 @@ def markdown(result: dict) -> str:
       f"{cfg['hidden']}-{cfg['classes']}, global batch {cfg['batch']}, float32; medians "
       f"of {cfg['repeats']} interleaved steps. Collectives are per step (ops in a loop "
       "counted once per iteration): AR all-reduce, RS reduce-scatter, AG all-gather, "
-      "A2A all-to-all, CP collective-permute; MiB = sum of their result sizes. "
+      "A2A all-to-all, CP collective-permute; MiB = sum of their result sizes; temp = "
+      "compiled temporary memory per device (`memory_analysis()`). "
       "`rel err` = max |grad - full-batch grad| / max |full-batch grad|.",
       "",
   ]
@@ -187,17 +194,18 @@ def markdown(result: dict) -> str:
     base = {r["N"]: r["step_ms"] for r in rows
             if r["method"] == "jaxaccum" and r["axes"] == "Auto"}
     lines += [f"## {title}", "",
-              "| N | method | axes | collectives / step | MiB / step | step ms | vs row 1 "
-              "| rel err |",
-              "|---:|---|---|---|---:|---:|---:|---:|"]
+              "| N | method | axes | collectives / step | MiB / step | temp MiB | step ms "
+              "| vs row 1 | rel err |",
+              "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for n in cfg["ns"]:
       for method, axis_type in METHODS:
         r = next(r for r in rows
                  if r["N"] == n and r["method"] == method and r["axes"] == axis_type)
         colls = ", ".join(f"{SHORT[k]} {r['collectives'][k]}" for k in KINDS
                           if r["collectives"].get(k)) or "none"
+        temp = f"{r['temp_mib']:.2f}" if "temp_mib" in r else "-"
         lines.append(f"| {n} | {method} | {axis_type} | {colls} | {r['collective_mib']:.2f} | "
-                     f"{r['step_ms']:.2f} | {r['step_ms'] / base[n]:.2f}x | "
+                     f"{temp} | {r['step_ms']:.2f} | {r['step_ms'] / base[n]:.2f}x | "
                      f"{r['rel_error']:.1e} |")
     lines.append("")
   return "\n".join(lines)
