@@ -106,7 +106,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
       largs[j] = _sharding._vary(largs[j], axes)
     # After _vary: a parameter gathered before the loop must vary over every data axis, or
     # its cotangent would be summed over the others inside every micro-batch.
-    fun = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
+    fun, closed = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
     for j in roles.diff:
       largs[j] = _sharding._vary(largs[j], axes)
     shard = lax.axis_index(axes)
@@ -124,7 +124,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
 
     value, extra, grads, info = _transform.accumulate(
         dataclasses.replace(local_opts, fun=fun), tuple(largs), lkwargs, local_act, n=n,
-        shards=shards, combine=across)
+        shards=shards, combine=across, own=closed)
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
     kept, rows, meta["unsplit"] = _split_rows(opts, extra, meta["kinds"])
     return value, kept, rows, grads, info
@@ -279,11 +279,12 @@ def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple:
 
 
 def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs: list,
-                    lkwargs: dict) -> Callable[..., Any]:
+                    lkwargs: dict) -> tuple[Callable[..., Any], list]:
   """All-gathers the data-sharded non-batch arguments where the placement options say.
 
   Updates the core's local arguments ``largs`` and ``lkwargs`` in place and returns the
-  ``fun`` the core runs. ``param_gather="step"`` gathers before the loop, once (the full
+  ``fun`` the core runs and the arrays it closes over (parameters, for the core's check of
+  unsplit batch arrays). ``param_gather="step"`` gathers before the loop, once (the full
   arrays stay live across it); ``"micro_batch"`` gathers inside ``fun``, in every
   iteration, behind a pin to the micro-batch (:func:`_pin`) that keeps XLA from hoisting the
   gather out of the loop. For a differentiated argument, ``grad_scatter="micro_batch"``
@@ -297,6 +298,7 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   per_micro_batch = opts.param_gather == "micro_batch"
   step_scatter = opts.grad_scatter == "step"
   in_fun: dict[Any, Callable[[Any, Any], Any]] = {}
+  closed: list = []
   for k, gs in placed.gathers.items():
     if k in roles.batch or k in roles.batch_names or not any(gs):
       continue
@@ -306,11 +308,13 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
     if not per_micro_batch:
       full = [_gather(x, g) if g else x for x, g in zip(leaves, gs, strict=True)]
       if diff and not step_scatter:
-        in_fun[k] = functools.partial(_use_full, gathers=gs, full=_boxed(full))
+        in_fun[k] = functools.partial(_use_full, gathers=gs, full=full)
+        closed += full
       else:
         value = jax.tree.unflatten(treedef, full)
     elif diff and step_scatter:
-      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=_boxed(leaves))
+      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=leaves)
+      closed += leaves
       value = jax.tree.unflatten(treedef, [
           jnp.zeros(_gathered_shape(x.shape, g, mesh), x.dtype) if g else x
           for x, g in zip(leaves, gs, strict=True)])
@@ -321,7 +325,7 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
     else:
       lkwargs[k] = value
   if not in_fun:
-    return opts.fun
+    return opts.fun, closed
   batch_keys = (*roles.batch, *roles.batch_names)
 
   def fun_local(*call_args, **call_kwargs):
@@ -334,7 +338,7 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
         call_kwargs[k] = make(call_kwargs[k], tie)
     return opts.fun(*call_args, **call_kwargs)
 
-  return fun_local
+  return fun_local, closed
 
 
 def _use_full(value: Any, tie: Any, *, gathers: tuple, full: list) -> Any:
@@ -342,7 +346,7 @@ def _use_full(value: Any, tie: Any, *, gathers: tuple, full: list) -> Any:
   del tie
   leaves, treedef = jax.tree.flatten(value)
   return jax.tree.unflatten(treedef, [
-      _gathered_once(x, f[0], g, tuple(sorted(_sharding._varying(x), key=str))) if g else x
+      _gathered_once(x, f, g, tuple(sorted(_sharding._varying(x), key=str))) if g else x
       for x, f, g in zip(leaves, full, gathers, strict=True)])
 
 
@@ -350,7 +354,7 @@ def _gather_into(value: Any, tie: Any, *, gathers: tuple, shards: list | None) -
   """The shards (``value``'s, or ``shards`` with ``value`` full-size zeros to add to them)
   all-gathered in this iteration, pinned to the micro-batch."""
   leaves, treedef = jax.tree.flatten(value)
-  own = leaves if shards is None else [x[0] for x in shards]
+  own = leaves if shards is None else shards
   full = [_gather(_pin(x, tie), g) if g else x for x, g in zip(own, gathers, strict=True)]
   if shards is not None:
     full = [f + d if g else d for f, d, g in zip(full, leaves, gathers, strict=True)]
@@ -395,13 +399,6 @@ def _pin(x: jax.Array, tie: Any) -> jax.Array:
   never = (tie != tie) & (tie == tie)
   x, _ = lax.optimization_barrier((jnp.where(never, jnp.zeros_like(x), x), tie))
   return x
-
-
-def _boxed(leaves: list) -> list:
-  """Arrays that ``fun`` closes over, each behind a leading axis of size 1 (free: a
-  reshape): the core warns about closed-over arrays with the batch's rows
-  (``BatchBroadcastWarning``), and a gathered parameter or a shard may have that many."""
-  return [x[None] if _sharding._is_array(x) else x for x in leaves]
 
 
 def _tie(call_args: list, call_kwargs: dict, batch_keys: tuple) -> Any:

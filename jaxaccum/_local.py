@@ -113,6 +113,12 @@ def local_value_and_grad(
         f"rows), got reduce={reduce!r}. A token mean needs the total count over every shard, "
         "a collective: return the sum of token losses divided by the call's total count under "
         "reduce='sum' (the count known from the data, or passed in).")
+  if accumulate.get("batch_axis", 0) != 0:
+    raise ValueError(
+        f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
+        f"the batch axis must be the leading one, got batch_axis={accumulate['batch_axis']!r}. "
+        "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
+        "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
   diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
   batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
   if accumulate:

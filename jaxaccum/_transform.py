@@ -898,16 +898,20 @@ SCOPES = {"scan": "jaxaccum/micro_batches", "combine": "jaxaccum/reduce",
 
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
                n: int | None = None, shards: int = 1,
-               combine: Callable[..., Any] | None = None):
+               combine: Callable[..., Any] | None = None, own: Sequence[Any] = ()):
   """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
 
   ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
   or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
-  once after the loop and returns ``(carry, stacked)``. Each step runs under its
+  once after the loop and returns ``(carry, stacked)``. ``own`` are arrays that ``fun``
+  closes over as parameters (the data-parallel driver's gathered FSDP parameters), never
+  reported as unsplit batch arrays. Each step runs under its
   :func:`jax.named_scope` (:data:`SCOPES`), so its ops carry the name in the compiled
   program's ``op_name`` metadata and in profiler traces.
   """
   problem = prepare(opts, args, kwargs, n)
+  if own:
+    problem = problem._replace(own=problem.own + tuple(own))
   if active is not None:
     active = check_active(active, problem.n)
   with jax.named_scope(SCOPES["scan"]):

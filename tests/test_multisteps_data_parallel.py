@@ -247,6 +247,10 @@ def test_errors():
     jaxaccum.local_value_and_grad(loss_fn, data_axis="data", reduce="weighted")
   with pytest.raises(TypeError, match="local_value_and_grad needs data_axis"):
     jaxaccum.local_value_and_grad(loss_fn, data_axis=None)
+  with pytest.raises(ValueError, match=r"batch axis must be the leading one, got "
+                     r"batch_axis=1.*jnp.moveaxis"):
+    jaxaccum.local_value_and_grad(loss_fn, data_axis="data", num_micro_batches=2,
+                                  batch_axis=1)
   grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis="data", mesh=mesh)
   with pytest.raises(ValueError, match=r"shape \(12, 8\).*multiple of the 8 data shards"):
     grad_fn(params, (batch[0][:12], batch[1][:12]))
