@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
+from jaxaccum import _collectives  # noqa: E402 (its HLO walk: one parser)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 GIB = 2.0**30
@@ -189,49 +190,16 @@ def methods(loss_fn, batch_size: int, n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- HLO text
 
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(")
 
 
-def _computations(text: str):
-  comps, entry, current = {}, None, None
-  for line in text.splitlines():
-    if not line.startswith((" ", "}")):
-      m = _HEADER.match(line)
-      if m:
-        current = m.group(2)
-        comps[current] = []
-        entry = current if m.group(1) else entry
-        continue
-    if line.startswith("}"):
-      current = None
-    elif current is not None:
-      comps[current].append(line)
-  return comps, entry
-
-
-def _reachable(comps, roots):
-  seen, stack = set(), list(roots)
-  while stack:
-    c = stack.pop()
-    if c in seen or c not in comps:
-      continue
-    seen.add(c)
-    for line in comps[c]:
-      stack.extend(_CALLS.findall(line))
-  return seen
-
-
-def _loops(text: str):
-  comps, entry = _computations(text)
-  live = _reachable(comps, [entry])
-  # The micro-batch loop: the outermost while loops of the entry computation (a scan over
-  # layers inside the model is a loop nested in it).
-  bodies = [b for line in comps[entry] for b in _BODY.findall(line)]
-  return comps, live, _reachable(comps, bodies)
+def _loop_computations(text: str):
+  """The HLO computations by name, and those that run inside a while loop (the micro-batch
+  loop and everything it calls), read with the HLO walk ``jaxaccum.collectives`` uses."""
+  comps, entry = _collectives._computations(text)
+  depth, _, _ = _collectives._contexts(comps, entry)
+  return comps, [c for c, d in depth.items() if d >= 1]
 
 
 def collectives(compiled) -> list[dict[str, Any]]:
@@ -249,7 +217,7 @@ def collectives(compiled) -> list[dict[str, Any]]:
 
 def fusion_report(text: str, weight_shapes: set[tuple[int, ...]]) -> dict[str, Any]:
   """Weight-gradient GEMMs in the micro-batch loop and where their float32 add happens."""
-  comps, _, in_loop = _loops(text)
+  comps, in_loop = _loop_computations(text)
   cublas = cublas_beta1 = triton = adds = 0
   for c in in_loop:
     for line in comps[c]:
