@@ -46,7 +46,7 @@ bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 # Compiles for described H100/H200/A100/B200 GPUs on this machine (no GPU needed).
@@ -90,7 +90,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
 	$(LATEST_VENV)/bin/python --version
 	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E -i '^(jax|jaxlib|optax|flax|chex|numpy|equinox) '
-	$(LATEST_VENV)/bin/python -m pytest -n $(LATEST_JOBS) -q
+	$(LATEST_VENV)/bin/python -m pytest -n $(LATEST_JOBS) --dist worksteal -q
 
 # A wheel and an sdist in dist/, checked by twine.
 dist: $(STAMP)
