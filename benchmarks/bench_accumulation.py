@@ -89,12 +89,18 @@ def _dense(key: jax.Array, m: int, n: int) -> jax.Array:
 
 def mlp_problem(cfg: MLPConfig, seed: int = 0):
   """An MLP classifier: ``(loss_fn, params, batch)`` with a mean cross-entropy loss."""
-  keys = jax.random.split(jax.random.key(seed), cfg.depth + 3)
-  sizes = [cfg.d_in] + [cfg.hidden] * cfg.depth + [cfg.classes]
-  params = [{"w": _dense(k, m, n), "b": jnp.zeros(n)}
-            for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=False)]
-  x = jax.random.normal(keys[-2], (cfg.batch, cfg.d_in))
-  y = jax.random.randint(keys[-1], (cfg.batch,), 0, cfg.classes)
+
+  @jax.jit  # one compile, instead of one per random draw's shape run op by op
+  def init():
+    keys = jax.random.split(jax.random.key(seed), cfg.depth + 3)
+    sizes = [cfg.d_in] + [cfg.hidden] * cfg.depth + [cfg.classes]
+    params = [{"w": _dense(k, m, n), "b": jnp.zeros(n)}
+              for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=False)]
+    x = jax.random.normal(keys[-2], (cfg.batch, cfg.d_in))
+    y = jax.random.randint(keys[-1], (cfg.batch,), 0, cfg.classes)
+    return params, (x, y)
+
+  params, (x, y) = init()
 
   def loss_fn(params, batch):
     h, labels = batch
@@ -113,19 +119,25 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 def lm_problem(cfg: LMConfig, seed: int = 0):
   """A causal transformer LM: ``(loss_fn, params, tokens)``, mean next-token loss."""
   d, h = cfg.d_model, cfg.heads
-  keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
-  params = {
-      "embed": 0.02 * jax.random.normal(next(keys), (cfg.vocab, d)),
-      "pos": 0.02 * jax.random.normal(next(keys), (cfg.seq, d)),
-      "layers": [{
-          "norm1": jnp.ones(d), "qkv": _dense(next(keys), d, 3 * d),
-          "out": _dense(next(keys), d, d), "norm2": jnp.ones(d),
-          "up": _dense(next(keys), d, 4 * d), "down": _dense(next(keys), 4 * d, d),
-      } for _ in range(cfg.layers)],
-      "norm_f": jnp.ones(d),
-      "unembed": _dense(next(keys), d, cfg.vocab),
-  }
-  tokens = jax.random.randint(next(keys), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+
+  @jax.jit  # one compile, instead of one per random draw's shape run op by op
+  def init():
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
+    params = {
+        "embed": 0.02 * jax.random.normal(next(keys), (cfg.vocab, d)),
+        "pos": 0.02 * jax.random.normal(next(keys), (cfg.seq, d)),
+        "layers": [{
+            "norm1": jnp.ones(d), "qkv": _dense(next(keys), d, 3 * d),
+            "out": _dense(next(keys), d, d), "norm2": jnp.ones(d),
+            "up": _dense(next(keys), d, 4 * d), "down": _dense(next(keys), 4 * d, d),
+        } for _ in range(cfg.layers)],
+        "norm_f": jnp.ones(d),
+        "unembed": _dense(next(keys), d, cfg.vocab),
+    }
+    tokens = jax.random.randint(next(keys), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    return params, tokens
+
+  params, tokens = init()
   causal = np.tril(np.ones((cfg.seq, cfg.seq), bool))
 
   def loss_fn(params, tokens):

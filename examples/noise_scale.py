@@ -182,13 +182,19 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   noise = jaxaccum.NoiseScale(decay=cfg.decay)
   step = make_step(cfg, loss_fn, tx, noise)
   ramp = jaxaccum.batch_size_ramp(init_value=cfg.ramp_from, end_value=n,
-                         transition_steps=cfg.ramp_steps)
-  schedules = {"constant": lambda s: jnp.int32(n), "ramp": ramp}
+                                  transition_steps=cfg.ramp_steps)
+  # Jitted, as the schedule and the initial states are small programs: one compile each
+  # instead of every operation run (and compiled for its shapes) one at a time.
+  schedules = {"constant": lambda s: jnp.int32(n), "ramp": jax.jit(ramp)}
+
+  @jax.jit
+  def fresh_state(params):
+    # A copy of the parameters (the step donates them), and fresh optimizer and EMA states.
+    return jax.tree.map(jnp.copy, params), tx.init(params), noise.init()
 
   logs, ks = {}, {}
   for run in RUNS:
-    params = jax.tree.map(jnp.copy, params0)  # the step donates its parameters
-    opt_state, noise_state = tx.init(params), noise.init()
+    params, opt_state, noise_state = fresh_state(params0)
     per_step, ks[run] = [], []
     bar = tqdm(batches, desc=f"{run} run", disable=not progress)
     for s, batch in enumerate(bar):
