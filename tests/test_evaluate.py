@@ -71,7 +71,7 @@ class FullBatchTest(chex.TestCase):
     p = _problems.make(problem)
     fun = p.fun(form)
     ev = self.variant(jaxaccum.evaluate(fun, num_micro_batches=4, reduce=form))
-    want = fun(p.params, p.batch)
+    want = jax.jit(fun)(p.params, p.batch)
     close(ev(p.params, p.batch), _problems.ratio(want) if form == "weighted" else want)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -81,7 +81,7 @@ class FullBatchTest(chex.TestCase):
     ev = self.variant(jaxaccum.evaluate(mlp_metrics, num_micro_batches=n, has_aux=True,
                                         aux_reduce=AUX_KINDS))
     value, aux = ev(p.params, p.batch)
-    want_value, want_aux = mlp_metrics(p.params, p.batch)
+    want_value, want_aux = jax.jit(mlp_metrics)(p.params, p.batch)
     close(value, want_value)
     close(aux, want_aux)  # concat rows in batch order, max/min/sum/any exact
     self.assertEqual(aux["big"].dtype, jnp.int32)
@@ -108,7 +108,7 @@ class FullBatchTest(chex.TestCase):
         reduce={"loss": "weighted", "accuracy": "weighted"},
         aux_reduce={"row_loss": "concat", "tokens": None}))
     terms, aux = ev(p.params, batch)
-    want, want_aux = metrics(p.params, batch)
+    want, want_aux = jax.jit(metrics)(p.params, batch)
     close(terms, {k: _problems.ratio(v) for k, v in want.items()})
     close(aux, want_aux)
 
@@ -126,7 +126,7 @@ class FullBatchTest(chex.TestCase):
     ev = self.variant(jaxaccum.evaluate(loss, num_micro_batches=4, reduce="weighted",
                                         has_aux=True))
     value, aux = ev(p.params, batch)
-    (num, den), _ = loss(p.params, batch)
+    (num, den), _ = jax.jit(loss)(p.params, batch)
     close(value, num / den)
     close(aux["token_mean"], num / den)  # a token-weighted mean of micro-batch means
 
@@ -141,7 +141,7 @@ class FullBatchTest(chex.TestCase):
 
     ev = self.variant(jaxaccum.evaluate(terms, micro_batch_size=2,
                                         reduce={"mse": "mean", "abs_sum": "sum"}))
-    close(ev(p.params, p.batch), terms(p.params, p.batch))
+    close(ev(p.params, p.batch), jax.jit(terms)(p.params, p.batch))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_stack_and_optax_accumulator_against_a_hand_sliced_loop(self):
@@ -156,9 +156,9 @@ class FullBatchTest(chex.TestCase):
     ev = self.variant(jaxaccum.evaluate(fun, num_micro_batches=n, has_aux=True,
                                         aux_reduce={"per_mb": "stack", "concat": acc}))
     _, aux = ev(p.params, p.batch)
-    close(aux["per_mb"], jnp.stack([_problems.mlp_loss(p.params, mb)
-                                    for mb in micro_batches(p.batch, n)]))
-    close(aux["concat"], _problems.mlp_apply(p.params, p.batch["x"]))
+    loss_of = jax.jit(_problems.mlp_loss)
+    close(aux["per_mb"], jnp.stack([loss_of(p.params, mb) for mb in micro_batches(p.batch, n)]))
+    close(aux["concat"], jax.jit(_problems.mlp_apply)(p.params, p.batch["x"]))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_state_threaded_in_micro_batch_order(self):
@@ -177,10 +177,11 @@ class FullBatchTest(chex.TestCase):
                                         state_argnums=2))
     value, (state, aux) = ev(p.params, p.batch, state0)
     s = state0
+    fun_jit = jax.jit(fun)
     for i in range(n):
-      _, (s, _) = fun(p.params, micro_batch(p.batch, i, n), s)
+      _, (s, _) = fun_jit(p.params, micro_batch(p.batch, i, n), s)
     close(state, s)
-    close(value, _problems.mlp_loss(p.params, p.batch))
+    close(value, jax.jit(_problems.mlp_loss)(p.params, p.batch))
     close(aux["loss"], value)
 
     ev_state_only = self.variant(jaxaccum.evaluate(
@@ -203,8 +204,10 @@ class FullBatchTest(chex.TestCase):
                                         rng_argnums=2, rng_argnames="kw_key",
                                         aux_reduce="stack"))
     _, draws = ev(2.0, x, key, kw_key=kw)
-    want = jnp.stack([fun(2.0, x[i::n], jax.random.fold_in(key, i),
-                          kw_key={"k": jax.random.fold_in(kw["k"], i)})[1] for i in range(n)])
+    fun_jit = jax.jit(fun)
+    want = jnp.stack([fun_jit(2.0, x[i::n], jax.random.fold_in(key, i),
+                              kw_key={"k": jax.random.fold_in(kw["k"], i)})[1]
+                      for i in range(n)])
     close(draws, want)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -219,13 +222,14 @@ class FullBatchTest(chex.TestCase):
                                                     "pred": "stack"}))
     value, aux = ev(p.params, batch)
     kept = [i for i in range(n) if i != 1]
-    outs = [mlp_metrics(p.params, micro_batch(batch, i, n)) for i in kept]
+    metrics_of = jax.jit(mlp_metrics)
+    outs = [metrics_of(p.params, micro_batch(batch, i, n)) for i in kept]
     close(value, np.mean([o[0] for o in outs]))
     close(aux["total"], np.sum([o[1]["total"] for o in outs]))
     close(aux["max"], np.max([o[1]["max"] for o in outs]))
     self.assertEqual(int(aux["big"]), sum(int(o[1]["big"]) for o in outs))
     # Stacked entries stay as returned, the skipped micro-batch's (row 5 NaN) included.
-    close(aux["rows"], jnp.stack([mlp_metrics(p.params, micro_batch(batch, i, n))[1]["rows"]
+    close(aux["rows"], jnp.stack([metrics_of(p.params, micro_batch(batch, i, n))[1]["rows"]
                                   for i in range(n)]))
     self.assertTrue(bool(jnp.isnan(aux["rows"][1, 1])))
 
@@ -241,7 +245,8 @@ class FullBatchTest(chex.TestCase):
     ev = self.variant(jaxaccum.evaluate(mlp_metrics, num_micro_batches=n, has_aux=True,
                                         aux_reduce=AUX_KINDS))
     value, aux = ev(p.params, p.batch, active_micro_batches=k)
-    outs = [mlp_metrics(p.params, micro_batch(p.batch, i, n)) for i in range(k)]
+    metrics_of = jax.jit(mlp_metrics)
+    outs = [metrics_of(p.params, micro_batch(p.batch, i, n)) for i in range(k)]
     close(value, np.mean([o[0] for o in outs]))
     close(aux["total"], np.sum([o[1]["total"] for o in outs]))
     # Rows of micro-batches that did not run are zeros, the others in batch order.
@@ -254,8 +259,9 @@ class FullBatchTest(chex.TestCase):
     p = _problems.make("mlp")
     ev = jaxaccum.evaluate(_problems.mlp_loss, num_micro_batches=4)
     f = jax.jit(lambda k: ev(p.params, p.batch, active_micro_batches=k))
+    loss_of = jax.jit(_problems.mlp_loss)
     for k in (1, 2, 4):
-      close(f(jnp.int32(k)), np.mean([_problems.mlp_loss(p.params, mb)
+      close(f(jnp.int32(k)), np.mean([loss_of(p.params, mb)
                                       for mb in micro_batches(p.batch, 4)[:k]]))
 
   def test_linen_evaluate_threads_state_and_folds_keys(self):
@@ -271,8 +277,10 @@ class FullBatchTest(chex.TestCase):
     rngs, state0 = {"dropout": jax.random.key(0)}, {"count": jnp.int32(0)}
     value, state = jax.jit(ev)(jnp.ones(2), x, state0, rngs)
     s, values = state0, []
+    fun_jit = jax.jit(fun)
     for i in range(n):
-      v, s = fun(jnp.ones(2), x[i::n], s, {"dropout": jax.random.fold_in(rngs["dropout"], i)})
+      v, s = fun_jit(jnp.ones(2), x[i::n], s,
+                     {"dropout": jax.random.fold_in(rngs["dropout"], i)})
       values.append(v)
     close((value, state), (np.mean(values), s))
     with pytest.raises(TypeError, match="takes no state_argnums"):
@@ -300,19 +308,24 @@ def test_data_axis_on_8_devices_matches_the_per_shard_rules():
   with jax.set_mesh(mesh):
     batch = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), p.batch)
     value, aux = jax.jit(ev)(p.params, batch, key)
-  (num, den), want = fun(p.params, p.batch, key)
+  (num, den), want = jax.jit(fun)(p.params, p.batch, key)
   close(value, num / den)
   close(aux["row_loss"], want["row_loss"])
   close(aux["max"], want["max"])
   # Shard s holds the contiguous block s of B / D rows; its micro-batch i gets
   # fold_in(fold_in(key, s), i). The aux mean is weighted by the tokens of each piece.
-  draws, weights = [], []
-  for s in range(d):
-    block = jax.tree.map(lambda a, s=s: a[s * 4:(s + 1) * 4], p.batch)
-    for i in range(n):
-      k = jax.random.fold_in(jax.random.fold_in(key, s), i)
-      draws.append(jax.random.uniform(k, ()))
-      weights.append(jnp.sum(micro_batch(block, i, n)["mask"][:, 1:]))
+  @jax.jit  # the loop by hand, compiled as one program
+  def draws_and_weights(batch, key):
+    draws, weights = [], []
+    for s in range(d):
+      block = jax.tree.map(lambda a, s=s: a[s * 4:(s + 1) * 4], batch)
+      for i in range(n):
+        k = jax.random.fold_in(jax.random.fold_in(key, s), i)
+        draws.append(jax.random.uniform(k, ()))
+        weights.append(jnp.sum(micro_batch(block, i, n)["mask"][:, 1:]))
+    return jnp.stack(draws), jnp.stack(weights)
+
+  draws, weights = draws_and_weights(p.batch, key)
   close(aux["draw"], np.average(np.array(draws), weights=np.array(weights)))
 
 

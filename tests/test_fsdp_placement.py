@@ -223,23 +223,27 @@ def _memory(compiled):
           - m.alias_size_in_bytes)
 
 
-def _fsdp_shapes():
+def _fsdp_shapes(rows=BATCH):
+  """The problem's shapes, sharded over the data axis; the batch has ``rows`` rows."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   params, batch = _problem()
 
-  def sds(tree, spec):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                       sharding=NamedSharding(mesh, spec)), tree)
+  def sds(tree, spec, rows=None):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape if rows is None else (rows, *a.shape[1:]), a.dtype,
+        sharding=NamedSharding(mesh, spec)), tree)
 
-  return mesh, sds(params, P("data")), sds(batch, P("data"))
+  return mesh, sds(params, P("data")), sds(batch, P("data"), rows)
 
 
 def test_plan_chooses_the_placement_with_the_least_communication_that_fits():
   """Every (count, placement) is compiled here independently; for each budget the expected
   answer is the fewest micro-batches whose least-memory placement fits, then the first
   placement in the order of communication that fits at that count."""
-  mesh, params, batch = _fsdp_shapes()
-  counts = [1, 2, 4, 8]  # 64 rows over 8 shards: counts that leave a multiple of 8 rows
+  # 32 rows over 8 shards: the counts that split each shard's 4 rows (fewer programs to
+  # compile than at 64 rows, the same choice to make).
+  mesh, params, batch = _fsdp_shapes(32)
+  counts = [1, 2, 4]
   order = [("step", "step"), ("step", "micro_batch"), ("micro_batch", "step"),
            ("micro_batch", "micro_batch")]
   ref = {}

@@ -68,7 +68,10 @@ def make_step(opt, grad_fn):
 
 
 def after_one_step(tx, params, grads):
-  return optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+  @jax.jit
+  def one_step(params, grads):
+    return optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+  return one_step(params, grads)
 
 
 def run_window(mesh, params, batch, *, loss=loss_fn, reduce="mean", use_grad_mean=True,
@@ -116,7 +119,7 @@ def test_sum_loss_without_grad_mean():
   tx = optax.sgd(1e-3)
   got, *_ = run_window(mesh_of(AxisType.Explicit), params, batch, loss=sum_loss,
                        reduce="sum", use_grad_mean=False, tx=tx)
-  expected = after_one_step(tx, params, jax.grad(sum_loss)(params, batch))
+  expected = after_one_step(tx, params, jax.jit(jax.grad(sum_loss))(params, batch))
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -180,7 +183,7 @@ def test_token_weighted_calls():
     micro = (x[i::K], y[i::K], mask[i::K])
     count = jnp.sum(micro[2])  # known from the data: the call's real tokens
     p, state = step(p, state, jax.device_put(micro, NamedSharding(mesh, P("data"))), count)
-  expected = after_one_step(tx, params, jax.grad(token_mean)(params, (x, y, mask)))
+  expected = after_one_step(tx, params, jax.jit(jax.grad(token_mean))(params, (x, y, mask)))
   chex.assert_trees_all_close(p, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -235,7 +238,7 @@ def test_errors():
   params, batch = make_problem()
   opt = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=K, data_axis="data", mesh=mesh)
   state = opt.init(params)
-  grads = jax.grad(loss_fn)(params, batch)  # reduced gradients: no leading shard axis
+  grads = jax.jit(jax.grad(loss_fn))(params, batch)  # reduced: no leading shard axis
   with pytest.raises(ValueError, match=r"leading axis of the 8 data shards.*"
                      r"\['head'\].*local_value_and_grad"):
     opt.update(grads, state, params)

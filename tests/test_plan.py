@@ -122,12 +122,12 @@ def test_chosen_plan_fits_and_the_next_smaller_count_does_not(target):
 
 def test_plan_count_gives_full_batch_gradients():
   params, batch = make_mlp()
-  budget = xla_bytes(compile_vg(8, params, batch))
+  vg = compile_vg(8, params, batch)  # compiled once: its figure, then its numbers
+  budget = xla_bytes(vg)
   p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=budget)
   assert p.num_micro_batches == 8
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(mlp_loss))(params, batch)
-  vg = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=p.num_micro_batches))
-  loss, grads = vg(params, batch)
+  loss, grads = vg(params, batch)  # value_and_grad with num_micro_batches=8
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
   # The chosen program comes back compiled: running it compiles nothing.
@@ -316,14 +316,14 @@ def _in_loop_all_reduces(text):
 @pytest.mark.parametrize("data_axis", [None, "data"])
 def test_plan_reports_the_collectives_of_each_candidate(data_axis):
   mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-  params, batch = make_mlp()
+  params, batch = make_mlp(batch_size=32)  # 4 rows per shard: N = 1, 2, 4
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         params)
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split), batch)
   options = {} if data_axis is None else dict(data_axis=data_axis, mesh=mesh)
   p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, search="all", **options)
-  assert [c.num_micro_batches for c in p.candidates] == [1, 2, 4, 8]
+  assert [c.num_micro_batches for c in p.candidates] == [1, 2, 4]
   table = p.table().splitlines()
   assert "in-loop collectives" in table[1]
   for c in p.candidates:

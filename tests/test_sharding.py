@@ -422,7 +422,7 @@ def test_nnx_model_under_data_axis_equals_full_batch(axis_type):
   model = Net(nnx.Rngs(0))
   kx, ky = jax.random.split(jax.random.key(1))
   batch = {"x": jax.random.normal(kx, (64, 6)), "y": jax.random.normal(ky, (64, 3))}
-  ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, batch)
+  ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, batch)
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
   nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
