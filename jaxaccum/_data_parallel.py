@@ -131,8 +131,10 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
 
   out_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(axes), tuple(grad_specs),
                PartitionSpec())
-  mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                         axis_names=frozenset(axes))
+  # Under jit so that a call outside jit runs one program instead of shard_map's
+  # op-by-op interpretation (seconds for every call).
+  mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                                 out_specs=out_specs, axis_names=frozenset(axes)))
   try:
     value, kept, rows, grads, info = mapped(*arrays)
   except NotImplementedError as e:

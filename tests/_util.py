@@ -1,4 +1,6 @@
-"""Shared test helpers: comparisons with a full-batch reference."""
+"""Shared test helpers: comparisons with a full-batch reference, and counting compiles."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -24,3 +26,19 @@ def assert_close(actual, expected, *, rtol=1e-5, atol=1e-7, err_msg=""):
     np.testing.assert_allclose(
         a, e, rtol=0, atol=atol + rtol * scale,
         err_msg=f"leaf {jax.tree_util.keystr(path)} {err_msg}")
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compilations (jax's own monitoring event) inside the block."""
+  names = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -6,7 +6,6 @@ Every memory figure the planner reports is checked against an independent compil
 through plain ``jax.value_and_grad``.
 """
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import _plan
-from tests._util import assert_close
+from tests._util import assert_close, count_compiles
 
 BATCH = 64  # divisors 1, 2, 4, 8, 16, 32, 64
 SIZES = (8, 32, 32, 1)
@@ -61,22 +60,6 @@ def xla_bytes(compiled):
 def compile_vg(n, *args, loss=mlp_loss):
   fn = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n))
   return fn.lower(*args).compile()
-
-
-@contextlib.contextmanager
-def count_compiles():
-  """Counts XLA backend compilations (jax's own monitoring event) inside the block."""
-  names = []
-
-  def listener(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(kwargs.get("fun_name"))
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_memory_falls_with_micro_batch_count_on_an_mlp():

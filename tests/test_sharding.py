@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from tests import _problems
-from tests._util import assert_close
+from tests._util import assert_close, count_compiles
 
 BATCH, FEATURES, HIDDEN, CLASSES = 256, 12, 32, 5
 # Shapes that only parameters have: an all-gather of any other shape moves batch data.
@@ -401,6 +401,21 @@ def test_sum_reduction_eager_numpy_inputs_and_keyword_arguments():
   loss, grads = step(params, batch, scale=0.5)
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
+
+
+def test_a_call_outside_jit_runs_one_compiled_program():
+  """Outside jit the per-shard accumulation is one compiled program, not shard_map's
+  op-by-op interpretation (hundreds of small programs, seconds for every call)."""
+  params, batch = _problem(4)
+  mesh = jax.make_mesh((8,), ("data",))
+  step = jaxaccum.value_and_grad(lambda p, b: jnp.mean(_nll(p, b)[0]), num_micro_batches=4,
+                                 data_axis="data", mesh=mesh)
+  step(params, batch)  # first call: also the small programs that place the arguments
+  with count_compiles() as compiled:
+    loss, grads = step(params, batch)
+  assert len(compiled) <= 2, compiled
+  ref = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(_nll(p, b)[0])))(params, batch)
+  assert_close((loss, grads), ref)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
