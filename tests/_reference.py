@@ -84,14 +84,21 @@ def _terms(rules: Rules) -> list[tuple[Any, str, float]]:
   return [(k, kind, float(weights.get(k, 1.0))) for k, kind in sorted(rules.reduce.items())]
 
 
+def _host(x):
+  """An array leaf on the host, so that slicing it runs no device op (PRNG keys stay)."""
+  if jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+    return x
+  return np.asarray(x)
+
+
 def _slice(tree, i: int, n: int):
-  return jax.tree.map(lambda x: x[i::n], tree)
+  return jax.tree.map(lambda x: _host(x)[i::n], tree)
 
 
 def _block(tree, d: int, shards: int):
   def take(x):
     rows = x.shape[0] // shards
-    return x[d * rows:(d + 1) * rows]
+    return _host(x)[d * rows:(d + 1) * rows]
   return jax.tree.map(take, tree)
 
 

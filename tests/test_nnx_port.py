@@ -41,6 +41,12 @@ def mse(model, x, y):
   return jnp.mean((model(x) - y) ** 2)
 
 
+# The full-batch (and per-micro-batch) references, plain nnx.value_and_grad / nnx.grad,
+# jitted once for the module: one compile per shape instead of op-by-op runs.
+mse_value_and_grad = nnx.jit(nnx.value_and_grad(mse))
+mse_grad = nnx.jit(nnx.grad(mse))
+
+
 def micro(tree, i, n=N):
   """Micro-batch ``i`` of ``n`` by explicit slicing: rows i, i + n, ..."""
   return jax.tree.map(lambda a: a[i::n], tree)
@@ -54,7 +60,7 @@ def test_several_batch_argnums_equal_full_batch_and_split_each():
     seen.append((x.shape[0], y.shape[0]))
     return mse(model, x, y)
 
-  ref_loss, ref_grads = nnx.value_and_grad(mse)(model, x, y)
+  ref_loss, ref_grads = mse_value_and_grad(model, x, y)
   vg = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=N, batch_argnums=(1, 2))
   loss, grads = nnx.jit(vg)(model, x, y)
   assert set(seen) == {(B // N, B // N)}
@@ -221,7 +227,7 @@ def test_batch_argnums_out_of_range_names_the_usual_causes():
 
 def test_core_options_are_forwarded():
   model, (x, y) = Net(nnx.Rngs(0)), xy()
-  ref_loss, ref_grads = nnx.value_and_grad(mse)(model, x, y)
+  ref_loss, ref_grads = mse_value_and_grad(model, x, y)
 
   # with_info: (value_part, grads, info); grad: (grads_part, info).
   vg = jaxaccum.nnx.value_and_grad(mse, num_micro_batches=N, batch_argnums=(1, 2),
@@ -229,7 +235,7 @@ def test_core_options_are_forwarded():
   loss, grads, info = vg(model, x, y)
   assert isinstance(info, jaxaccum.AccumInfo)
   assert_close((loss, grads), (ref_loss, ref_grads))
-  micro_sq = [optax_sq_norm(nnx.grad(mse)(model, *micro((x, y), i))) for i in range(N)]
+  micro_sq = [optax_sq_norm(mse_grad(model, *micro((x, y), i))) for i in range(N)]
   np.testing.assert_allclose(info.micro_grad_sq_norm, np.mean(micro_sq), rtol=1e-5)
   np.testing.assert_allclose(info.batch_grad_sq_norm, optax_sq_norm(ref_grads), rtol=1e-5)
   assert int(info.num_micro_batches) == N and int(info.skipped) == 0
@@ -240,7 +246,7 @@ def test_core_options_are_forwarded():
   (grads, count), info = jaxaccum.nnx.grad(
       with_aux, num_micro_batches=N, batch_argnums=(1, 2), has_aux=True, with_info=True)(
           model, x, y)
-  ref_grads2, ref_count = nnx.grad(with_aux, has_aux=True)(model, x, y)
+  ref_grads2, ref_count = nnx.jit(nnx.grad(with_aux, has_aux=True))(model, x, y)
   assert_close(grads, ref_grads2)
   assert int(count) == int(ref_count)  # an integer count is summed, not averaged
   assert int(info.num_micro_batches) == N
@@ -248,7 +254,7 @@ def test_core_options_are_forwarded():
   # active_micro_batches at call time: only micro-batches 0..k-1, i.e. rows i::N, i < k.
   k = 2
   rows = np.sort(np.concatenate([np.arange(i, B, N) for i in range(k)]))
-  ref_loss_k, ref_grads_k = nnx.value_and_grad(mse)(model, x[rows], y[rows])
+  ref_loss_k, ref_grads_k = mse_value_and_grad(model, x[rows], y[rows])
   vg = jaxaccum.nnx.value_and_grad(mse, num_micro_batches=N, batch_argnums=(1, 2))
   loss_k, grads_k = nnx.jit(vg)(model, x, y, active_micro_batches=jnp.int32(k))
   assert_close((loss_k, grads_k), (ref_loss_k, ref_grads_k))
@@ -256,7 +262,7 @@ def test_core_options_are_forwarded():
   # skip_nonfinite: a micro-batch with a NaN input adds nothing.
   x_nan = x.at[1].set(jnp.nan)  # row 1 is in micro-batch 1
   keep = np.array([r for r in range(B) if r % N != 1])
-  ref_loss_s, ref_grads_s = nnx.value_and_grad(mse)(model, x[keep], y[keep])
+  ref_loss_s, ref_grads_s = mse_value_and_grad(model, x[keep], y[keep])
   vg = jaxaccum.nnx.value_and_grad(mse, num_micro_batches=N, batch_argnums=(1, 2),
                                    skip_nonfinite=True, with_info=True)
   loss_s, grads_s, info_s = vg(model, x_nan, y)
@@ -276,7 +282,7 @@ def test_loss_terms_are_forwarded():
     t = terms(model, x, y, w)
     return t["mse"] + 0.5 * t["masked"][0] / t["masked"][1]
 
-  ref_loss, ref_grads = nnx.value_and_grad(total)(model, x, y, w)
+  ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(total))(model, x, y, w)
   vg = jaxaccum.nnx.value_and_grad(
       terms, num_micro_batches=N, batch_argnums=(1, 2, 3),
       reduce={"mse": "mean", "masked": "weighted"}, loss_weights={"masked": 0.5},

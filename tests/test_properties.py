@@ -1,5 +1,7 @@
 """Property-based tests: random pytrees, shapes, dtypes and micro-batch counts vs the full batch."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,12 +31,13 @@ def trees(leaf):
   )
 
 
-def _materialize(tree, key, lead=()):
+def _materialize(tree, rng, lead=()):
+  """Standard normal float32 leaves of the shapes in `tree`, drawn on the host (random
+  shapes: no eager device op compiled for each)."""
   leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, tuple) and all(
       isinstance(i, int) for i in x))
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, lead + s) for k, s in
-                                      zip(keys, leaves, strict=True)])
+  return jax.tree.unflatten(treedef, [jnp.asarray(rng.standard_normal(lead + s, np.float32))
+                                      for s in leaves])
 
 
 def _loss(params, batch):
@@ -59,16 +62,31 @@ def problems(draw):
 @given(problems())
 def test_random_pytrees_equal_full_batch(problem):
   param_shapes, batch_shapes, batch_size, n, seed, reduce = problem
-  kp, kb = jax.random.split(jax.random.key(seed))
-  params = _materialize(param_shapes, kp)
-  batch = _materialize(batch_shapes, kb, lead=(batch_size,))
+  rng = np.random.default_rng(seed)
+  params = _materialize(param_shapes, rng)
+  batch = _materialize(batch_shapes, rng, lead=(batch_size,))
   fun = _loss if reduce == "mean" else (lambda p, b: _loss(p, b) * batch_size / n)
   ref_fun = _loss if reduce == "mean" else (lambda p, b: _loss(p, b) * batch_size)
   out = jax.jit(jaxaccum.value_and_grad(fun, num_micro_batches=n, reduce=reduce))(params, batch)
-  assert_close(out, jax.value_and_grad(ref_fun)(params, batch), rtol=2e-5)
+  assert_close(out, jax.jit(jax.value_and_grad(ref_fun))(params, batch), rtol=2e-5)
 
 
 DTYPE_ROWS = 256
+
+
+def _dtype_loss(p, x):  # >= 1 per micro-batch, so the running sum of N values grows to >= N
+  return jnp.mean(1.0 + jnp.tanh(x @ p["w"]) ** 2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dtype_reference(params, x, n):
+  """Each micro-batch x[i::n] in x's dtype, a float32 sum, one rounding; in float32."""
+  dtype = x.dtype
+  stacked = x[jnp.arange(n)[:, None] + n * jnp.arange(DTYPE_ROWS // n)[None, :]]  # [i] = x[i::n]
+  values, per_mb = jax.vmap(jax.value_and_grad(_dtype_loss), in_axes=(None, 0))(params, stacked)
+  ref = jax.tree.map(lambda v: (jnp.sum(v.astype(jnp.float32), axis=0) / n).astype(dtype),
+                     (values, per_mb))
+  return jax.tree.map(lambda a: a.astype(jnp.float32), ref)
 
 
 @settings(SETTINGS, max_examples=6)
@@ -76,21 +94,15 @@ DTYPE_ROWS = 256
 @given(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
        st.sampled_from([1, 4, 16, DTYPE_ROWS]), st.integers(0, 2**16))
 def test_dtypes_keep_param_dtype_and_sum_micro_batches_in_float32(dtype, n, seed):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  params = {"w": jax.random.normal(k1, (4, 3)).astype(dtype)}
-  x = jax.random.normal(k2, (DTYPE_ROWS, 4)).astype(dtype)
+  rng = np.random.default_rng(seed)
+  params = {"w": jnp.asarray(rng.standard_normal((4, 3), np.float32).astype(dtype))}
+  x = jnp.asarray(rng.standard_normal((DTYPE_ROWS, 4), np.float32).astype(dtype))
 
-  def loss(p, x):  # >= 1 per micro-batch, so the running sum of N values grows to >= N
-    return jnp.mean(1.0 + jnp.tanh(x @ p["w"]) ** 2)
-
-  loss_val, grads = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n))(params, x)
+  loss_val, grads = jax.jit(jaxaccum.value_and_grad(_dtype_loss, num_micro_batches=n))(params, x)
   assert grads["w"].dtype == dtype and loss_val.dtype == dtype
   # The reference: each micro-batch x[i::n] in `dtype`, a float32 sum, one rounding.
-  stacked = x[jnp.arange(n)[:, None] + n * jnp.arange(DTYPE_ROWS // n)[None, :]]  # [i] = x[i::n]
-  values, per_mb = jax.jit(jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0)))(params, stacked)
-  ref = jax.tree.map(lambda v: (jnp.sum(v.astype(jnp.float32), axis=0) / n).astype(dtype),
-                     (values, per_mb))
-  up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
+  ref = _dtype_reference(params, x, n)
+  up = lambda t: jax.tree.map(lambda a: np.asarray(a).astype(np.float32), t)  # noqa: E731
   # Tolerance: the final rounding plus round-off of the micro-batch results, which may be
   # fused differently in the scan: two units of the dtype's last place (bf16 8 bits, f16
   # 11 bits). A running sum in bf16 is 11% off in the value here (measured, n = 256).
@@ -98,28 +110,58 @@ def test_dtypes_keep_param_dtype_and_sum_micro_batches_in_float32(dtype, n, seed
   assert_close(up((loss_val, grads)), up(ref), rtol=rtol, atol=0)
 
 
+def _token_weighted(w, batch):
+  x, m = batch
+  return jnp.sum(jnp.sin(x * w) * m), jnp.sum(m)
+
+
+def _token_mean(w, batch):
+  num, den = _token_weighted(w, batch)
+  return jnp.where(den > 0, num / jnp.maximum(den, 1), 0.0)
+
+
+# The full-batch reference, compiled once for every draw (the shapes do not change).
+_token_mean_value_and_grad = jax.jit(jax.value_and_grad(_token_mean))
+
+
 @SETTINGS
 @given(st.lists(st.integers(0, 6), min_size=8, max_size=8), st.sampled_from([1, 2, 4, 8]))
 def test_weighted_with_random_token_counts(lengths, n):
-  mask = jnp.arange(6)[None, :] < jnp.asarray(lengths)[:, None]
-  x = jnp.linspace(-1.0, 1.0, 48).reshape(8, 6)
-
-  def weighted(w, batch):
-    x, m = batch
-    return jnp.sum(jnp.sin(x * w) * m), jnp.sum(m)
-
-  def token_mean(w, batch):
-    num, den = weighted(w, batch)
-    return jnp.where(den > 0, num / jnp.maximum(den, 1), 0.0)
+  mask = jnp.asarray(np.arange(6)[None, :] < np.asarray(lengths)[:, None])
+  x = jnp.asarray(np.linspace(-1.0, 1.0, 48, dtype=np.float32).reshape(8, 6))
 
   w = jnp.float32(1.3)
-  out = jax.jit(jaxaccum.value_and_grad(weighted, num_micro_batches=n, reduce="weighted"))(
-      w, (x, mask))
-  assert_close(out, jax.value_and_grad(token_mean)(w, (x, mask)))
+  out = jax.jit(jaxaccum.value_and_grad(_token_weighted, num_micro_batches=n,
+                                        reduce="weighted"))(w, (x, mask))
+  assert_close(out, _token_mean_value_and_grad(w, (x, mask)))
   assert np.isfinite(np.asarray(out[0]))
 
 
 AUX_KINDS = ["mean", "sum", "max", "min", "stack"]
+
+
+def _aux_fun(w, batch, count, weighted):
+  x, m = batch
+  num, den = jnp.sum(jnp.tanh(x @ w) * m), jnp.sum(m)
+  aux = {"f": jnp.sum(x), "i": jnp.sum(m).astype(jnp.int32), "v": jnp.max(x, axis=0),
+         # bools: one that varies between micro-batches, one always False, one always True
+         "b": jnp.any(m == 0),
+         "bv": jnp.stack([x[0, 0] > 0, jnp.any(jnp.abs(x) > 100), jnp.all(jnp.abs(x) < 100)])}
+  value = (num, den) if weighted else num / x.shape[0]
+  return value, (count + 1, aux)
+
+
+# The references' pieces, jitted (compiled once per micro-batch shape, not per draw).
+_aux_fun_jit = jax.jit(_aux_fun, static_argnums=3)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _aux_full_batch(w, batch, weighted):
+  """The whole batch through plain jax.value_and_grad (the token mean when weighted)."""
+  def value(w):
+    v = _aux_fun(w, batch, 0, weighted)[0]
+    return v[0] / jnp.sum(batch[1]) if weighted else v
+  return jax.value_and_grad(value)(w)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True,
@@ -138,19 +180,10 @@ AUX_KINDS = ["mean", "sum", "max", "min", "stack"]
 def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
   """Every aux reduction of float, int and bool leaves, scalar and not, against a Python
   loop over the explicitly sliced micro-batches ``x[i::n]``."""
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, (6, 3))
-  m = (jax.random.uniform(k2, (6,)) > 0.3).astype(jnp.float32)
-
-  def fun(w, batch, count):
-    x, m = batch
-    num, den = jnp.sum(jnp.tanh(x @ w) * m), jnp.sum(m)
-    aux = {"f": jnp.sum(x), "i": jnp.sum(m).astype(jnp.int32), "v": jnp.max(x, axis=0),
-           # bools: one that varies between micro-batches, one always False, one always True
-           "b": jnp.any(m == 0),
-           "bv": jnp.stack([x[0, 0] > 0, jnp.any(jnp.abs(x) > 100), jnp.all(jnp.abs(x) < 100)])}
-    value = (num, den) if weighted else num / x.shape[0]
-    return value, (count + 1, aux)
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((6, 3), np.float32))
+  m = jnp.asarray((rng.uniform(size=6) > 0.3).astype(np.float32))
+  fun = functools.partial(_aux_fun, weighted=weighted)
 
   w = jnp.linspace(-1.0, 1.0, 3)
   reduce = "weighted" if weighted else "mean"
@@ -160,8 +193,8 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
 
   # The reference: a Python loop over the micro-batches, sliced by hand.
   mbs = [(x[i::n], m[i::n]) for i in range(n)]
-  auxes = [fun(w, mb, 0)[1][1] for mb in mbs]
-  dens = [float(jnp.sum(mb[1])) for mb in mbs] if weighted else [1.0] * n
+  auxes = [_aux_fun_jit(w, mb, 0, weighted)[1][1] for mb in mbs]
+  dens = [float(np.sum(mb[1])) for mb in mbs] if weighted else [1.0] * n
   total = sum(dens)
   for key, kind in spec.items():
     vals = np.stack([np.asarray(a[key]) for a in auxes])
@@ -179,7 +212,6 @@ def test_aux_reductions_and_state_match_a_python_loop(n, spec, weighted, seed):
     assert_close(jnp.asarray(aux[key], jnp.float32), jnp.asarray(expected, jnp.float32),
                  err_msg=f"aux {key!r} reduced with {kind!r}")
   assert int(count) == n
-  full_value, full_g = jax.value_and_grad(
-      lambda w: (fun(w, (x, m), 0)[0][0] / jnp.sum(m)) if weighted else fun(w, (x, m), 0)[0])(w)
-  if not weighted or float(jnp.sum(m)) > 0:
+  full_value, full_g = _aux_full_batch(w, (x, m), weighted)
+  if not weighted or float(np.sum(m)) > 0:
     assert_close((value, g), (full_value, full_g))

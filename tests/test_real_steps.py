@@ -206,7 +206,7 @@ def lm_setup(deterministic):
   tokens = jax.random.randint(key, (16, T + 1), 1, V)
   tokens = jnp.where(jnp.arange(T + 1) <= lengths[:, None], tokens, 0)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = model.init(jax.random.key(8), batch["inputs"])["params"]
+  params = jax.jit(model.init)(jax.random.key(8), batch["inputs"])["params"]
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=optax.sgd(0.1, momentum=0.9))
   return state, batch
@@ -304,7 +304,7 @@ def resnet_setup(train):
   kx, ky = jax.random.split(jax.random.key(11))
   batch = {"image": jax.random.normal(kx, (16, 6, 6, 1)),
            "label": jax.random.randint(ky, (16,), 0, 3)}
-  variables = ResNetLike(train=False).init(jax.random.key(12), batch["image"])
+  variables = jax.jit(ResNetLike(train=False).init)(jax.random.key(12), batch["image"])
   state = TrainState.create(apply_fn=RESNET.apply, params=variables["params"],
                             tx=optax.sgd(0.1, momentum=0.9),
                             batch_stats=jax.tree.map(lambda s: s + 0.1, variables["batch_stats"]))

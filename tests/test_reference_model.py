@@ -160,27 +160,45 @@ def core_fun(case: Case):
   return fun
 
 
-def make_data(case: Case):
+MAX_ROWS = 4 * 2 * 8  # n * rows * shards at most
+
+
+@functools.cache
+def _pool():
+  """Random data for the largest batch drawn, on the host: each case takes its first rows
+  (drawn once, so the cases do not run eager random ops for every batch size)."""
   k = jax.random.split(jax.random.key(0), 8)
+  return jax.tree.map(np.asarray, {
+      "x": jax.random.normal(k[0], (MAX_ROWS, D_IN)),
+      "y": jax.random.normal(k[1], (MAX_ROWS, D_OUT)),
+      "m1": jax.random.uniform(k[2], (MAX_ROWS,)) < 0.6,
+      "m2": jax.random.uniform(k[3], (MAX_ROWS,)) < 0.4,
+      "label": jax.random.randint(k[4], (MAX_ROWS,), 0, 7),
+      "w": jax.random.normal(k[5], (D_IN, D_OUT)) / 2,
+      "mu": jax.random.normal(k[6], (D_IN,)) * 0.1,
+  })
+
+
+def make_data(case: Case):
+  pool = _pool()
   size = case.n * case.rows * case.shards
-  batch = {
-      "x": jax.random.normal(k[0], (size, D_IN)),
-      "y": jax.random.normal(k[1], (size, D_OUT)),
-      "m1": (jax.random.uniform(k[2], (size,)) < 0.6).at[0].set(True).astype(jnp.float32),
-      "m2": (jax.random.uniform(k[3], (size,)) < 0.4).at[-1].set(True).astype(jnp.float32),
-      "label": jax.random.randint(k[4], (size,), 0, 7),
-  }
+  assert size <= MAX_ROWS, size
+  m1, m2 = pool["m1"][:size].copy(), pool["m2"][:size].copy()
+  m1[0], m2[-1] = True, True
+  x = pool["x"][:size].copy()
   # Local row i of every shard opens its micro-batch i.
   block = size // case.shards
   nan_rows = [d * block + i for d in range(case.shards) for i in case.nan]
-  if nan_rows:
-    batch["x"] = batch["x"].at[jnp.array(nan_rows), 0].set(jnp.nan)
-  params = {"w": jax.random.normal(k[5], (D_IN, D_OUT)) / 2, "b": jnp.full((D_OUT,), 0.1)}
+  x[nan_rows, 0] = np.nan
+  batch = {"x": jnp.asarray(x), "y": jnp.asarray(pool["y"][:size]),
+           "m1": jnp.asarray(m1.astype(np.float32)), "m2": jnp.asarray(m2.astype(np.float32)),
+           "label": jnp.asarray(pool["label"][:size])}
+  params = {"w": jnp.asarray(pool["w"]), "b": jnp.full((D_OUT,), 0.1)}
   args = [params, batch]
   if case.rng:
     args.append(jax.random.key(7))
   if case.state:
-    args.append({"mu": jax.random.normal(k[6], (D_IN,)) * 0.1, "count": jnp.int32(0)})
+    args.append({"mu": jnp.asarray(pool["mu"]), "count": jnp.int32(0)})
   return tuple(args)
 
 

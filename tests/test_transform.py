@@ -28,6 +28,12 @@ B = 16
 RTOL, ATOL = 1e-5, 1e-6  # float32; see the module docstring
 
 
+# Full-batch references, plain jax.value_and_grad / jax.grad, jitted once for the module:
+# one compile per shape and dtype serves every test that uses them.
+mlp_value_and_grad = jax.jit(jax.value_and_grad(mlp_loss))
+mlp_grad = jax.jit(jax.grad(mlp_loss))
+
+
 def make_mlp(seed, din=5, dh=7, dout=3, batch=B, dtype=jnp.float32):
   kp, kb = jax.random.split(jax.random.key(seed))
   return (_problems.mlp_params(kp, (din, dh, dout), dtype=dtype),
@@ -68,14 +74,14 @@ class FullBatchEquivalenceTest(chex.TestCase):
   def test_grad_with_and_without_aux(self):
     params, batch = make_mlp(4)
     g = self.variant(jaxaccum.grad(mlp_loss, num_micro_batches=8))(params, batch)
-    assert_all_close(g, jax.grad(mlp_loss)(params, batch))
+    assert_all_close(g, mlp_grad(params, batch))
 
     def with_aux(p, b):
       loss = mlp_loss(p, b)
       return loss, {"loss": loss}
 
     out = self.variant(jaxaccum.grad(with_aux, num_micro_batches=8, has_aux=True))(params, batch)
-    assert_all_close(out, jax.grad(with_aux, has_aux=True)(params, batch))
+    assert_all_close(out, jax.jit(jax.grad(with_aux, has_aux=True))(params, batch))
 
 
 @pytest.mark.parametrize(("option", "value", "rows"), [
@@ -99,7 +105,7 @@ def test_fun_sees_micro_batches_of_the_requested_shape(option, value, rows):
 def test_mean_of_summed_losses_would_be_off_by_n():
   # The anti-pattern: summing gradients of mean-reduced micro-batch losses is N x too big.
   params, batch = make_mlp(3)
-  ref = jax.grad(mlp_loss)(params, batch)
+  ref = mlp_grad(params, batch)
   wrong = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=4, reduce="sum"))(params, batch)
   assert_all_close(wrong, jax.tree.map(lambda g: 4 * g, ref))
   right = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=4))(params, batch)
@@ -136,9 +142,10 @@ def test_aux_reductions_mean_sum_stack_max_min():
           "first_row": "stack"}
   (loss, aux), grads = jax.jit(jaxaccum.value_and_grad(
       loss_aux, num_micro_batches=n, has_aux=True, aux_reduce=spec))(params, batch)
-  (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_aux, has_aux=True)(params, batch)
+  (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(loss_aux, has_aux=True))(
+      params, batch)
   assert_all_close((loss, grads), (ref_loss, ref_grads))
-  per = [loss_aux(params, mb)[1] for mb in micro_batches(batch, n)]
+  per = [jax.jit(loss_aux)(params, mb)[1] for mb in micro_batches(batch, n)]
   assert_all_close(aux["mse"], ref_aux["mse"])  # mean of equal-size means = full-batch mean
   assert aux["count"].dtype == jnp.int32 and int(aux["count"]) == B
   assert_all_close(aux["per_mb"], jnp.stack([p["per_mb"] for p in per]))
@@ -178,7 +185,8 @@ def test_several_batch_arguments_nested_pytrees_and_extra_args():
   scale = jnp.float32(0.5)
   f = jaxaccum.value_and_grad(loss, num_micro_batches=3, batch_argnums=(1, 3), argnums=(0, 2))
   out = jax.jit(functools.partial(f, offset=1.0))(params, images, scale, targets)
-  ref = jax.value_and_grad(loss, argnums=(0, 2))(params, images, scale, targets, offset=1.0)
+  ref = jax.jit(functools.partial(jax.value_and_grad(loss, argnums=(0, 2)), offset=1.0))(
+      params, images, scale, targets)
   assert_all_close(out, ref)
   assert isinstance(out[1], tuple) and len(out[1]) == 2
 
@@ -187,7 +195,7 @@ def test_negative_argnums():
   params, batch = make_mlp(8)
   out = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=2, argnums=-2,
                                         batch_argnums=-1))(params, batch)
-  assert_all_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+  assert_all_close(out, mlp_value_and_grad(params, batch))
 
 
 @pytest.mark.parametrize("n", [2, 16])
@@ -236,8 +244,9 @@ def test_rng_keys_distinct_per_micro_batch_and_reproducible():
   np.testing.assert_array_equal(keys, expected)
   assert len({tuple(np.asarray(k)) for k in keys}) == n
   # Exactly the hand-written loop over micro-batches with those keys.
-  ref = [jax.value_and_grad(noisy_loss, has_aux=True)(
-      params, micro_batch(batch, i, n), jax.random.fold_in(key, i)) for i in range(n)]
+  noisy_value_and_grad = jax.jit(jax.value_and_grad(noisy_loss, has_aux=True))
+  ref = [noisy_value_and_grad(params, micro_batch(batch, i, n), jax.random.fold_in(key, i))
+         for i in range(n)]
   assert_all_close(loss, sum(r[0][0] for r in ref) / n)
   assert_all_close(grads, jax.tree.map(lambda *g: sum(g) / n, *[r[1] for r in ref]))
   again = f(params, batch, key)
@@ -267,6 +276,10 @@ def _stateful_loss(params, batch, stats):
   return jnp.mean((pred - y) ** 2), new_stats
 
 
+# One micro-batch of the hand-written loops below (jitted: compiled once per shape).
+stateful_value_and_grad = jax.jit(jax.value_and_grad(_stateful_loss, has_aux=True))
+
+
 def test_state_threads_through_micro_batches_in_order():
   params, batch = make_mlp(12)
   stats = {"mean": jnp.zeros(5), "steps": jnp.int32(0)}
@@ -275,7 +288,7 @@ def test_state_threads_through_micro_batches_in_order():
       _stateful_loss, num_micro_batches=n, state_argnums=2))(params, batch, stats)
   s, losses, gs = stats, [], []
   for mb in micro_batches(batch, n):
-    (l_i, s), g = jax.value_and_grad(_stateful_loss, has_aux=True)(params, mb, s)
+    (l_i, s), g = stateful_value_and_grad(params, mb, s)
     losses.append(l_i)
     gs.append(g)
   assert_all_close(new_stats, s)
@@ -298,7 +311,7 @@ def test_state_with_aux_and_tuple_of_states():
   np.testing.assert_array_equal(out2, jnp.full(2, 4.0))
   s, ref, ref_g = s1, [], []
   for mb in micro_batches(batch, 2):
-    (l_i, s), g_i = jax.value_and_grad(_stateful_loss, has_aux=True)(params, mb, s)
+    (l_i, s), g_i = stateful_value_and_grad(params, mb, s)
     ref.append(l_i)
     ref_g.append(g_i)
   assert_all_close((value, aux["l"]), (sum(ref) / 2, sum(ref) / 2))
@@ -323,7 +336,7 @@ def test_remat_same_numbers_less_temporary_memory():
       deep_loss, num_micro_batches=2,
       remat_policy=jax.checkpoint_policies.save_only_these_names("layer_out"))
   assert_all_close(jax.jit(remat)(params, x), jax.jit(plain)(params, x))
-  assert_all_close(jax.jit(remat)(params, x), jax.value_and_grad(deep_loss)(params, x))
+  assert_all_close(jax.jit(remat)(params, x), jax.jit(jax.value_and_grad(deep_loss))(params, x))
 
   def temp(f):
     return jax.jit(f).lower(params, x).compile().memory_analysis().temp_size_in_bytes
@@ -338,7 +351,7 @@ def test_unroll_gives_the_same_numbers():
   params, batch = make_mlp(15)
   out = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=8, unroll=2))(
       params, batch)
-  assert_all_close(out, jax.value_and_grad(mlp_loss)(params, batch))
+  assert_all_close(out, mlp_value_and_grad(params, batch))
 
 
 def test_bf16_gradients_accumulate_in_float32():
@@ -346,7 +359,7 @@ def test_bf16_gradients_accumulate_in_float32():
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params32)
   batch = jax.tree.map(lambda a: a.astype(jnp.bfloat16), batch32)
   up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
-  ref = jax.jit(jax.grad(mlp_loss))(up(params), up(batch))  # the same inputs, in float32
+  ref = mlp_grad(up(params), up(batch))  # the same inputs, in float32
 
   def rel_err(g):
     g = up(g)
@@ -354,7 +367,7 @@ def test_bf16_gradients_accumulate_in_float32():
     num = sum(jnp.sum((a - b) ** 2) for a, b in pairs)
     return float(jnp.sqrt(num / sum(jnp.sum(b**2) for b in jax.tree.leaves(ref))))
 
-  full_bf16 = rel_err(jax.jit(jax.grad(mlp_loss))(params, batch))
+  full_bf16 = rel_err(mlp_grad(params, batch))
   acc = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=128))(params, batch)
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(acc))  # the params' dtype
   acc_f32 = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=128, grads_dtype=jnp.float32))(
@@ -401,7 +414,7 @@ def test_float64_stays_float64():
   with jax.enable_x64(True):
     params, batch = make_mlp(18, dtype=jnp.float64)
     loss, grads = jax.jit(jaxaccum.value_and_grad(mlp_loss, num_micro_batches=4))(params, batch)
-    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
+    ref_loss, ref_grads = mlp_value_and_grad(params, batch)  # compiled for float64
     assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(grads))
     assert_close((loss, grads), (ref_loss, ref_grads), rtol=1e-12, atol=0)
 
@@ -415,9 +428,10 @@ def test_remat_with_static_and_non_array_arguments():
   params, batch = make_mlp(19)
   f = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=4, remat=True),
               static_argnums=(2, 3))
+  ref = jax.jit(jax.value_and_grad(loss), static_argnums=(2, 3))
   for train in (True, False):
     assert_all_close(f(params, batch, train, "mlp"),
-                 jax.value_and_grad(loss)(params, batch, train, "mlp"))
+                 ref(params, batch, train, "mlp"))
 
 
 def test_integer_and_boolean_aux_sums_do_not_wrap():
@@ -434,7 +448,7 @@ def test_integer_and_boolean_aux_sums_do_not_wrap():
 def test_grad_with_empty_or_zero_state_argnums():
   params, batch = make_mlp(20)
   g = jax.jit(jaxaccum.grad(mlp_loss, num_micro_batches=2, state_argnums=()))(params, batch)
-  assert_all_close(g, jax.grad(mlp_loss)(params, batch))
+  assert_all_close(g, mlp_grad(params, batch))
 
   def stateful(count, params, batch):  # state as argument 0
     return mlp_loss(params, batch), count + 1
@@ -442,7 +456,7 @@ def test_grad_with_empty_or_zero_state_argnums():
   g, count = jax.jit(jaxaccum.grad(stateful, num_micro_batches=2, argnums=1, batch_argnums=2,
                                    state_argnums=0))(jnp.int32(0), params, batch)
   assert int(count) == 2
-  assert_all_close(g, jax.grad(mlp_loss)(params, batch))
+  assert_all_close(g, mlp_grad(params, batch))
 
 
 def test_weighted_aux_ignores_micro_batches_of_weight_zero():

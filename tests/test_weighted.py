@@ -33,13 +33,23 @@ def per_micro_batch_mean(params, batch):
   return _problems.ratio(weighted_loss(params, batch))
 
 
+# The full-batch reference: plain jax.value_and_grad of the whole batch's token mean, jitted
+# once for the module (one compile per batch shape instead of an eager trace per test).
+full_batch_value_and_grad = jax.jit(jax.value_and_grad(full_batch_token_mean))
+
+
+@jax.jit
+def _rel(a, b):
+  return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
 @pytest.mark.parametrize("n", [1, 16])  # N = 4: test_transform.py
 def test_weighted_equals_full_batch_token_mean(n):
   params = init_lm(jax.random.key(0))
   batch = make_batch(jax.random.key(1))
   loss, grads = jax.jit(jaxaccum.value_and_grad(weighted_loss, num_micro_batches=n,
                                                 reduce="weighted"))(params, batch)
-  ref_loss, ref_grads = jax.jit(jax.value_and_grad(full_batch_token_mean))(params, batch)
+  ref_loss, ref_grads = full_batch_value_and_grad(params, batch)
   assert_close(loss, ref_loss)
   assert_close(grads, ref_grads)
 
@@ -49,13 +59,13 @@ def test_averaging_per_micro_batch_means_is_wrong():
   # Micro-batch i holds rows i, i+4, ...: rows 0 mod 4 are long, the rest short.
   lengths = [SEQ if i % 4 == 0 else 3 for i in range(16)]
   batch = make_batch(jax.random.key(3), lengths=lengths)
-  ref_loss, ref_grads = jax.value_and_grad(full_batch_token_mean)(params, batch)
+  ref_loss, ref_grads = full_batch_value_and_grad(params, batch)
   bug_loss, bug_grads = jax.jit(jaxaccum.value_and_grad(per_micro_batch_mean,
                                                         num_micro_batches=4))(params, batch)
   ok_loss, ok_grads = jax.jit(jaxaccum.value_and_grad(weighted_loss, num_micro_batches=4,
                                                       reduce="weighted"))(params, batch)
   assert_close((ok_loss, ok_grads), (ref_loss, ref_grads))
-  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+  rel = lambda a, b: float(_rel(a, b))  # noqa: E731
   # Far outside float32 round-off (1e-6): the bug reweights tokens by their micro-batch.
   assert rel(bug_grads["embed"], ref_grads["embed"]) > 1e-2
   assert abs(float(bug_loss - ref_loss)) > 1e-3
@@ -74,10 +84,16 @@ def test_weighted_aux_is_averaged_by_the_denominator():
   ((loss, aux), grads) = jax.jit(jaxaccum.value_and_grad(
       loss_with_aux, num_micro_batches=4, reduce="weighted", has_aux=True,
       aux_reduce={"token_acc": None, "tokens": "sum"}))(params, batch)
-  nll, mask = token_losses(params, batch)
-  assert_close(aux["token_acc"], jnp.sum((nll < 1.0) * mask) / jnp.sum(mask))
-  assert_close(aux["tokens"], jnp.sum(mask))
-  assert_close(loss, full_batch_token_mean(params, batch))
+  @jax.jit
+  def reference(params, batch):
+    nll, mask = token_losses(params, batch)
+    return (jnp.sum((nll < 1.0) * mask) / jnp.sum(mask), jnp.sum(mask),
+            full_batch_token_mean(params, batch))
+
+  ref_acc, ref_tokens, ref_loss = reference(params, batch)
+  assert_close(aux["token_acc"], ref_acc)
+  assert_close(aux["tokens"], ref_tokens)
+  assert_close(loss, ref_loss)
 
 
 def test_micro_batch_without_tokens_and_zero_total_weight():
@@ -86,7 +102,7 @@ def test_micro_batch_without_tokens_and_zero_total_weight():
   lengths = [SEQ if i % 2 == 0 else 0 for i in range(8)]
   batch = make_batch(jax.random.key(7), 8, lengths=lengths)
   f = jax.jit(jaxaccum.value_and_grad(weighted_loss, num_micro_batches=2, reduce="weighted"))
-  assert_close(f(params, batch), jax.value_and_grad(full_batch_token_mean)(params, batch))
+  assert_close(f(params, batch), full_batch_value_and_grad(params, batch))
   empty = make_batch(jax.random.key(8), 8, lengths=[0] * 8)
   loss, grads = f(params, empty)
   assert float(loss) == 0.0
@@ -105,4 +121,4 @@ class IntegerDenominatorTest(chex.TestCase):
     batch = make_batch(jax.random.key(10))
     out = self.variant(jaxaccum.value_and_grad(int_den_loss, num_micro_batches=4,
                                                reduce="weighted"))(params, batch)
-    assert_close(out, jax.value_and_grad(full_batch_token_mean)(params, batch))
+    assert_close(out, full_batch_value_and_grad(params, batch))
