@@ -42,3 +42,18 @@ def count_compiles():
     yield names
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def scan_lengths(jaxpr) -> list[int]:
+  """The ``length`` of every scan in a jaxpr, outermost first; inner jaxprs (shard_map, jit,
+  a ClosedJaxpr's jaxpr) included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      out.append(eqn.params["length"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out += scan_lengths(inner)
+  return out

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from tests import test_reference_model as trm
 from tests._reference import reference
+from tests._util import scan_lengths
 
 
 @functools.cache
@@ -136,20 +137,6 @@ def test_full_batch_and_concrete_active_count(n):
   chex.assert_trees_all_close(aux_k["mb"][k:], jnp.zeros(n - k))
 
 
-def scans(jaxpr):
-  """The lengths of the scans in a jaxpr, outermost first (sub-jaxprs included)."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      out.append(eqn.params["length"])
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-        if hasattr(sub, "eqns"):
-          out.extend(scans(sub))
-  return out
-
-
 @pytest.mark.parametrize("n", [1, 4])
 def test_the_last_micro_batch_runs_after_the_loop(n):
   _, (params, batch) = mlp_data()
@@ -157,7 +144,7 @@ def test_the_last_micro_batch_runs_after_the_loop(n):
   for overlap in (False, True):
     f = jaxaccum.value_and_grad(lambda p, b: mlp_loss(p, b)[0], num_micro_batches=n,
                                 data_axis="data", mesh=mesh8(), overlap_grad_reduce=overlap)
-    lengths[overlap] = scans(jax.make_jaxpr(f)(params, batch).jaxpr)
+    lengths[overlap] = scan_lengths(jax.make_jaxpr(f)(params, batch).jaxpr)
   assert lengths[False] == [n]
   assert lengths[True] == ([n - 1] if n > 1 else [])
 

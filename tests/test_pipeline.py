@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from tests._util import assert_close
+from tests._util import assert_close, scan_lengths
 
 D, H, VOCAB = 8, 16, 11  # boundary width, stage hidden width, classes
 
@@ -306,20 +306,6 @@ def test_circular_schedule_inside_value_and_grad_data_axis(axis_type, n, m):
   _assert_same_shardings(grads["stages"], sharded[0]["stages"])
 
 
-def _scan_lengths(jaxpr) -> list[int]:
-  """The ``length`` of every scan in a jaxpr, nested ones included, outermost first."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      found.append(eqn.params["length"])
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          found += _scan_lengths(inner)
-  return found
-
-
 @pytest.mark.parametrize("s, m, r", [(4, 1, 1), (4, 3, 1), (4, 6, 1), (2, 5, 1), (4, 2, 2),
                                      (4, 6, 2), (2, 3, 3)])
 def test_forward_scan_runs_the_ticks_of_the_schedule(s, m, r):
@@ -329,7 +315,7 @@ def test_forward_scan_runs_the_ticks_of_the_schedule(s, m, r):
   params = _stage_params(s, repeats=r)
   x = np.ones((2 * m, D), np.float32)
   pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=m, num_repeats=r, mesh=mesh)
-  lengths = _scan_lengths(jax.make_jaxpr(pipe)(*_put(mesh, params, x, r)).jaxpr)
+  lengths = scan_lengths(jax.make_jaxpr(pipe)(*_put(mesh, params, x, r)).jaxpr)
   assert lengths == [len(jaxaccum.pipeline_schedule(s, m, num_repeats=r))], lengths
 
 

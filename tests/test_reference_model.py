@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from tests._reference import Rules, reference
+from tests._util import scan_lengths
 
 RTOL = ATOL = 1e-5
 D_IN, D_OUT = 3, 2
@@ -485,20 +486,6 @@ def test_noise_scale_leaves_out_a_step_whose_trace_estimate_alone_overflows():
   chex.assert_trees_all_equal(tuple(ns.update(good, huge)), tuple(good))
 
 
-def _scan_lengths(jaxpr) -> list[int]:
-  """The ``length`` of every scan in a jaxpr, inner jaxprs (shard_map, jit) included."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      out.append(eqn.params["length"])
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          out += _scan_lengths(inner)
-  return out
-
-
 @pytest.mark.parametrize(("s", "m", "r"), [(4, 3, 1), (4, 6, 1), (8, 2, 1), (4, 4, 2)])
 def test_pipeline_forward_scan_runs_the_schedules_ticks(s, m, r):
   """The forward scan has one tick per row of pipeline_schedule (M + S - 1 for GPipe)."""
@@ -511,6 +498,6 @@ def test_pipeline_forward_scan_runs_the_schedules_ticks(s, m, r):
                      NamedSharding(mesh, P("stage") if r == 1 else P(None, "stage")))
   x = jax.device_put(np.zeros((2 * m, 4), np.float32), NamedSharding(mesh, P()))
   ticks = len(jaxaccum.pipeline_schedule(s, m, num_repeats=r))
-  assert _scan_lengths(jax.make_jaxpr(pipe)(w, x).jaxpr) == [ticks]
+  assert scan_lengths(jax.make_jaxpr(pipe)(w, x).jaxpr) == [ticks]
   if r == 1:
     assert ticks == m + s - 1
