@@ -9,6 +9,7 @@ References, both under ``jax.jit``:
 Tolerance: ``tests._util.assert_close`` (float32, 1e-5 relative to each leaf's maximum).
 """
 
+import functools
 from typing import Any
 
 import chex
@@ -55,6 +56,7 @@ def make_loss(model):
   return loss_fn
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def data(step, batch_size=8):
   kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(42), step))
   return (jax.random.normal(kx, (batch_size, 6, 6, 1)),
@@ -62,7 +64,8 @@ def data(step, batch_size=8):
 
 
 def create(model, tx=None):
-  variables = model.init(jax.random.key(0), data(0)[0], train=False)
+  variables = jax.jit(model.init, static_argnames="train")(jax.random.key(0), data(0)[0],
+                                                           train=False)
   tx = tx or optax.sgd(0.1, momentum=0.9)
   if "batch_stats" in variables:
     return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
@@ -117,7 +120,7 @@ def test_dropout_masks_differ_per_micro_batch():
   """Micro-batch i (rows i::n, fun sees 2 rows) uses fold_in(key, i): distinct masks."""
   n = 4
   model = DenseDropout()
-  params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+  params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 3)))["params"]
   traced_shapes = []
 
   def loss_fn(params, x, model_state, rngs):
@@ -245,6 +248,7 @@ class Regressor(nn.Module):
 
 
 REGRESSOR = Regressor()
+init_regressor = jax.jit(REGRESSOR.init)
 
 
 def _regression_loss(reduce):
@@ -256,17 +260,22 @@ def _regression_loss(reduce):
   return loss_fn
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _regression_data(b=8):
   kx, ky = jax.random.split(jax.random.key(3))
   return jax.random.normal(kx, (b, 3)), jax.random.normal(ky, (b,))
 
 
+_REFERENCE = {reduce: jax.jit(jax.value_and_grad(_regression_loss(reduce), has_aux=True))
+              for reduce in ("mean", "sum")}
+
+
 def _replicate(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (R,) + jnp.shape(a)), tree)
+  return jax.tree.map(lambda a: np.broadcast_to(a, (R,) + np.shape(a)), tree)
 
 
 def _per_replica(tree):
-  return jax.tree.map(lambda a: a.reshape((R, a.shape[0] // R) + a.shape[1:]), tree)
+  return jax.tree.map(lambda a: np.reshape(a, (R, a.shape[0] // R) + a.shape[1:]), tree)
 
 
 def _pmap_step(loss_fn, state, batch, **options):
@@ -289,22 +298,23 @@ NAN_CASES = {
 def test_axis_name_skip_nonfinite_weighs_replicas_by_micro_batches_kept(case, reduce):
   nan_rows, kept_rows = NAN_CASES[case]
   x, y = _regression_data()
-  x = x.at[jnp.array(nan_rows)].set(jnp.nan)
-  params = REGRESSOR.init(jax.random.key(0), x[:1])["params"]
+  x, y = np.array(x), np.asarray(y)
+  x[list(nan_rows)] = np.nan
+  params = init_regressor(jax.random.key(0), x[:1])["params"]
   state = train_state.TrainState.create(apply_fn=REGRESSOR.apply, params=params,
                                         tx=optax.sgd(LR))
   new, loss = _pmap_step(_regression_loss(reduce), state, (x, y), collections=(),
                          reduce=reduce, skip_nonfinite=True)
 
   # Reference: the finite rows only, through plain jax.value_and_grad.
-  keep = jnp.array(kept_rows)
-  full = _regression_loss("sum" if reduce == "sum" else "mean")
-  (ref_loss, _), ref_grads = jax.value_and_grad(full, has_aux=True)(
-      params, (x[keep], y[keep]), {}, {})
+  keep = list(kept_rows)
+  full = _REFERENCE["sum" if reduce == "sum" else "mean"]
+  (ref_loss, _), ref_grads = full(params, (x[keep], y[keep]), {}, {})
   ref_params = jax.tree.map(lambda p, g: p - LR * g, params, ref_grads)
+  loss, new_params = jax.device_get((loss, new.params))
   for r in range(R):
     chex.assert_trees_all_close(loss[r], ref_loss, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(jax.tree.map(lambda a, r=r: a[r], new.params), ref_params,
+    chex.assert_trees_all_close(jax.tree.map(lambda a, r=r: a[r], new_params), ref_params,
                                 rtol=1e-5, atol=1e-6)
 
 
@@ -320,8 +330,9 @@ def test_axis_name_equals_the_core_data_axis_mode():
   micro-batch on one replica, against value_and_grad(data_axis='data') on the same rows."""
   model = BNRegressor()
   x, y = _regression_data(16)
-  x = x.at[jnp.array([1, 5])].set(jnp.inf)  # replica 0, local micro-batch 1 of 2
-  variables = model.init(jax.random.key(1), x[:2])
+  x = np.array(x)
+  x[[1, 5]] = np.inf  # replica 0, local micro-batch 1 of 2
+  variables = jax.jit(model.init)(jax.random.key(1), x[:2])
   params, stats = variables["params"], variables["batch_stats"]
 
   def loss_fn(params, batch, model_state, rngs):
@@ -351,6 +362,7 @@ def test_axis_name_equals_the_core_data_axis_mode():
       _replicate(state), _per_replica((x, y)), {})
   ref_params = jax.tree.map(lambda p, g: p - LR * g, params, ref_grads)
   assert int(ref_info.skipped) == 1
+  new, loss, aux, info = jax.device_get((new, loss, aux, info))
   for r in range(R):
     def at(tree, r=r):
       return jax.tree.map(lambda a: a[r], tree)
@@ -371,7 +383,7 @@ def test_axis_name_under_shard_map_equals_full_batch():
   """Replicated parameters inside shard_map: each replica's gradients are its own (not
   already summed over the replicas by the backward pass) until the one combine."""
   x, y = _regression_data()
-  params = REGRESSOR.init(jax.random.key(0), x[:1])["params"]
+  params = init_regressor(jax.random.key(0), x[:1])["params"]
   state = train_state.TrainState.create(apply_fn=REGRESSOR.apply, params=params,
                                         tx=optax.sgd(LR))
   mesh = jax.make_mesh((R,), ("batch",), devices=jax.devices()[:R],
@@ -381,8 +393,7 @@ def test_axis_name_under_shard_map_equals_full_batch():
   mapped = jax.shard_map(lambda s, b: step(s, b, {}), mesh=mesh,
                          in_specs=(jax.P(), jax.P("batch")), out_specs=jax.P())
   new, loss = jax.jit(mapped)(state, (x, y))
-  (ref_loss, _), ref_grads = jax.value_and_grad(_regression_loss("mean"), has_aux=True)(
-      params, (x, y), {}, {})
+  (ref_loss, _), ref_grads = _REFERENCE["mean"](params, (x, y), {}, {})
   chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(new.params, jax.tree.map(lambda p, g: p - LR * g, params,
                                                        ref_grads), rtol=1e-5, atol=1e-6)
