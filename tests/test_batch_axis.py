@@ -25,6 +25,12 @@ close = functools.partial(chex.assert_trees_all_close, rtol=1e-5, atol=1e-6)
 
 
 def _data(seed=0, b=B):
+  """``(x, y, mask)`` as NumPy arrays (so the references slice them on the host)."""
+  return jax.device_get(_random_data(seed, b))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _random_data(seed, b):
   kx, ky, km = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(kx, (T, b, F))  # time-major: (time, batch, features)
   y = jax.random.normal(ky, (T, b))
@@ -42,7 +48,8 @@ def seq_loss(params, x, y):
 
 def _loop(fun, params, n, slices, *, reduce="mean"):
   """The accumulated value and gradients from a loop over hand-sliced micro-batches."""
-  outs = [jax.value_and_grad(fun)(params, *slices(i)) for i in range(n)]
+  vg = jax.jit(jax.value_and_grad(fun))
+  outs = [vg(params, *slices(i)) for i in range(n)]
   total = jax.tree.map(lambda *a: sum(a), *outs)
   return total if reduce == "sum" else jax.tree.map(lambda a: a / n, total)
 
@@ -54,7 +61,7 @@ class TimeMajorTest(chex.TestCase):
     x, y, _ = _data()
     got = self.variant(jaxaccum.value_and_grad(
         seq_loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=1))(PARAMS, x, y)
-    close(got, jax.value_and_grad(seq_loss)(PARAMS, x, y))
+    close(got, jax.jit(jax.value_and_grad(seq_loss))(PARAMS, x, y))
     close(got, _loop(seq_loss, PARAMS, N, lambda i: (x[:, i::N], y[:, i::N])))
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -86,7 +93,7 @@ def test_sum_reduce_along_axis_1():
 
   got = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, batch_argnums=(1, 2),
                                         batch_axis=1, reduce="sum"))(PARAMS, x, y)
-  close(got, jax.value_and_grad(loss)(PARAMS, x, y))
+  close(got, jax.jit(jax.value_and_grad(loss))(PARAMS, x, y))
   close(got, _loop(loss, PARAMS, N, lambda i: (x[:, i::N], y[:, i::N]), reduce="sum"))
 
 
@@ -111,7 +118,7 @@ def test_mixed_axes_tuple_and_pytree_prefix(batch_axis):
   got = jax.jit(jaxaccum.value_and_grad(_mixed_loss, num_micro_batches=N,
                                         batch_argnums=(1, 2), batch_axis=batch_axis))(
       PARAMS, batch, labels)
-  close(got, jax.value_and_grad(_mixed_loss)(PARAMS, batch, labels))
+  close(got, jax.jit(jax.value_and_grad(_mixed_loss))(PARAMS, batch, labels))
   close(got, _loop(_mixed_loss, PARAMS, N, lambda i: (
       {"x": x[:, i::N], "y": y.T[i::N]}, labels[i::N])))
 
@@ -125,7 +132,7 @@ def test_keyword_batch_gets_the_entries_after_the_positional_ones():
   got = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, batch_argnums=1,
                                         batch_argnames="labels", batch_axis=(1, 0)))(
       PARAMS, x, labels=y.T)
-  close(got, jax.value_and_grad(loss)(PARAMS, x, labels=y.T))
+  close(got, jax.jit(jax.value_and_grad(loss))(PARAMS, x, labels=y.T))
 
 
 # --- Token-weighted loss, concat aux, state and keys ------------------------------------
@@ -144,10 +151,10 @@ def test_weighted_tokens_along_axis_1():
 
   got = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, batch_argnums=(1, 2, 3),
                                         batch_axis=1, reduce="weighted"))(PARAMS, x, y, mask)
-  close(got, jax.value_and_grad(full)(PARAMS, x, y, mask))
+  close(got, jax.jit(jax.value_and_grad(full))(PARAMS, x, y, mask))
   # The loop: summed numerators and gradients over summed denominators.
-  parts = [jax.value_and_grad(lambda p, *a: loss(p, *a), has_aux=True)(
-      PARAMS, x[:, i::N], y[:, i::N], mask[:, i::N]) for i in range(N)]
+  part = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  parts = [part(PARAMS, x[:, i::N], y[:, i::N], mask[:, i::N]) for i in range(N)]
   den = sum(d for (_, d), _ in parts)
   close(got, (sum(v for (v, _), _ in parts) / den,
               jax.tree.map(lambda *g: sum(g) / den, *[g for _, g in parts])))
@@ -163,7 +170,7 @@ def test_concat_aux_comes_back_along_the_batch_axis():
   (value, aux), grads = jax.jit(jaxaccum.value_and_grad(
       loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=1, has_aux=True,
       aux_reduce="concat"))(PARAMS, x, y)
-  close(((value, aux), grads), jax.value_and_grad(loss, has_aux=True)(PARAMS, x, y))
+  close(((value, aux), grads), jax.jit(jax.value_and_grad(loss, has_aux=True))(PARAMS, x, y))
   assert aux["pred"].shape == (T, B) and aux["both"].shape == (T, B, 2)
 
 
@@ -197,8 +204,9 @@ def test_state_threaded_in_order_and_keys_folded_per_micro_batch():
       loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=1, state_argnums=3,
       rng_argnums=4))(PARAMS, x, y, state0, key)
   st, vals, gs = state0, [], []
+  part = jax.jit(jax.value_and_grad(loss, has_aux=True))
   for i in range(N):
-    (v, st), g = jax.value_and_grad(loss, has_aux=True)(
+    (v, st), g = part(
         PARAMS, x[:, i::N], y[:, i::N], st, jax.random.fold_in(key, i))
     vals.append(v)
     gs.append(g)
@@ -259,7 +267,7 @@ def test_data_axis_with_the_batch_sharded_along_axis_1(axis_type):
     (num, den), aux = loss(params, x, y, mask)
     return num / den, aux
 
-  ref = jax.value_and_grad(full, has_aux=True)(PARAMS, x, y, mask)
+  ref = jax.jit(jax.value_and_grad(full, has_aux=True))(PARAMS, x, y, mask)
   step = jax.jit(jaxaccum.value_and_grad(
       loss, num_micro_batches=2, batch_argnums=(1, 2, 3), batch_axis=1, reduce="weighted",
       has_aux=True, aux_reduce="concat", data_axis="data", mesh=mesh))
@@ -284,7 +292,7 @@ def test_data_axis_auto_reads_the_sharding_of_the_batch_axis():
     pred = x @ params["w"] + params["b"]
     return jnp.sum((pred - y) ** 2 * mask), jnp.sum(mask)
 
-  ref = jax.value_and_grad(lambda *a: jnp.divide(*loss(*a)))(PARAMS, x, y, mask)
+  ref = jax.jit(jax.value_and_grad(lambda *a: jnp.divide(*loss(*a))))(PARAMS, x, y, mask)
   step = jax.jit(jaxaccum.value_and_grad(
       loss, num_micro_batches=2, batch_argnums=(1, 2, 3), batch_axis=1, reduce="weighted",
       data_axis="auto"))
@@ -305,7 +313,7 @@ def test_split_along_a_sharded_axis_1_moves_no_data():
                                          batch_axis=1))
   with jax.set_mesh(mesh):
     xs, ys = _sharded(x, y)
-    close(step(PARAMS, xs, ys), jax.value_and_grad(seq_loss)(PARAMS, x, y))
+    close(step(PARAMS, xs, ys), jax.jit(jax.value_and_grad(seq_loss))(PARAMS, x, y))
     coll = jaxaccum.collectives(step, PARAMS, xs, ys)
     text = step.lower(PARAMS, xs, ys).compile().as_text()
   assert coll.count(["all-gather", "all-to-all", "collective-permute"]) == 0, coll
@@ -330,7 +338,7 @@ def test_nnx_passes_batch_axis_through():
 
   got = nnx.jit(lambda m, x, y: jaxaccum.nnx.value_and_grad(
       loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=1)(m, x, y))(model, x, y)
-  close(got, nnx.value_and_grad(loss)(model, x, y))
+  close(got, nnx.jit(nnx.value_and_grad(loss))(model, x, y))
 
 
 def test_linen_passes_batch_axis_through():
@@ -338,7 +346,7 @@ def test_linen_passes_batch_axis_through():
 
   x, y, _ = _data(15)
   model = nn.Dense(1)
-  params = model.init(jax.random.key(0), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
 
   def loss(params, batch, model_state, rngs):
     x, y = batch
@@ -346,7 +354,7 @@ def test_linen_passes_batch_axis_through():
 
   got = jax.jit(jaxaccum.linen.value_and_grad(loss, num_micro_batches=N, batch_axis=1))(
       params, (x, y), {}, {})
-  ref = jax.value_and_grad(loss, has_aux=True)(params, (x, y), {}, {})
+  ref = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, (x, y), {}, {})
   close(got, ref)
 
 
@@ -362,7 +370,7 @@ def test_eqx_passes_batch_axis_through():
 
   got = eqx.filter_jit(jaxaccum.eqx.filter_value_and_grad(
       loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=1))(model, x, y)
-  close(got, eqx.filter_value_and_grad(loss)(model, x, y))
+  close(got, eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x, y))
 
 
 # --- optax's microbatching tests, translated ---------------------------------------------
@@ -399,7 +407,7 @@ class OptaxInAxesTest(parameterized.TestCase):
     close((v0, g0), (v1, g1))
     close(a0, jnp.swapaxes(a1, 0, 1) if rows else a1)
     # And the full batch (a mean of micro-batch sums is the sum over 5 micro-batches / 5).
-    (vf, af), gf = jax.value_and_grad(fun_axis0, has_aux=True)(w, arg_axis0, arg_axis0)
+    (vf, af), gf = jax.jit(jax.value_and_grad(fun_axis0, has_aux=True))(w, arg_axis0, arg_axis0)
     scale = 5.0 if kind == "mean" else 1.0
     # The value sums entries of magnitude ~10 that cancel to ~1; summed in another order
     # (five micro-batches, then the whole batch) float32 round-off is ~2e-5 of it.
@@ -433,7 +441,7 @@ class OptaxInAxesTest(parameterized.TestCase):
     ans6 = mfun(batch_argnums=1, batch_argnames="b", batch_axis=(0, 1))(w, arg0, b=arg1)
     for ans in (ans1, ans2, ans3, ans4, ans5, ans6):
       close(ans, ans0)
-    full = jax.value_and_grad(fun, has_aux=True)(w, arg0, arg1)
+    full = jax.jit(jax.value_and_grad(fun, has_aux=True))(w, arg0, arg1)
     close(ans0, full if reduce == "sum" else jax.tree.map(lambda t: t / 5, full))
 
 
