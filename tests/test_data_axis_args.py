@@ -14,9 +14,9 @@ SCALE = np.array([1.0, 2.0, 3.0], np.float32)
 
 
 def _data():
-  x = jax.random.normal(jax.random.key(0), (32, 3))
-  y = jnp.arange(32.0) / 32
-  return x, y
+  """``(x, y)`` as NumPy arrays: the references slice them on the host."""
+  x = np.array(jax.jit(jax.random.normal, static_argnums=1)(jax.random.key(0), (32, 3)))
+  return x, np.arange(32, dtype=np.float32) / 32
 
 
 def ref_loss(w, batch):
@@ -25,6 +25,7 @@ def ref_loss(w, batch):
 
 
 W = jnp.array([0.5, -0.1, 0.2])
+ref_value_and_grad = jax.jit(jax.value_and_grad(ref_loss))  # plain jax, the full batch
 
 
 def _close(out, ref):
@@ -35,7 +36,7 @@ def _close(out, ref):
 def test_keyword_arrays_replicated_or_split_under_explicit_data_axis():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   x, y = _data()
-  ref = jax.value_and_grad(ref_loss)(W, (x, y))
+  ref = ref_value_and_grad(W, (x, y))
 
   def loss_kw(w, batch, *, scale):
     x, y = batch
@@ -58,7 +59,7 @@ def test_keyword_arrays_replicated_or_split_under_explicit_data_axis():
 
 def test_closures_under_auto_data_axis_and_a_clear_error_under_explicit():
   x, y = _data()
-  ref = jax.value_and_grad(ref_loss)(W, (x, y))
+  ref = ref_value_and_grad(W, (x, y))
   auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(auto):
     scale = jax.device_put(jnp.asarray(SCALE), jax.NamedSharding(auto, P()))
@@ -98,7 +99,7 @@ def test_the_shard_map_advice_gives_the_full_batch(reduce):
   """Inside a user's own shard_map, the error's advice (pmean / psum / weigh) is exact."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   x, y = _data()
-  m = (jnp.arange(32) % 3 != 0).astype(jnp.float32)
+  m = (np.arange(32) % 3 != 0).astype(np.float32)
 
   def loss(w, batch):
     x, y, m = batch
@@ -113,7 +114,7 @@ def test_the_shard_map_advice_gives_the_full_batch(reduce):
     out = loss(w, (x, y, m))
     return out[0] / out[1] if reduce == "weighted" else out
 
-  ref = jax.value_and_grad(full)(W)
+  ref = jax.jit(jax.value_and_grad(full))(W)
   inner = jaxaccum.value_and_grad(loss, num_micro_batches=2, reduce=reduce)
 
   def per_device(w, batch):
@@ -158,15 +159,16 @@ def test_a_traced_active_count_under_data_axis_runs_the_first_k_micro_batches(ax
   with jax.set_mesh(mesh):
     b = jax.device_put((x, y), jax.NamedSharding(mesh, P("data")))
     step = jax.jit(lambda w, b, k: vg(w, b, active_micro_batches=k))
+    ref = jax.jit(jax.value_and_grad(loss, has_aux=True))
     for k in (1, 3, n):
       out = step(W, b, jnp.int32(k))
       # The first k micro-batches, sliced by hand: rows i, i + N, ... for i < k.
-      rows = tuple(jnp.concatenate([a[i::n] for i in range(k)]) for a in (x, y))
-      (value, _), grads = jax.value_and_grad(loss, has_aux=True)(W, rows)
-      aux = {"rows": jnp.int32(rows[0].shape[0]), "max_y": jnp.max(rows[1])}
+      rows = tuple(np.concatenate([a[i::n] for i in range(k)]) for a in (x, y))
+      (value, _), grads = ref(W, rows)
+      aux = {"rows": np.int32(rows[0].shape[0]), "max_y": np.max(rows[1])}
       _close(out, ((value, aux), grads))
       # and a loop over the same micro-batches, each the mean of its own rows
-      loop = [jax.value_and_grad(ref_loss)(W, (x[i::n], y[i::n])) for i in range(k)]
+      loop = [ref_value_and_grad(W, (x[i::n], y[i::n])) for i in range(k)]
       _close((out[0][0], out[1]), jax.tree.map(lambda *v, k=k: sum(v) / k, *loop))
     assert step._cache_size() == 1
 
@@ -176,7 +178,7 @@ def test_info_counts_each_shards_piece_of_a_micro_batch_under_data_axis():
   n, shards = 4, 8
   mesh = jax.make_mesh((shards,), ("data",), axis_types=(AxisType.Explicit,))
   x, y = _data()
-  x = x.at[5, 0].set(jnp.nan)  # shard 1 (rows 4..7), its piece of micro-batch 1
+  x[5, 0] = np.nan  # shard 1 (rows 4..7), its piece of micro-batch 1
   vg = jaxaccum.value_and_grad(ref_loss, num_micro_batches=n, data_axis="data",
                                with_info=True, skip_nonfinite=True)
   with jax.set_mesh(mesh):
@@ -189,4 +191,4 @@ def test_info_counts_each_shards_piece_of_a_micro_batch_under_data_axis():
           k * shards, skipped, k * shards - skipped)
       rows = np.concatenate([np.arange(i, 32, n) for i in range(k)])
       rows = rows[rows != 5]  # micro-batches of one row per shard: only row 5 goes
-      _close((loss, grads), jax.value_and_grad(ref_loss)(W, (x[rows], y[rows])))
+      _close((loss, grads), ref_value_and_grad(W, (x[rows], y[rows])))
