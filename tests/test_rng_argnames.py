@@ -6,6 +6,8 @@ and averages the values and gradients of the ``N`` micro-batches (equal sizes, s
 of means is the full-batch mean).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,9 @@ def loss(w, x, *, keys, scale=1.0):
 KEYS = {"mask": jax.random.key(1), "noise": jax.random.key(2)}
 
 
+@functools.partial(jax.jit, static_argnames="n")
 def hand_loop(w, x, keys, n=N):
+  """The mean over micro-batches ``x[i::n]`` with keys ``fold_in(key, i)``, by hand."""
   outs = [jax.value_and_grad(loss)(w, x[i::n],
                                    keys=jax.tree.map(lambda k, i=i: jax.random.fold_in(k, i),
                                                      keys))
