@@ -306,7 +306,7 @@ def test_linen_value_and_grad_folds_a_keyword_key():
   _, params, loss = linen_setup()
   vg = jax.jit(jaxaccum.linen.value_and_grad(loss, num_micro_batches=N, rng_argnames="key"))
   (value, _), grads = vg(params, (X, Y), {}, {}, key=KEY)
-  ref_vg = jax.value_and_grad(loss, has_aux=True)
+  ref_vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
   outs = [ref_vg(params, (X[i::N], Y[i::N]), {}, {}, key=jax.random.fold_in(KEY, i))
           for i in range(N)]
   close((value, grads), jax.tree.map(lambda *v: sum(v) / N, *[(o[0][0], o[1]) for o in outs]))
@@ -325,7 +325,8 @@ def test_linen_make_train_step_with_batch_axis_equals_the_full_batch_step():
   step = jax.jit(jaxaccum.linen.make_train_step(loss_t, num_micro_batches=2, collections=(),
                                                 batch_axis=1))
   new, value = step(state, (xt, yt), {})
-  (ref_value, _), grads = jax.value_and_grad(loss_t, has_aux=True)(params, (xt, yt), {}, {})
+  (ref_value, _), grads = jax.jit(jax.value_and_grad(loss_t, has_aux=True))(
+      params, (xt, yt), {}, {})
   close((value, new.params), (ref_value, state.apply_gradients(grads=grads).params))
 
 

@@ -64,7 +64,7 @@ class MLPEquivalenceTest(chex.TestCase):
   def test_mlp_equals_equinox_on_the_full_batch(self):
     model = eqx.nn.MLP(4, 3, 16, depth=2, key=jax.random.key(0))
     x, y = data()
-    ref_loss, ref_grads = eqx.filter_value_and_grad(mlp_loss)(model, x, y)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(mlp_loss))(model, x, y)
     # The arrays cross the (possibly jitted) boundary, the activations stay static.
     arrays, static = eqx.partition(model, eqx.is_array)
     vg = jaxaccum.eqx.filter_value_and_grad(mlp_loss, num_micro_batches=N, batch_argnums=(1, 2))
@@ -180,7 +180,8 @@ def test_nested_call_inside_another_accumulated_loss():
     return jnp.mean(jax.vmap(model)(x) ** 2) * (1.0 + g2) + t_loss
 
   def ref_inner(teacher, x):  # the inner accumulation by hand: x[j::m]
-    outs = [eqx.filter_value_and_grad(teacher_loss)(teacher, x[j::m]) for j in range(m)]
+    micro_vg = eqx.filter_value_and_grad(teacher_loss)
+    outs = [micro_vg(teacher, x[j::m]) for j in range(m)]
     return jax.tree.map(lambda *o: sum(o) / m, *outs)
 
   x, _ = data(3)

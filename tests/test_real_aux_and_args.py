@@ -32,7 +32,7 @@ def classifier(params, x, y):
 @pytest.mark.parametrize("n", [1, 4, 24])
 def test_concat_aux_equals_full_batch_aux(n):
   params, x, y = _problem()
-  ref = jax.value_and_grad(classifier, has_aux=True)(params, x, y)
+  ref = jax.jit(jax.value_and_grad(classifier, has_aux=True))(params, x, y)
   step = jax.jit(jaxaccum.value_and_grad(
       classifier, num_micro_batches=n, has_aux=True, batch_argnums=(1, 2),
       aux_reduce={"logits": "concat", "correct": None, "acc": None}))
@@ -116,7 +116,7 @@ def test_batch_by_keyword():
   def loss_kw(params, batch):
     return classifier(params, batch["x"], batch["y"])[0]
 
-  ref_loss, ref_grads = jax.value_and_grad(loss_kw)(params, {"x": x, "y": y})
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_kw))(params, {"x": x, "y": y})
   step = jax.jit(jaxaccum.value_and_grad(loss_kw, num_micro_batches=4, batch_argnames="batch"))
   loss, grads = step(params, batch={"x": x, "y": y})
   chex.assert_trees_all_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-7)
@@ -125,7 +125,8 @@ def test_batch_by_keyword():
   def loss_labels(params, x, *, labels, scale):
     return classifier(params, x, labels)[0] * scale
 
-  ref = jax.value_and_grad(loss_labels)(params, x, labels=y, scale=2.0)
+  ref = jax.jit(jax.value_and_grad(loss_labels), static_argnames="scale")(
+      params, x, labels=y, scale=2.0)
   step = jax.jit(jaxaccum.value_and_grad(loss_labels, num_micro_batches=3, batch_argnums=1,
                                          batch_argnames=("labels",)))
   chex.assert_trees_all_close(step(params, x, labels=y, scale=2.0), ref, rtol=1e-5, atol=1e-7)
@@ -159,7 +160,7 @@ def test_smaller_items():
   # numpy integers are accepted for unroll, as for the counts.
   vg = jaxaccum.value_and_grad(lambda p, x: jnp.mean(x @ p["w"]),
                                num_micro_batches=np.int64(4), unroll=np.int64(2))
-  ref = jax.value_and_grad(lambda p, x: jnp.mean(x @ p["w"]))(params, x)
+  ref = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(x @ p["w"])))(params, x)
   chex.assert_trees_all_close(vg(params, x), ref, rtol=1e-5, atol=1e-7)
   # A Python int denominator, such as x.shape[0], is accepted under reduce="weighted".
   vg = jaxaccum.value_and_grad(lambda p, x: (jnp.sum(jnp.mean(x @ p["w"], -1)), x.shape[0]),
