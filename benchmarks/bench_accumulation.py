@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -87,20 +88,22 @@ def _dense(key: jax.Array, m: int, n: int) -> jax.Array:
   return jax.random.normal(key, (m, n), jnp.float32) / np.sqrt(m)
 
 
+# Jitted with the config static: one compile per config and seed (not one per random
+# draw's shape run op by op, nor one per call: every N measures the same problem).
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _mlp_init(cfg: MLPConfig, seed: int):
+  keys = jax.random.split(jax.random.key(seed), cfg.depth + 3)
+  sizes = [cfg.d_in] + [cfg.hidden] * cfg.depth + [cfg.classes]
+  params = [{"w": _dense(k, m, n), "b": jnp.zeros(n)}
+            for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=False)]
+  x = jax.random.normal(keys[-2], (cfg.batch, cfg.d_in))
+  y = jax.random.randint(keys[-1], (cfg.batch,), 0, cfg.classes)
+  return params, (x, y)
+
+
 def mlp_problem(cfg: MLPConfig, seed: int = 0):
   """An MLP classifier: ``(loss_fn, params, batch)`` with a mean cross-entropy loss."""
-
-  @jax.jit  # one compile, instead of one per random draw's shape run op by op
-  def init():
-    keys = jax.random.split(jax.random.key(seed), cfg.depth + 3)
-    sizes = [cfg.d_in] + [cfg.hidden] * cfg.depth + [cfg.classes]
-    params = [{"w": _dense(k, m, n), "b": jnp.zeros(n)}
-              for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=False)]
-    x = jax.random.normal(keys[-2], (cfg.batch, cfg.d_in))
-    y = jax.random.randint(keys[-1], (cfg.batch,), 0, cfg.classes)
-    return params, (x, y)
-
-  params, (x, y) = init()
+  params, (x, y) = _mlp_init(cfg, seed)
 
   def loss_fn(params, batch):
     h, labels = batch
@@ -116,28 +119,29 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # as _mlp_init
+def _lm_init(cfg: LMConfig, seed: int):
+  d = cfg.d_model
+  keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
+  params = {
+      "embed": 0.02 * jax.random.normal(next(keys), (cfg.vocab, d)),
+      "pos": 0.02 * jax.random.normal(next(keys), (cfg.seq, d)),
+      "layers": [{
+          "norm1": jnp.ones(d), "qkv": _dense(next(keys), d, 3 * d),
+          "out": _dense(next(keys), d, d), "norm2": jnp.ones(d),
+          "up": _dense(next(keys), d, 4 * d), "down": _dense(next(keys), 4 * d, d),
+      } for _ in range(cfg.layers)],
+      "norm_f": jnp.ones(d),
+      "unembed": _dense(next(keys), d, cfg.vocab),
+  }
+  tokens = jax.random.randint(next(keys), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+  return params, tokens
+
+
 def lm_problem(cfg: LMConfig, seed: int = 0):
   """A causal transformer LM: ``(loss_fn, params, tokens)``, mean next-token loss."""
   d, h = cfg.d_model, cfg.heads
-
-  @jax.jit  # one compile, instead of one per random draw's shape run op by op
-  def init():
-    keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * cfg.layers))
-    params = {
-        "embed": 0.02 * jax.random.normal(next(keys), (cfg.vocab, d)),
-        "pos": 0.02 * jax.random.normal(next(keys), (cfg.seq, d)),
-        "layers": [{
-            "norm1": jnp.ones(d), "qkv": _dense(next(keys), d, 3 * d),
-            "out": _dense(next(keys), d, d), "norm2": jnp.ones(d),
-            "up": _dense(next(keys), d, 4 * d), "down": _dense(next(keys), 4 * d, d),
-        } for _ in range(cfg.layers)],
-        "norm_f": jnp.ones(d),
-        "unembed": _dense(next(keys), d, cfg.vocab),
-    }
-    tokens = jax.random.randint(next(keys), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
-    return params, tokens
-
-  params, tokens = init()
+  params, tokens = _lm_init(cfg, seed)
   causal = np.tril(np.ones((cfg.seq, cfg.seq), bool))
 
   def loss_fn(params, tokens):

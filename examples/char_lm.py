@@ -202,7 +202,11 @@ def _create(cfg: Config) -> tuple[CharLM, nnx.Optimizer]:
 
 
 def make_trainer(cfg: Config, run: str):
-  """A fresh model (same seed, so the same init for every run) and its jitted step."""
+  """A fresh model (same seed, so the same init for every run) and its jitted step.
+
+  The step returns ``(state, loss, grads)``: the gradients it applied, to compare (one
+  compiled program per run, instead of a second one for the gradients alone).
+  """
   graphdef, state = nnx.split(_create(cfg))
   vg = value_and_grad_fn(run, cfg.num_micro_batches)
 
@@ -211,14 +215,9 @@ def make_trainer(cfg: Config, run: str):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = vg(model, batch)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    return nnx.state((model, optimizer)), loss, grads
 
-  @jax.jit
-  def grads(state, batch):
-    model, _ = nnx.merge(graphdef, state)
-    return vg(model, batch)[1]
-
-  return state, step, grads
+  return state, step
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
@@ -281,11 +280,6 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   rng = np.random.default_rng(cfg.seed)
   batches = [sample_batch(rng, corpus, cfg) for _ in range(cfg.steps)]
   trainers = {run: make_trainer(cfg, run) for run in RUNS}
-
-  # The first step's gradients, from the shared initialisation.
-  first = {run: g(state, batches[0]) for run, (state, _, g) in trainers.items()}
-  grad_diff = {run: _max_abs_diff(first[run], first["full batch"]) for run in RUNS[1:]}
-  grad_scale = _max_abs(first["full batch"])
   mask = jaxaccum.split_micro_batches(batches[0]["mask"],
                                       num_micro_batches=cfg.num_micro_batches)
   tokens_per_micro = [int(t) for t in np.asarray(mask).sum(axis=(1, 2))]
@@ -293,7 +287,7 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   # Each train step compiled once, ahead of time: its memory is read from the executable
   # that then trains (calling the jitted function would compile it a second time).
   compiled, memory = {}, {}
-  for run, (state, step, _) in trainers.items():
+  for run, (state, step) in trainers.items():
     compiled[run] = step.lower(state, batches[0]).compile()
     if run in RUNS[:2]:
       mem = compiled[run].memory_analysis()
@@ -301,12 +295,15 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
                      "total": (mem.argument_size_in_bytes + mem.output_size_in_bytes
                                + mem.temp_size_in_bytes - mem.alias_size_in_bytes)}
 
-  curves = {run: [] for run in RUNS}
+  curves, first = {run: [] for run in RUNS}, {}
   states = {run: t[0] for run, t in trainers.items()}
   for batch in tqdm(batches, desc="training (3 runs)", disable=not progress):
     for run in RUNS:
-      states[run], loss = compiled[run](states[run], batch)
+      states[run], loss, grads = compiled[run](states[run], batch)
+      first.setdefault(run, grads)  # the first step's, from the shared initialisation
       curves[run].append(float(loss))
+  grad_diff = {run: _max_abs_diff(first[run], first["full batch"]) for run in RUNS[1:]}
+  grad_scale = _max_abs(first["full batch"])
 
   plot_path = out_dir / "char_lm_loss.png"
   plot_curves(curves, cfg, plot_path)

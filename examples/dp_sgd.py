@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -65,6 +66,7 @@ def load_digits(seed: int = 0):
   return (x_tr, y_tr), (x_te, y_te)
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one compile, not one per operation
 def init_params(key: jax.Array, hidden: int) -> dict[str, jax.Array]:
   k1, k2 = jax.random.split(key)
   return {"w1": jax.random.normal(k1, (64, hidden)) / 8.0, "b1": jnp.zeros(hidden),
@@ -120,7 +122,7 @@ def per_example_loop(cfg: Config, params, batch):
   for j in range(x.shape[0]):
     g = clipped_one(params, (x[j:j + 1], y[j:j + 1]))
     total = g if total is None else add(total, g)
-  return jax.tree.map(lambda t: t / x.shape[0], total)
+  return jax.jit(lambda t: jax.tree.map(lambda a: a / x.shape[0], t))(total)
 
 
 @jax.jit

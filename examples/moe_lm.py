@@ -87,8 +87,9 @@ TINY = Config(steps=6, batch_size=8, num_micro_batches=4, seq_len=16, min_len=4,
 # ----------------------------------------------------------------------------- model
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile, not one per random draw
 def init_params(cfg: Config) -> dict:
-  """The model's parameters: a dict of float32 arrays."""
+  """The model's parameters: a dict of float32 arrays (fresh buffers on every call)."""
   d, e, h, v = cfg.d_model, cfg.experts, cfg.hidden, char_lm.VOCAB
   keys = iter(jax.random.split(jax.random.key(cfg.seed), 8))
 
@@ -276,7 +277,7 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   step = make_step(cfg, tx)
   logs = {}
   for run, batches in zip(RUNS, (clean, poisoned), strict=True):
-    params = jax.tree.map(jnp.copy, params0)  # the step donates its parameters
+    params = init_params(cfg)  # fresh buffers (the step donates its parameters)
     opt_state = tx.init(params)
     per_step, skipped = [], 0
     bar = tqdm(batches, desc=f"{run} run", disable=not progress)

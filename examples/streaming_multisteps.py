@@ -73,6 +73,7 @@ def line_stream(width: int, rows: int) -> Iterator[dict[str, np.ndarray]]:
     yield {"inputs": inputs, "targets": targets, "mask": mask}
 
 
+@functools.partial(jax.jit, static_argnames=("d", "hidden"))  # one compile, not op by op
 def init_params(key: jax.Array, d: int = 32, hidden: int = 128) -> dict[str, jax.Array]:
   """A character model: the last ``CONTEXT`` characters -> an MLP -> next-char logits."""
   k1, k2, k3 = jax.random.split(key, 3)
