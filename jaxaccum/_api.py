@@ -188,7 +188,8 @@ def value_and_grad(
       it the gradients are reduced inside every micro-batch).
 
   Returns:
-    A function with ``fun``'s arguments returning ``(value, grads)``, or
+    A function with ``fun``'s arguments (call it under :func:`jax.jit`: outside jit every call
+    traces ``fun`` and compiles the loop again) returning ``(value, grads)``, or
     ``((value, aux), grads)`` when ``has_aux`` or ``state_argnums`` is set, where the aux
     part is ``aux``, ``new_state`` or ``(new_state, aux)``; with ``with_info=True`` a
     third element, the :class:`jaxaccum.AccumInfo`. It takes one more, optional keyword
