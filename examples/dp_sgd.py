@@ -122,7 +122,7 @@ def per_example_loop(cfg: Config, params, batch):
   for j in range(x.shape[0]):
     g = clipped_one(params, (x[j:j + 1], y[j:j + 1]))
     total = g if total is None else add(total, g)
-  return jax.jit(lambda t: jax.tree.map(lambda a: a / x.shape[0], t))(total)
+  return jax.tree.map(lambda t: t / x.shape[0], total)
 
 
 @jax.jit

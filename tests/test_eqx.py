@@ -180,8 +180,7 @@ def test_nested_call_inside_another_accumulated_loss():
     return jnp.mean(jax.vmap(model)(x) ** 2) * (1.0 + g2) + t_loss
 
   def ref_inner(teacher, x):  # the inner accumulation by hand: x[j::m]
-    micro_vg = eqx.filter_value_and_grad(teacher_loss)
-    outs = [micro_vg(teacher, x[j::m]) for j in range(m)]
+    outs = [eqx.filter_value_and_grad(teacher_loss)(teacher, x[j::m]) for j in range(m)]
     return jax.tree.map(lambda *o: sum(o) / m, *outs)
 
   x, _ = data(3)

@@ -7,7 +7,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from tests._problems import micro_batch
 
@@ -49,11 +48,7 @@ def _linen_reference_losses(mod, steps, batch_size, num_micro_batches, seed=0):
   gradients averaged over the micro-batches."""
   n = num_micro_batches
   (x_train, y_train), _ = mod.load(seed)
-  variables = jax.jit(mod.MODEL.init, static_argnames="train")(jax.random.key(seed),
-                                                               x_train[:1], train=False)
-  state = jax.jit(lambda v: mod.TrainState.create(
-      apply_fn=mod.MODEL.apply, params=v["params"], batch_stats=v["batch_stats"],
-      tx=optax.adam(1e-2)))(variables)
+  state = mod.create(seed)  # the example's initial state: both runs start from it
   vg = jax.jit(jax.value_and_grad(mod.loss_fn, has_aux=True))
   # The glue between the micro-batch calls, jitted once instead of run op by op.
   add = jax.jit(lambda loss, grads, l_i, g_i: (
