@@ -97,30 +97,26 @@ def _is_key(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _with_bools(op: Callable[[jax.Array, AxisNames], jax.Array]):
+  """The collective ``op``, taking booleans too: reduced as int32 and cast back."""
+  def reduce(x: jax.Array, axes: AxisNames) -> jax.Array:
+    if x.dtype == jnp.bool_:
+      return op(x.astype(jnp.int32), axes).astype(jnp.bool_)
+    return op(x, axes)
+  return reduce
+
+
+pmax = _with_bools(lax.pmax)  # on booleans an OR
+pmin = _with_bools(lax.pmin)  # on booleans an AND
+_psum = _with_bools(lax.psum)
+
+
 def first_shard(x: jax.Array, axes: AxisNames) -> jax.Array:
   """Shard 0's value of ``x`` on every shard (for keys, which cannot be averaged)."""
   key = _is_key(x.dtype)
   data = jax.random.key_data(x) if key else x
-  if data.dtype == jnp.bool_:
-    data = data.astype(jnp.int32)
-    out = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, 0), axes).astype(jnp.bool_)
-  else:
-    out = lax.psum(jnp.where(lax.axis_index(axes) == 0, data, jnp.zeros_like(data)), axes)
+  out = _psum(jnp.where(lax.axis_index(axes) == 0, data, jnp.zeros_like(data)), axes)
   return jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if key else out
-
-
-def pmax(x: jax.Array, axes: AxisNames) -> jax.Array:
-  """``lax.pmax`` that also takes booleans (an OR)."""
-  if x.dtype == jnp.bool_:
-    return lax.pmax(x.astype(jnp.int32), axes).astype(jnp.bool_)
-  return lax.pmax(x, axes)
-
-
-def pmin(x: jax.Array, axes: AxisNames) -> jax.Array:
-  """``lax.pmin`` that also takes booleans (an AND)."""
-  if x.dtype == jnp.bool_:
-    return lax.pmin(x.astype(jnp.int32), axes).astype(jnp.bool_)
-  return lax.pmin(x, axes)
 
 
 # --- Aux reductions --------------------------------------------------------------------
@@ -245,6 +241,21 @@ def _rows_along(red: Reduction, axis: int) -> Reduction:
   return dataclasses.replace(red, axis=axis)
 
 
+def _combine_stack(s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
+  """How a ``"stack"`` entry combines over data shards.
+
+  Stacked entries are averaged over shards (summed under ``reduce="sum"`` and for
+  integer leaves; OR-ed for booleans; keys are shard 0's).
+  """
+  if _is_key(s.dtype):
+    return first_shard(s, axes)
+  if s.dtype == jnp.bool_:
+    return pmax(s, axes)
+  if reduce_is_sum or not jnp.issubdtype(s.dtype, jnp.inexact):
+    return lax.psum(s, axes)
+  return lax.pmean(s, axes)
+
+
 AUX_REDUCTIONS: dict[str, Reduction] = {
     "mean": Reduction(
         init=lambda s, acc: jnp.zeros(s.shape, _mean_dtype(s.dtype, acc)),
@@ -282,7 +293,7 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
     "stack": Reduction(
         init=lambda s, acc: None,
         update=lambda c, v, w, i: c,
-        combine=lambda st, axes, is_sum: _combine_stack(st, axes, is_sum),
+        combine=_combine_stack,
         finalize=_stack_finalize,
         per_micro_batch=True, numeric_only=False),
     "concat": Reduction(
@@ -294,21 +305,6 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         over_rows=lambda v, w, acc: v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])),
 }
 AUX_REDUCTIONS = {k: dataclasses.replace(r, name=repr(k)) for k, r in AUX_REDUCTIONS.items()}
-
-
-def _combine_stack(s: jax.Array, axes: AxisNames, reduce_is_sum: bool) -> jax.Array:
-  """How a ``"stack"`` entry combines over data shards.
-
-  Stacked entries are averaged over shards (summed under ``reduce="sum"`` and for
-  integer leaves; OR-ed for booleans; keys are shard 0's).
-  """
-  if _is_key(s.dtype):
-    return first_shard(s, axes)
-  if s.dtype == jnp.bool_:
-    return pmax(s, axes)
-  if reduce_is_sum or not jnp.issubdtype(s.dtype, jnp.inexact):
-    return lax.psum(s, axes)
-  return lax.pmean(s, axes)
 
 
 def combine_state(s: jax.Array, axes: AxisNames) -> jax.Array:
@@ -325,7 +321,7 @@ def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
   are AND-ed (a bool such as ``jnp.all(jnp.isfinite(x))`` keeps its full-batch value)."""
   if s.shape != ():
     raise ValueError(
-        f"aux leaf {path or '(root)'} has shape {tuple(s.shape)}, and the default aux "
+        f"aux leaf {path} has shape {tuple(s.shape)}, and the default aux "
         "reduction only applies to scalars (averaging per-example rows across micro-batches "
         "would mix unrelated examples). Say what it is with aux_reduce: 'concat' for "
         "per-example outputs such as logits (rows come back in batch order, as on the full "
@@ -407,12 +403,7 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
   treedef = jax.tree.structure(aux_shapes)
   for (path, s), red in zip(jax.tree_util.tree_leaves_with_path(aux_shapes),
                             treedef.flatten_up_to(reds), strict=True):
-    where = jax.tree_util.keystr(path)
-    if not hasattr(s, "dtype") or not hasattr(s, "shape"):
-      raise TypeError(
-          f"aux leaf {where or '(root)'} is {type(s).__name__} {s!r}, not an array: every "
-          "leaf of aux must be a JAX array (a string or other Python object cannot leave the "
-          "compiled loop). Return it outside the accumulated function, or as an array.")
+    where = jax.tree_util.keystr(path) or "(root)"
     if red is None:
       red = AUX_REDUCTIONS[_default_kind(where, s)]
     kind = red.name
@@ -420,23 +411,23 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
     numeric = not _is_key(dtype) and (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.number))
     if red.bool_only and dtype != jnp.bool_:
       raise TypeError(
-          f"aux leaf {where or '(root)'} has dtype {dtype}, but aux_reduce {kind} is a "
+          f"aux leaf {where} has dtype {dtype}, but aux_reduce {kind} is a "
           "logical reduction of booleans. Return a bool (e.g. x != 0) or choose 'max', "
           "'min', 'sum' or 'mean'.")
     if red.numeric_only and not numeric:
       raise TypeError(
-          f"aux leaf {where or '(root)'} has dtype {dtype}, which cannot be reduced with "
+          f"aux leaf {where} has dtype {dtype}, which cannot be reduced with "
           f"aux_reduce {kind}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
           "return it outside aux."
       )
     if red.per_example and s.shape == ():
       raise ValueError(
-          f"aux leaf {where or '(root)'} is a scalar, so aux_reduce {kind} has no "
+          f"aux leaf {where} is a scalar, so aux_reduce {kind} has no "
           "per-example rows to put back in batch order. Use 'stack' for one entry per "
           "micro-batch, or 'mean'/'sum'.")
     if red.per_example and axis and not -len(s.shape) <= axis < len(s.shape):
       raise ValueError(
-          f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce {kind} "
+          f"aux leaf {where} has shape {tuple(s.shape)}, but aux_reduce {kind} "
           f"puts per-example rows back along the batch axis, batch_axis={axis}, which is out "
           f"of range for its rank {len(s.shape)}. Return the leaf with its rows along axis "
           f"{axis}, or use aux_reduce 'stack' for one entry per micro-batch.")
@@ -444,14 +435,14 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
       red = _rows_along(red, axis % len(s.shape))
       if rows is not None and s.shape[red.axis] != rows:
         raise ValueError(
-            f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce {kind} "
+            f"aux leaf {where} has shape {tuple(s.shape)}, but aux_reduce {kind} "
             f"puts per-example rows back in batch order along the batch axis "
             f"(batch_axis={axis}), so its axis {red.axis} must be the micro-batch's {rows} "
             f"rows, not {s.shape[red.axis]}. Return the rows along that axis, as the batch "
             "holds them, or use aux_reduce 'stack' for one entry per micro-batch.")
     if red.per_example and not axis and rows is not None and s.shape[0] != rows:
       raise ValueError(
-          f"aux leaf {where or '(root)'} has shape {tuple(s.shape)}, but aux_reduce "
+          f"aux leaf {where} has shape {tuple(s.shape)}, but aux_reduce "
           f"{kind} puts per-example rows back in batch order, so its leading axis must be "
           f"the micro-batch's {rows} rows (a leading axis of another size, such as per-token "
           "values flattened to (rows * tokens,) or a (tokens,) vector, would be interleaved "
@@ -553,22 +544,14 @@ def sums_across_devices(terms: tuple[Term, ...]) -> bool:
 
 def check_reduce(reduce: Any) -> Any:
   """Validates ``reduce``: a name, or a dict (pytree) of names for several loss terms."""
-  def bad(got):
-    return ValueError(
+  leaves = jax.tree.leaves(reduce) if isinstance(reduce, (str, dict)) else []
+  if not leaves or any(not isinstance(x, str) or x not in LOSS_KINDS for x in leaves):
+    raise ValueError(
         f"reduce must be one of {', '.join(map(repr, LOSS_KINDS))}, or a dict of them "
-        f"for a loss of several terms, got reduce={got!r}. Use 'mean' when fun returns the "
-        "mean over its micro-batch, 'sum' when it returns a sum, 'weighted' when it returns "
-        "(numerator, denominator).")
-  if isinstance(reduce, str):
-    if reduce not in LOSS_KINDS:
-      raise bad(reduce)
-    return reduce
-  if isinstance(reduce, dict):
-    leaves = jax.tree.leaves(reduce)
-    if not leaves or any(not isinstance(x, str) or x not in LOSS_KINDS for x in leaves):
-      raise bad(reduce)
-    return reduce
-  raise bad(reduce)
+        f"for a loss of several terms, got reduce={reduce!r}. Use 'mean' when fun returns "
+        "the mean over its micro-batch, 'sum' when it returns a sum, 'weighted' when it "
+        "returns (numerator, denominator).")
+  return reduce
 
 
 def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
@@ -585,15 +568,14 @@ def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
   if loss_weights is not None and not isinstance(loss_weights, dict):
     raise TypeError(
         f"loss_weights must be a dict from term name to a float, got {loss_weights!r}.")
-  names = {jax.tree_util.keystr(p)[2:-2] if len(p) == 1 else None for p, _ in flat}
-  unknown = [k for k in weights if k not in names]
+  keys = [jax.tree_util.keystr(p)[2:-2] if len(p) == 1 else None for p, _ in flat]
+  unknown = [k for k in weights if k not in keys]
   if unknown:
     raise ValueError(
         f"loss_weights names {unknown}, which are not terms of reduce={reduce!r}. Name "
         "top-level terms of the dict that fun returns.")
   terms = []
-  for path, kind in flat:
-    key = jax.tree_util.keystr(path)[2:-2] if len(path) == 1 else None
+  for (path, kind), key in zip(flat, keys, strict=True):
     w = weights.get(key, 1.0)
     if isinstance(w, bool) or not isinstance(w, (int, float, np.floating, np.integer)):
       raise TypeError(
