@@ -304,7 +304,8 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   for k, gs in placed.gathers.items():
     if k in roles.batch or k in roles.batch_names or not any(gs):
       continue
-    value = largs[k] if isinstance(k, int) else lkwargs[k]
+    where = largs if isinstance(k, int) else lkwargs
+    value = where[k]
     leaves, treedef = jax.tree.flatten(value)
     diff = k in roles.diff
     if not per_micro_batch:
@@ -322,10 +323,7 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
           for x, g in zip(leaves, gs, strict=True)])
     else:
       in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=None)
-    if isinstance(k, int):
-      largs[k] = value
-    else:
-      lkwargs[k] = value
+    where[k] = value
   if not in_fun:
     return opts.fun, closed
   batch_keys = (*roles.batch, *roles.batch_names)
@@ -379,9 +377,7 @@ def _gathered_once_fwd(shard, full, gathers, varying):
 
 
 def _gathered_once_bwd(gathers, varying, _, ct):
-  ct = _scatter(ct, gathers)
-  missing = tuple(a for a in varying if a not in _sharding._varying(ct))
-  return (lax.pcast(ct, missing, to="varying") if missing else ct), None
+  return _sharding._vary(_scatter(ct, gathers), varying), None
 
 
 _gathered_once.defvjp(_gathered_once_fwd, _gathered_once_bwd)
@@ -440,9 +436,8 @@ def _split_rows(opts: Options, extra: Any, kinds: PyTree):
   # back to their batch axis outside.
   along = [k.axis for k in jax.tree.leaves(kinds) if k.per_example]
   kept = [x for x, m in zip(leaves, mflat, strict=True) if not m]
-  rows = [jnp.moveaxis(x, a, 0)
-          for x, a in zip([x for x, m in zip(leaves, mflat, strict=True) if m], along,
-                          strict=True)]
+  rows = [x for x, m in zip(leaves, mflat, strict=True) if m]
+  rows = [jnp.moveaxis(x, a, 0) for x, a in zip(rows, along, strict=True)]
 
   def unsplit(kept, rows):
     it_kept = iter(kept)
@@ -450,12 +445,6 @@ def _split_rows(opts: Options, extra: Any, kinds: PyTree):
     return jax.tree.unflatten(treedef, [next(it_rows) if m else next(it_kept) for m in mflat])
 
   return kept, rows, unsplit
-
-
-def _entry_axes(entry: Any) -> tuple[AxisName, ...]:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _manual_part(spec: PartitionSpec | None, axes: tuple[AxisName, ...]):
@@ -467,8 +456,8 @@ def _manual_part(spec: PartitionSpec | None, axes: tuple[AxisName, ...]):
   if spec is None:
     return PartitionSpec(), ()
   entries, gathers = [], []
-  for dim, entry in enumerate(spec):
-    mine = tuple(a for a in _entry_axes(entry) if a in axes)
+  for dim in range(len(spec)):
+    mine = tuple(a for a in _sharding._dim_axes(spec, dim) if a in axes)
     entries.append(None if not mine else mine[0] if len(mine) == 1 else mine)
     if mine:
       gathers.append((dim, mine))
@@ -528,8 +517,7 @@ def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: s
                 batch: bool, replicated_only: str | None, batch_axis: int = 0):
   """in_spec and gathers of one array argument leaf (a batch leaf's along ``batch_axis``)."""
   if batch:
-    lead = (_entry_axes(have[batch_axis]) if have is not None and len(have) > batch_axis
-            else ())
+    lead = _sharding._dim_axes(have, batch_axis)
     if set(lead) - set(axes):
       raise ValueError(
           f"batch leaf {where} is sharded over {lead} (spec {have}), but data_axis={axes} "

@@ -66,7 +66,6 @@ def shard_like(x: jax.Array, like: jax.Array) -> jax.Array:
   return _tie_p.bind(x, like)[0]
 
 
-
 # --- Helpers the core scan uses -----------------------------------------------------------
 
 
@@ -79,6 +78,12 @@ def _varying(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))  # older jax spelling
 
 
+def _dim_axes(spec: PartitionSpec | None, dim: int) -> tuple[AxisName, ...]:
+  """The mesh axes that dimension ``dim`` of ``spec`` is sharded over (``()`` for none)."""
+  entry = spec[dim] if spec is not None and len(spec) > dim else None
+  return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def _explicit_spec(x: Any) -> PartitionSpec | None:
   """The PartitionSpec of ``x`` if it is sharded over ``Explicit`` mesh axes, else None."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
@@ -87,8 +92,7 @@ def _explicit_spec(x: Any) -> PartitionSpec | None:
   if sharding is None or mesh is None or getattr(mesh, "empty", True) or not mesh.explicit_axes:
     return None
   spec = sharding.spec
-  used = {a for entry in spec if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))}
+  used = {a for dim in range(len(spec)) for a in _dim_axes(spec, dim)}
   return spec if used & set(mesh.explicit_axes) else None
 
 
@@ -103,10 +107,7 @@ def conform(x: jax.Array, like: Any) -> jax.Array:
   if spec is not None and _explicit_spec(x) != spec:
     x = jax.sharding.reshard(x, like.sharding if isinstance(like, jax.ShapeDtypeStruct)
                              else jax.typeof(like).sharding)
-  missing = tuple(sorted(_varying(like) - _varying(x), key=str))
-  if missing:
-    x = lax.pcast(x, missing, to="varying")
-  return x
+  return _vary(x, tuple(sorted(_varying(like), key=str)))
 
 
 def align(acc: PyTree, params: PyTree) -> PyTree:
@@ -143,10 +144,9 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
     leaf_axes = jax.tree.leaves(batch_axes[argnum]) if batch_axes is not None else None
     for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
       a = leaf_axes[k] if leaf_axes is not None else 0
-      spec = _explicit_spec(leaf)
-      if spec is None or len(spec) <= a or spec[a] is None:
+      axes = _dim_axes(_explicit_spec(leaf), a)
+      if not axes:
         continue
-      axes = spec[a] if isinstance(spec[a], tuple) else (spec[a],)
       mesh = jax.typeof(leaf).sharding.mesh
       shards = math.prod(mesh.shape[name] for name in axes)
       size = leaf.shape[a]
@@ -268,8 +268,7 @@ def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree] | N
               "at trace time. Name the axes, e.g. data_axis='data', or use Explicit axes "
               "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...))), whose "
               "types carry the sharding; outside jax.jit, placed arrays work too.")
-      entry = spec[axis] if spec is not None and len(spec) > axis else None
-      axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+      axes = _dim_axes(spec, axis)
       if not axes:
         placed = (f"spec {spec}" if spec is not None else "not placed on a mesh")
         raise ValueError(
@@ -333,6 +332,7 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
 
 
 def _vary(tree: PyTree, axes: tuple[AxisName, ...]) -> PyTree:
+  """``tree``, every leaf made to vary over the manual ``axes`` (those it does not yet)."""
   def one(x):
     missing = tuple(a for a in axes if a not in _varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
@@ -341,5 +341,3 @@ def _vary(tree: PyTree, axes: tuple[AxisName, ...]) -> PyTree:
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
