@@ -90,12 +90,13 @@ def divisor(key: tuple, count: Any, dens: tuple, one: Any = None) -> Any:
   return d.of(count, None if t is None else dens[t], one)
 
 
-def divide_groups(groups: tuple[Group, ...], accs: tuple, divisor_of: Callable[[Group], Any],
-                  dtype: Any = None) -> PyTree:
-  """The sum over groups of each group's accumulated gradients divided by its divisor."""
+def divide_groups(groups: tuple[Group, ...], accs: tuple, count: Any, dens: tuple,
+                  one: Any = None, dtype: Any = None) -> PyTree:
+  """The sum over groups of each group's accumulated gradients divided by its
+  :func:`divisor` (of ``count``, ``dens`` and ``one``), each cast to ``dtype`` if given."""
   total = None
   for g, acc in zip(groups, accs, strict=True):
-    d = divisor_of(g)
+    d = divisor(g.divisor, count, dens, one)
     part = jax.tree.map(lambda a, d=d: a.astype(dtype or a.dtype) if d is None else
                         _reduce.safe_divide(a.astype(dtype or a.dtype), d), acc)
     total = part if total is None else jax.tree.map(jnp.add, total, part)
@@ -208,14 +209,13 @@ def unpack(opts: Options, out: Any):
   else:
     value, extra = out, None
   if opts.single_term:
-    num, den = _term_value(opts, opts.terms[0], value)
-    nums, dens = (num,), (den,)
+    pairs = [_term_value(opts, opts.terms[0], value)]
   else:
     if not isinstance(value, dict):
       raise TypeError(
           f"reduce={opts.reduce!r} is a dict of loss terms, so fun must return its value as a "
           f"dict with the same keys, got {_describe(value)}.")
-    nums, dens = [], []
+    pairs = []
     for term in opts.terms:
       try:
         v = _reduce.get_path(value, term.path)
@@ -223,11 +223,9 @@ def unpack(opts: Options, out: Any):
         raise TypeError(
             f"reduce names loss term {term.label}, but the value fun returned has keys "
             f"{sorted(value)}. Return every term that reduce names.") from None
-      n, d = _term_value(opts, term, v)
-      nums.append(n)
-      dens.append(d)
+      pairs.append(_term_value(opts, term, v))
     _check_unnamed_terms(opts.reduce, value)
-    nums, dens = tuple(nums), tuple(dens)
+  nums, dens = zip(*pairs, strict=True)
   if opts.state_argnums:
     if opts.has_aux:
       if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
@@ -441,10 +439,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
         cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
                     for h, o in enumerate(objectives))
         grads.append(vjp(cot))
-    if roles.state:
-      new_state = _check_state(opts, roles.state, state, new_state)
-    else:
-      new_state = state
+    new_state = _check_state(opts, roles.state, state, new_state) if roles.state else state
     return Micro(nums, dens, new_state, aux, tuple(grads))
 
   whole, own = [], []
@@ -634,15 +629,12 @@ def _zeros_like_struct(s: Any) -> jax.Array:
 def _vary_as(x: jax.Array, *likes: Any) -> jax.Array:
   """``x``, varying over every manual axis that ``x`` or any of ``likes`` varies over."""
   want = frozenset().union(*(_sharding._varying(like) for like in likes))
-  missing = tuple(sorted(want - _sharding._varying(x), key=str))
-  return lax.pcast(x, missing, to="varying") if missing else x
+  return _sharding._vary(x, tuple(sorted(want, key=str)))
 
 
 def info_sizes(opts: Options):
   """Which term's denominator measures a sample's size (None: rows)."""
-  if opts.single_term and opts.terms[0].kind.weighs:
-    return 0
-  return None
+  return 0 if opts.single_term and opts.terms[0].kind.weighs else None
 
 
 def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int = 1):
@@ -659,9 +651,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows,
                                      _split.common_axis(opts.batch_axis))
   acc = opts.accumulator_dtype
-
-  def acc_dtype(dtype):
-    return _reduce.accumulator_dtype_for(dtype, acc)
+  acc_dtype = functools.partial(_reduce.accumulator_dtype_for, accumulator_dtype=acc)
 
   def den_dtype(s):
     return (jnp.promote_types(s.dtype, jnp.int32) if jnp.issubdtype(s.dtype, jnp.integer)
@@ -693,19 +683,21 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
           lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), gs),
           problem.params) for gs in shapes.grads),
       aux=jax.tree.map(aux_carry0, kinds, shapes.aux),
-      state=(jax.tree.map(_sharding.conform, problem.state0, shapes.state)
-             if problem.state0 else problem.state0),
-      stats=Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f),
+      state=jax.tree.map(_sharding.conform, problem.state0, shapes.state),
+      stats=jax.tree.map(lambda z: _sharding.conform(z, shapes.nums[0]),
+                         Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f)),
   )
-  carry0 = carry0._replace(stats=jax.tree.map(
-      lambda z: _sharding.conform(z, shapes.nums[0]), carry0.stats))
   per_mb = jax.tree.map(lambda k, s: s if k.per_micro_batch else None, kinds, shapes.aux)
 
   def run(carry: Carry, i):
     out = problem.micro(i, carry.state, count)
-    keep = None
-    if opts.skip_nonfinite:
-      keep = _stats.all_finite((out.nums, [d for d in out.dens if d is not None], out.grads))
+    finite = (out.nums, [d for d in out.dens if d is not None], out.grads)
+    keep = _stats.all_finite(finite) if opts.skip_nonfinite else None
+
+    def select(new, old):  # a skipped micro-batch leaves the carry as it was
+      if keep is None:
+        return new
+      return jax.tree.map(functools.partial(jnp.where, keep), new, old)
 
     def add(c, v):
       v = v.astype(c.dtype)
@@ -719,18 +711,10 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     weight = None if weight_term is None else out.dens[weight_term]
 
     def aux_add(k, c, v):
-      if c is None:
-        return None
-      new = k.update(c, jnp.asarray(v), weight, i)
-      if keep is None:
-        return new
-      kept = keep  # a skipped micro-batch leaves the carry (a pytree, for a user reduction)
-      return jax.tree.map(lambda a, b: jnp.where(kept, a, b), new, c)
+      return None if c is None else select(k.update(c, jnp.asarray(v), weight, i), c)
 
     aux = jax.tree.map(aux_add, kinds, carry.aux, out.aux)
-    state = out.state
-    if keep is not None and state:
-      state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), state, carry.state)
+    state = select(out.state, carry.state)
     stats = carry.stats
     k_i = jnp.int32(1) if keep is None else keep.astype(jnp.int32)
     stats = stats._replace(kept=stats.kept + k_i, skipped=stats.skipped + (1 - k_i))
@@ -799,8 +783,7 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
     if d.own_denominator:
       valid = valid & (out.dens[t] > 0)
   # This micro-batch's own normalisation: its rows for sums, 1 for means, its denominators.
-  sample = divide_groups(problem.groups, out.grads,
-                         lambda g: divisor(g.divisor, None, out.dens, one=rows), jnp.float32)
+  sample = divide_groups(problem.groups, out.grads, None, out.dens, rows, jnp.float32)
   sq = _stats.sq_norm(sample)
   st = info_sizes(opts)
   size = rows if st is None else out.dens[st].astype(jnp.float32)
@@ -819,10 +802,7 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
 def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, shapes: Micro,
              kinds: PyTree, *, kept_static: int | None):
   """Divides what the scan summed and builds ``(value, extra, grads, info)``."""
-  if kept_static is not None:
-    kept = jnp.asarray(kept_static, jnp.int32)
-  else:
-    kept = carry.stats.kept
+  kept = carry.stats.kept if kept_static is None else jnp.asarray(kept_static, jnp.int32)
 
   values = []
   for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
@@ -842,12 +822,10 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
 
   grads: PyTree = ()  # nothing differentiated (evaluate): no gradients
   if problem.groups:
-    grads = divide_groups(problem.groups, carry.grads,
-                          lambda g: divisor(g.divisor, kept, carry.den))
-    grads_s = shapes.grads[0]
+    grads = divide_groups(problem.groups, carry.grads, kept, carry.den)
     grads = jax.tree.map(
         lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
-        grads, grads_s)
+        grads, shapes.grads[0])
     grads = _sharding.align(grads, problem.params)
 
   wt = aux_weight_term(opts)
@@ -862,9 +840,8 @@ def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, sha
     if terms_out is not None:
       info = info._replace(terms=terms_out)
 
-  state = carry.state
   if problem.state0:
-    new_state = state if opts.state_is_tuple else state[0]
+    new_state = carry.state if opts.state_is_tuple else carry.state[0]
     extra = (new_state, aux) if opts.has_aux else new_state
   else:
     extra = aux
@@ -875,8 +852,7 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
   st = carry.stats
   # G_B as a mean: sum terms divide by the rows kept, so that samples and batch share units.
   rows_total = jnp.float32(problem.rows) * kept.astype(jnp.float32)
-  gb = divide_groups(problem.groups, carry.grads,
-                     lambda g: divisor(g.divisor, kept, carry.den, one=rows_total), jnp.float32)
+  gb = divide_groups(problem.groups, carry.grads, kept, carry.den, rows_total, jnp.float32)
   samples = st.samples
   micro_sq = _reduce.safe_divide(st.sq, samples.astype(jnp.float32))
   b = _reduce.safe_divide(samples.astype(jnp.float32), st.inv_size)
