@@ -128,8 +128,6 @@ class Reduction:
 
   init: Callable[[jax.ShapeDtypeStruct, Any], Any]
   update: Callable[[Any, jax.Array, jax.Array | None, jax.Array], Any]
-  # Over data shards, once after the loop: the carry, or the stacked entries of a
-  # per-micro-batch reduction. The flag says whether the loss is a sum (reduce="sum").
   # None: no rule across shards (a user reduction), refused under data_axis.
   combine: Callable[[Any, AxisNames, bool], Any] | None
   finalize: Callable[[Any, jax.Array | None, jax.ShapeDtypeStruct, Any], Any]
@@ -327,8 +325,7 @@ def _default_kind(path: str, s: jax.ShapeDtypeStruct) -> str:
         "per-example outputs such as logits (rows come back in batch order, as on the full "
         "batch), 'mean' or 'sum' for values already reduced over the micro-batch, 'stack' "
         "for one entry per micro-batch; e.g. aux_reduce={'logits': 'concat', "
-        "'accuracy': None}."
-    )
+        "'accuracy': None}.")
   if _is_key(s.dtype):
     return "mean"  # rejected below: keys can only be stacked
   dtype = jnp.dtype(s.dtype)
@@ -371,8 +368,7 @@ def check_aux_reduce(spec: Any) -> None:
     _entry(x)
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
-                       axis: int = 0) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0) -> PyTree:
   """Expands ``spec`` (an entry, or a pytree prefix of aux with entries or None) to aux.
 
   An entry is a name of :data:`AUX_REDUCTIONS`, a :class:`Reduction` or an optax
@@ -416,10 +412,9 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
           "'min', 'sum' or 'mean'.")
     if red.numeric_only and not numeric:
       raise TypeError(
-          f"aux leaf {where} has dtype {dtype}, which cannot be reduced with "
-          f"aux_reduce {kind}. Mark it aux_reduce='stack' (one entry per micro-batch) or "
-          "return it outside aux."
-      )
+          f"aux leaf {where} has dtype {dtype}, which cannot be reduced with aux_reduce "
+          f"{kind}. Mark it aux_reduce='stack' (one entry per micro-batch) or return it "
+          "outside aux.")
     if red.per_example and s.shape == ():
       raise ValueError(
           f"aux leaf {where} is a scalar, so aux_reduce {kind} has no "
@@ -433,14 +428,14 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int | None = None,
           f"{axis}, or use aux_reduce 'stack' for one entry per micro-batch.")
     if red.per_example and axis:
       red = _rows_along(red, axis % len(s.shape))
-      if rows is not None and s.shape[red.axis] != rows:
+      if s.shape[red.axis] != rows:
         raise ValueError(
             f"aux leaf {where} has shape {tuple(s.shape)}, but aux_reduce {kind} "
             f"puts per-example rows back in batch order along the batch axis "
             f"(batch_axis={axis}), so its axis {red.axis} must be the micro-batch's {rows} "
             f"rows, not {s.shape[red.axis]}. Return the rows along that axis, as the batch "
             "holds them, or use aux_reduce 'stack' for one entry per micro-batch.")
-    if red.per_example and not axis and rows is not None and s.shape[0] != rows:
+    if red.per_example and not axis and s.shape[0] != rows:
       raise ValueError(
           f"aux leaf {where} has shape {tuple(s.shape)}, but aux_reduce "
           f"{kind} puts per-example rows back in batch order, so its leading axis must be "
