@@ -132,18 +132,17 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
 
 
 def check_split_sharding(batches: dict[Any, PyTree], n: int,
-                         batch_axes: dict[Any, PyTree] | None = None) -> None:
+                         batch_axes: dict[Any, PyTree]) -> None:
   """Raises if a batch sharded over Explicit axes cannot be split without moving data.
 
   Micro-batch ``i`` takes rows ``i, i + N, ...``; with the batch axis in ``D`` contiguous
   blocks, every device keeps its own rows only when ``D`` divides ``B // N``. (For
   ``Auto`` mesh axes the sharding is unknown at trace time; see the README.)
-  ``batch_axes`` gives each leaf's batch axis (:func:`jaxaccum._split.batch_axes`; default 0).
+  ``batch_axes`` gives each leaf's batch axis (:func:`jaxaccum._split.batch_axes`).
   """
   for argnum, tree in batches.items():
-    leaf_axes = jax.tree.leaves(batch_axes[argnum]) if batch_axes is not None else None
-    for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
-      a = leaf_axes[k] if leaf_axes is not None else 0
+    for (path, leaf), a in zip(jax.tree_util.tree_leaves_with_path(tree),
+                               jax.tree.leaves(batch_axes[argnum]), strict=True):
       axes = _dim_axes(_explicit_spec(leaf), a)
       if not axes:
         continue
@@ -155,13 +154,11 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
         where = f"{argnum}{jax.tree_util.keystr(path)}"
         raise ValueError(
             f"batch leaf {where} has its batch axis{f' (axis {a})' if a else ''} of {size} "
-            f"rows sharded over "
-            f"{_axes_str(axes, mesh)} ({shards} shards), but {n} micro-batches give "
-            f"micro-batches of {rows} rows, not a multiple of {shards}: the split would "
-            f"have to move rows between devices. Use a micro-batch count that divides "
-            f"{size // shards} (batch / shards), e.g. one of "
-            f"{_split.divisors(size // shards)}."
-        )
+            f"rows sharded over {_axes_str(axes, mesh)} ({shards} shards), but {n} "
+            f"micro-batches give micro-batches of {rows} rows, not a multiple of "
+            f"{shards}: the split would have to move rows between devices. Use a "
+            f"micro-batch count that divides {size // shards} (batch / shards), e.g. one "
+            f"of {_split.divisors(size // shards)}.")
 
 
 # --- Options ------------------------------------------------------------------------------
@@ -184,8 +181,7 @@ def check_data_axis(data_axis: Any) -> tuple[str, ...] | None:
   if not axes or any(not isinstance(a, str) for a in axes):
     raise TypeError(
         "data_axis must be a mesh axis name or a tuple of them, e.g. data_axis='data' or "
-        f"data_axis=('replica', 'data'), got data_axis={data_axis!r}."
-    )
+        f"data_axis=('replica', 'data'), got data_axis={data_axis!r}.")
   if len(set(axes)) != len(axes):
     raise ValueError(f"data_axis names a mesh axis twice: data_axis={data_axis!r}.")
   return axes
@@ -225,28 +221,25 @@ def check_placement(name: str, value: Any, data_axis: Any) -> str:
   return value
 
 
-def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree] | None = None
+def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree]
                     ) -> tuple[tuple[AxisName, ...], Any]:
   """``data_axis="auto"``: the mesh axes every batch leaf's batch axis is sharded over.
 
-  ``leaf_axes`` (as :func:`jaxaccum._split.batch_axes` gives them, keyed like ``batches``)
-  holds each leaf's batch axis; the leading axis without it.
-
-  ``batches`` maps a label (``"argument 1 ('batch')"``) to a batch argument. A leaf's axes
+  ``batches`` maps a label (``"argument 1 ('batch')"``) to a batch argument, ``leaf_axes``
+  (:func:`jaxaccum._split.batch_axes`, keyed alike) each leaf's batch axis. A leaf's axes
   are read from its type under ``Explicit`` mesh axes, or from a placed (concrete) array's
   sharding under ``Auto`` axes; inside :func:`jax.jit` a tracer typed with ``Auto`` axes
   carries no sharding, so there the axes must be named. Returns ``(axes, mesh)``, the mesh
   the batch is placed on.
 
   Raises:
-    ValueError: a leaf not sharded on its leading axis, leaves sharded over different axes,
+    ValueError: a leaf not sharded on its batch axis, leaves sharded over different axes,
       or a tracer whose sharding is unknown.
   """
   found: dict[str, tuple[AxisName, ...]] = {}
   meshes = []
   for label, tree in batches.items():
-    along = (jax.tree.leaves(leaf_axes[label]) if leaf_axes is not None
-             else [0] * len(jax.tree.leaves(tree)))
+    along = jax.tree.leaves(leaf_axes[label])
     for (path, x), axis in zip(jax.tree_util.tree_leaves_with_path(tree), along, strict=True):
       if not hasattr(x, "shape") or not np.shape(x):
         continue
@@ -302,8 +295,7 @@ def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any) -> None:
     raise ValueError(
         f"data_axis={axes[0] if len(axes) == 1 else axes!r} names mesh axis "
         f"{', '.join(map(repr, missing))}, which is not in the mesh; its axes are {{{sizes}}}. "
-        "Pass the name of the axis the batch is sharded over."
-    )
+        "Pass the name of the axis the batch is sharded over.")
 
 
 def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
@@ -312,8 +304,7 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
     if mesh.empty:
       raise ValueError(
           f"data_axis={axes[0] if len(axes) == 1 else axes!r} needs a mesh: pass mesh=... "
-          "to jaxaccum.value_and_grad, or call the step inside `with jax.set_mesh(mesh):`."
-      )
+          "to jaxaccum.value_and_grad, or call the step inside `with jax.set_mesh(mesh):`.")
   _check_axes_in(axes, mesh)
   manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
   if manual & set(axes):
