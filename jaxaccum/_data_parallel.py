@@ -10,26 +10,11 @@ the number of micro-batches. A parameter sharded over some of the data axes (FSD
 from its ``Explicit`` sharding type) is all-gathered, by default once before the loop
 (``param_gather="step"``), and its gradient reduce-scattered once per micro-batch into an
 accumulator of the shard's size (``grad_scatter="micro_batch"``); only the remaining data
-axes are reduced after the loop. ``param_gather="micro_batch"`` gathers in every iteration
-and ``grad_scatter="step"`` accumulates full-size local gradients and reduce-scatters them
-once, after the loop (:func:`_placed_gathers`).
+axes are reduced after the loop. The other placements: :func:`_placed_gathers`.
 
-Semantics under ``data_axis`` (``D`` data shards, ``N`` micro-batches, batch ``B``): ``fun``
-sees ``B / (N * D)`` rows per call, the rows of global micro-batch ``i`` that live on its
-shard (the split is the same column-major one, applied per shard). ``"mean"`` divides the
-summed gradients by ``N * D`` (equal-size pieces, so exact); ``"weighted"`` sums numerator
-gradients and denominators over all shards and micro-batches before dividing; ``"sum"``
-sums. Aux ``"mean"``/``"sum"``/``"max"``/``"min"``/``"all"``/``"any"`` reduce over shards
-the same way; ``"stack"`` entries are averaged over shards (summed under ``reduce="sum"``
-and for integer leaves; OR-ed for booleans; keys are shard 0's): stacked scalars, such as a
-per-micro-batch loss, come out right, while stacked per-row arrays keep one shard's
-micro-batch shape and are combined element-wise, not gathered. Under ``reduce="weighted"``
-stacked entries are averaged over shards without weights. Mutable state is threaded per
-shard; at the end its floating leaves are averaged over shards, integer leaves (counters)
-take the maximum and PRNG keys are shard 0's. A PRNG key argument (``rng_argnums``,
-``rng_argnames``) is folded with the shard index and then the micro-batch index; keys
-carried in the state (e.g. ``nnx.Rngs``) are not, so every shard draws the same masks for
-its own rows: pass keys through ``rng_argnums`` when shards must draw independently.
+What the mode computes (the rows ``fun`` sees, how the loss, aux, state and PRNG keys
+combine over the shards) is described in ``docs/devices.md``, "What ``data_axis``
+computes"; each aux reduction's rule is its ``combine`` in :mod:`jaxaccum._reduce`.
 """
 
 from __future__ import annotations
@@ -54,18 +39,13 @@ from jaxaccum._types import AxisName, PyTree
 def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   """Runs the core's accumulation per data shard inside ``shard_map``; one reduction after.
 
-  Batch arguments (positional and keyword) are mapped over ``data_axis`` along their
-  leading axis. Other array arguments are mapped with their own sharding over the data
-  axes (replicated, for plain data parallelism); a differentiated argument sharded over a
-  data axis (FSDP / ZeRO-3) is all-gathered and its gradient comes back reduce-scattered,
-  by default one reduce-scatter per micro-batch into an accumulator of the shard's size
-  (where they run: ``param_gather``, ``grad_scatter``, :func:`_placed_gathers`).
-  Non-batch keyword arrays sharded over a data axis are all-gathered too.
-  The sharding of a non-batch argument is read from its type, so FSDP needs ``Explicit``
-  mesh axes; with ``Auto`` axes every non-batch argument is treated as replicated. Arrays
-  that ``fun`` closes over are replicated when typed with ``Auto`` axes; ``shard_map``
-  cannot close over arrays typed with ``Explicit`` axes, so those raise an error that says
-  to pass them as arguments.
+  Batch arguments (positional and keyword) are mapped over ``data_axis`` along their batch
+  axes. Other array arguments are mapped with their own sharding over the data axes, read
+  from their type (with ``Auto`` axes every one is treated as replicated); those sharded
+  over a data axis (FSDP / ZeRO-3) are all-gathered, a parameter's gradient reduce-scattered
+  (:func:`_placed_gathers`). Arrays that ``fun`` closes over are replicated when typed
+  with ``Auto`` axes; ``shard_map`` cannot close over arrays typed with ``Explicit`` axes,
+  so those raise an error that says to pass them as arguments.
 
   Returns:
     ``(value, extra, grads, info)`` as the core's ``finalize`` returns them, reduced over
@@ -88,20 +68,18 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   placed = _place(opts, roles, mesh, args, kwargs, batch_axes)
   grad_axes, grad_specs = _gradient_layout(opts, roles, placed)
   scatters = _check_placement(opts, roles, placed)
-  # A traced count enters as a replicated input: shard_map cannot close over a tracer
-  # typed with Explicit mesh axes.
+  # A traced count enters as a replicated input (None: no leaves): shard_map cannot close
+  # over a tracer typed with Explicit mesh axes.
   act = None if active is None else _transform.check_active(active, n)
-  arrays, in_specs = list(placed.arrays), list(placed.in_specs)
-  if act is not None:
-    arrays.append(act)
-    in_specs.append(PartitionSpec())
+  arrays = (*placed.arrays, act)
+  in_specs = (*placed.in_specs, PartitionSpec())
   local_opts = dataclasses.replace(opts, count=n, size=None, data_axis=None, mesh=None)
   reduce_is_sum = _reduce.sums_across_devices(opts.terms)
   meta: dict[str, Any] = {}
 
   def local(*local_arrays):
-    local_act = local_arrays[-1] if act is not None else None
-    largs, lkwargs = placed.unflatten(local_arrays[:len(placed.arrays)], len(args))
+    *leaves, local_act = local_arrays
+    largs, lkwargs = placed.unflatten(leaves, len(args))
     for j in (*roles.diff, *roles.state):
       largs[j] = _sharding._vary(largs[j], axes)
     # After _vary: a parameter gathered before the loop must vary over every data axis, or
@@ -133,7 +111,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
                PartitionSpec())
   # Under jit so that a call outside jit runs one program instead of shard_map's
   # op-by-op interpretation (seconds for every call).
-  mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+  mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs,
                                  out_specs=out_specs, axis_names=frozenset(axes)))
   try:
     value, kept, rows, grads, info = mapped(*arrays)
@@ -190,8 +168,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
     is_batch = key in roles.batch or key in roles.batch_names
     label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
     kind = ("state argument" if key in roles.state else
-            "PRNG key argument" if key in roles.rng else None) if isinstance(key, int) else (
-                "PRNG key argument" if key in roles.rng_names else None)
+            "PRNG key argument" if key in (*roles.rng, *roles.rng_names) else None)
     along = jax.tree.leaves(batch_axes[key]) if is_batch else None
     for k, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(value)):
       if not _sharding._is_array(x):
@@ -203,7 +180,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
                                        is_batch, kind, a)
       if is_batch and explicit_data and all_manual and lead != axes:
         # A fully manual, Explicit shard_map needs its input typed as it maps it.
-        entries = [*(tuple(have) if have is not None else ())]
+        entries = list(have or ())
         entries += [None] * (x.ndim - len(entries))
         entries[a] = axes
         full = PartitionSpec(*entries)
