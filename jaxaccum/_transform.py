@@ -298,21 +298,19 @@ def _check_inexact(opts: Options, argnum: int, tree: PyTree) -> None:
 def _check_state(opts: Options, positions: tuple[int, ...], state_in: tuple,
                  new_state: Any) -> tuple:
   """Checks that fun returned state shaped like its state arguments; returns it as a tuple."""
-  got = tuple(new_state) if opts.state_is_tuple and isinstance(new_state, (tuple, list)) \
-      else (new_state,)
   if opts.state_is_tuple and (not isinstance(new_state, (tuple, list))
                               or len(new_state) != len(state_in)):
     raise TypeError(
         f"state_argnums={opts.state_argnums} is a tuple, so fun must return the new states "
         f"as a tuple of {len(state_in)}, got {_describe(new_state)}.")
+  got = tuple(new_state) if opts.state_is_tuple else (new_state,)
   out = []
   for j, old, new in zip(positions, state_in, got, strict=True):
     s_old, s_new = jax.tree.structure(old), jax.tree.structure(new)
     if s_old != s_new:
       # A FrozenDict passed in comes back as a plain dict from Linen's apply: same leaves.
       if [p for p, _ in jax.tree_util.tree_leaves_with_path(old)] == \
-          [p for p, _ in jax.tree_util.tree_leaves_with_path(new)] and \
-          s_old.num_leaves == s_new.num_leaves:
+          [p for p, _ in jax.tree_util.tree_leaves_with_path(new)]:
         new = jax.tree.unflatten(s_old, jax.tree.leaves(new))
       else:
         raise TypeError(
@@ -439,8 +437,9 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
         cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
                     for h, o in enumerate(objectives))
         grads.append(vjp(cot))
-    new_state = _check_state(opts, roles.state, state, new_state) if roles.state else state
-    return Micro(nums, dens, new_state, aux, tuple(grads))
+    if roles.state:
+      state = _check_state(opts, roles.state, state, new_state)
+    return Micro(nums, dens, state, aux, tuple(grads))
 
   whole, own = [], []
   for key, tree in [*enumerate(args), *kwargs.items()]:
@@ -802,7 +801,9 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
 def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, shapes: Micro,
              kinds: PyTree, *, kept_static: int | None):
   """Divides what the scan summed and builds ``(value, extra, grads, info)``."""
-  kept = carry.stats.kept if kept_static is None else jnp.asarray(kept_static, jnp.int32)
+  kept = carry.stats.kept
+  if kept_static is not None:
+    kept = jnp.asarray(kept_static, jnp.int32)
 
   values = []
   for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
