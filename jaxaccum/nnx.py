@@ -335,10 +335,7 @@ def _check_layout(fun: Any, options: dict[str, Any], batch_argnums: Any, batch_a
   for name, why in _RESERVED.items():
     if name in options:
       raise TypeError(f"jaxaccum.nnx.{where} takes no {name}= option: {why}.")
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
-        f"{type(fun).__name__}.")
+  _api.check_callable(fun, "fun(model, batch, ...)")
   if batch_argnums is None:
     batch_argnums = _options.BATCH_ARGNUMS
   # As in the core: with batch_argnames, the default batch argument 1 applies when passed.
@@ -667,17 +664,13 @@ def evaluate(
   """:func:`jaxaccum.evaluate` for an NNX model: ``fun(model, batch, ...)``, forward only.
 
   The forward-only counterpart of :func:`value_and_grad`, with its argument layout and its
-  state rules: ``fun`` runs on one micro-batch at a time inside one ``lax.scan``, with the
-  model's ``nnx.Param`` variables passed to every micro-batch as they are and its other
-  variables (BatchNorm statistics, ``nnx.Rngs`` counters, any ``Variable`` that ``fun``
-  writes, a ``Param`` included) threaded from micro-batch ``i`` into micro-batch ``i + 1``
-  and written back to the model in place after the call, as are those of the NNX objects
-  in the other arguments. The value (and aux) is reduced over the micro-batches as
-  :func:`jaxaccum.evaluate` reduces it, so for a model in eval mode (``nnx.Dropout``
-  deterministic, ``nnx.BatchNorm(use_running_average=True)``, or after ``model.eval()``)
-  the result is ``fun`` on the full batch; ``aux_reduce="concat"`` gives per-example rows
-  in batch order. In train mode each micro-batch draws its own dropout masks and
-  normalises with its own batch statistics, as in :func:`value_and_grad`.
+  state rules, in one ``lax.scan``: the model's ``nnx.Param`` variables are passed to every
+  micro-batch as they are; its other variables (and any ``Variable`` that ``fun`` writes, a
+  ``Param`` included), and those of the NNX objects in the other arguments, are threaded
+  from micro-batch ``i`` into ``i + 1`` and written back in place. The value (and aux) is
+  reduced as :func:`jaxaccum.evaluate` reduces it, so for a model in eval mode (after
+  ``model.eval()``) the result is ``fun`` on the full batch; in train mode each micro-batch
+  draws its own dropout masks and normalises with its own batch statistics.
 
   Args:
     fun: ``fun(model, batch, ...)``, returning a value as ``reduce`` says, or ``(value,
