@@ -372,6 +372,13 @@ class Evaluate(_Transform):
     return (value, extra) if self.options.has_extra else value
 
 
+def check_callable(fun: Any, signature: str) -> None:
+  """An adapter's ``fun`` must be callable, as ``signature`` says (``fun(model, batch, ...)``)."""
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be a callable {signature}, got {fun!r} of type {type(fun).__name__}.")
+
+
 def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
   """An adapter's ``evaluate`` given an option about gradients (one that
   :func:`value_and_grad` has and :func:`evaluate` has not) gets a ``TypeError`` naming it

@@ -24,8 +24,6 @@ from jax.sharding import PartitionSpec
 from jaxaccum import _api, _sharding, _split
 from jaxaccum._types import ArgNums
 
-_REDUCES = ("mean", "sum")
-
 
 def local_value_and_grad(
     fun: Callable[..., Any],
@@ -107,7 +105,7 @@ def local_value_and_grad(
         "local_value_and_grad needs data_axis, the mesh axis name (or names) the batch is "
         "sharded over; for a gradient reduced over the devices use jaxaccum.value_and_grad.")
   mesh = _sharding.check_mesh(mesh, axes)
-  if reduce not in _REDUCES:
+  if reduce not in ("mean", "sum"):
     raise ValueError(
         f"reduce must be 'mean' or 'sum' for local_value_and_grad (what fun returns over its "
         f"rows), got reduce={reduce!r}. A token mean needs the total count over every shard, "
@@ -160,9 +158,8 @@ def local_value_and_grad(
       aux = jax.tree.map(lambda x: _sharding._vary(x, axes)[None], aux)
       return ((value, aux) if has_aux else value), grads
 
-    out_specs = PartitionSpec(axes)
-    mapped = jax.shard_map(per_shard, mesh=m, in_specs=tuple(in_specs), out_specs=out_specs,
-                           axis_names=frozenset(axes))
+    mapped = jax.shard_map(per_shard, mesh=m, in_specs=tuple(in_specs),
+                           out_specs=PartitionSpec(axes), axis_names=frozenset(axes))
     return mapped(*arrays)
 
   local_fn.__doc__ = fun.__doc__

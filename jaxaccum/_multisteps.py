@@ -1,20 +1,14 @@
 """``jaxaccum.MultiSteps``: accumulate gradients across calls, with token weighting.
 
-A drop-in replacement for :class:`optax.MultiSteps` (same constructor, methods and state
-field names) whose ``update`` also takes ``weight=``: the number of items (e.g. real
-tokens) that the micro-batch's mean loss was taken over. The emitted gradient is then
-``sum_i(weight_i * g_i) / sum_i(weight_i)``, the exact gradient of the token mean over the
-whole window, however unevenly the tokens fall across micro-batches.
+A drop-in replacement for :class:`optax.MultiSteps` whose ``update`` also takes ``weight=``
+(see :class:`MultiSteps`).
 
 How a window's mode is tracked: whether a call is weighted is a trace-time property of
 that call (``weight`` given or not), but which calls share a window depends on the
 run-time counter ``mini_step``. The state therefore records the mode of the open window
-(``MultiStepsState.weighted``), and each call compares it with its own mode. Like the
-other checks on run-time values (a negative weight, a schedule returning ``k < 1``),
-this runs inside the compiled step: a :func:`jax.lax.cond` that, only when the check
-fails, calls :func:`jax.debug.callback` to raise a ``ValueError``, which surfaces as a
-:class:`jax.errors.JaxRuntimeError` carrying the message. Everything that is known at
-trace time (shapes, dtypes, Python values) raises a ``ValueError``/``TypeError`` at once.
+(``MultiStepsState.weighted``), and each call compares it with its own mode inside the
+compiled step (:func:`_fail`), like the other checks on run-time values (a negative
+weight, a schedule returning ``k < 1``).
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ from jax import lax
 from jaxaccum import _info, _reduce, _sharding, _split, _stats
 from jaxaccum._types import PyTree
 
-# The empty AccumInfo's leaves: numpy scalars stand in for the arrays (jax.Array in
-# AccumInfo's fields) so that importing jaxaccum does not start a JAX backend.
+# The defaults' leaves below (the empty AccumInfo's too, jax.Array in its fields) are numpy
+# scalars, so that importing jaxaccum does not start a JAX backend.
 _I0 = cast(jax.Array, np.int32(0))
 _F0 = cast(jax.Array, np.float32(0))
 
@@ -77,7 +71,6 @@ class MultiStepsState(NamedTuple):
   inner_opt_state: Any
   acc_grads: Any
   skip_state: Any = ()
-  # numpy scalars, so that importing jaxaccum does not start a JAX backend.
   acc_weight: Any = np.float32(0)
   weighted: Any = np.bool_(False)
   skipped: Any = np.int32(0)
@@ -90,7 +83,7 @@ class MultiStepsState(NamedTuple):
       batch_grad_sq_norm=_F0, num_samples=_I0, skipped=_I0)
 
 
-def _fail(pred: jax.Array, message: str, *values: Any) -> None:
+def _fail(pred: jax.typing.ArrayLike, message: str, *values: Any) -> None:
   """Raises ``ValueError(message.format(*values))`` when ``pred`` holds, even under jit.
 
   A concrete ``pred`` raises now. A traced one adds a :func:`jax.lax.cond` whose taken
@@ -140,17 +133,14 @@ def _check_weight(weight: Any, dtype: Any, *, allow_nonfinite: bool = False) -> 
   if not (jnp.issubdtype(dtype_in, jnp.integer) or jnp.issubdtype(dtype_in, jnp.floating)):
     raise TypeError(
         f"weight must have an integer or floating dtype, {what}; got {_split.describe(weight)}.")
+  negative = ("weight must be non-negative (" + what + "), got weight={}. Pass the count of "
+              "real items, 0 for a micro-batch that has none.")
   if concrete is not None:
-    if not concrete >= 0 and not (allow_nonfinite and not np.isfinite(concrete)):
-      raise ValueError(
-          f"weight must be non-negative ({what}), got weight={concrete}. Pass the count of "
-          "real items, 0 for a micro-batch that has none.")
+    _fail(not concrete >= 0 and not (allow_nonfinite and not np.isfinite(concrete)), negative,
+          concrete)
     return jnp.asarray(concrete, dtype)
   w = weight.astype(dtype)
-  bad = (w < 0) & jnp.isfinite(w) if allow_nonfinite else ~(w >= 0)
-  _fail(bad,
-        "weight must be non-negative (" + what + "), got weight={}. Pass the count of "
-        "real items, 0 for a micro-batch that has none.", w)
+  _fail((w < 0) & jnp.isfinite(w) if allow_nonfinite else ~(w >= 0), negative, w)
   return w
 
 
@@ -300,24 +290,19 @@ class MultiSteps:
           f"opt must be an optax.GradientTransformation (with init and update), got "
           f"{_split.describe(opt)}.")
     self._opt = optax.with_extra_args_support(opt)
+    want = ("every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
+            "function of the optimizer step returning one, got every_k_schedule=")
     if isinstance(every_k_schedule, numbers.Integral) and not isinstance(
         every_k_schedule, (bool, np.bool_)):
       if every_k_schedule < 1:
-        raise ValueError(
-            "every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
-            f"function of the optimizer step returning one, got every_k_schedule="
-            f"{every_k_schedule}. Use 1 to update on every call."
-        )
+        raise ValueError(f"{want}{every_k_schedule}. Use 1 to update on every call.")
       k = int(every_k_schedule)
       self._every_k_schedule = lambda step: k
     elif callable(every_k_schedule):
       self._every_k_schedule = every_k_schedule
     else:
       raise TypeError(
-          "every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
-          "function of the optimizer step returning one, got "
-          f"every_k_schedule={every_k_schedule!r} of type {type(every_k_schedule).__name__}."
-      )
+          f"{want}{every_k_schedule!r} of type {type(every_k_schedule).__name__}.")
     if not isinstance(use_grad_mean, (bool, np.bool_)):
       raise TypeError(f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}.")
     self._use_grad_mean = bool(use_grad_mean)
@@ -607,17 +592,12 @@ class MultiSteps:
 
   # --- data_axis: per-device gradient pieces, summed once per window ---------------------
 
-  def _shards(self) -> tuple[Any, int]:
-    """The mesh holding ``data_axis`` and its number ``D`` of data shards."""
+  def _shard_zeros(self, params: optax.Params) -> Any:
+    """The accumulator of per-device pieces: zeros of shape ``(D, *p.shape)`` per leaf, for
+    the ``D`` data shards, the leading axis sharded over ``data_axis``."""
     assert self._data_axis is not None
     mesh = _sharding._resolve_mesh(self._mesh, self._data_axis)
-    return mesh, int(np.prod([mesh.shape[a] for a in self._data_axis]))
-
-  def _shard_zeros(self, params: optax.Params) -> Any:
-    """The accumulator of per-device pieces: zeros of shape ``(D, *p.shape)`` per leaf,
-    the leading axis sharded over ``data_axis``."""
-    assert self._data_axis is not None
-    mesh, shards = self._shards()
+    shards = int(np.prod([mesh.shape[a] for a in self._data_axis]))
     zeros = jax.tree.map(lambda p: jnp.zeros(
         (shards, *jnp.shape(p)), self._accumulator_dtype or jnp.result_type(p)), params)
     spec = jax.sharding.PartitionSpec(self._data_axis)

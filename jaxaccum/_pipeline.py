@@ -193,11 +193,10 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
     return stage_fn(jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, rnd, keepdims=False),
                                  local), x)
 
-  fn: Callable[..., Any]  # (params, x) for one round, (params, round, x) for several
-  if r == 1:
-    fn = jax.checkpoint(stage_fn) if remat else stage_fn
-  else:
-    fn = jax.checkpoint(chunk_fn) if remat else chunk_fn
+  # (params, x) for one round, (params, round, x) for several
+  fn: Callable[..., Any] = stage_fn if r == 1 else chunk_fn
+  if remat:
+    fn = jax.checkpoint(fn)
   period = max(m, s) if r > 1 else m
   ticks = (r - 1) * period + m + s - 1
   # One round: an open chain; several: a ring, the last stage feeding the first.
@@ -205,10 +204,8 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
 
   def body(p_leaves, micro):
     stage = lax.axis_index(axis)
-    if r == 1:
-      local = [p[0] for p in p_leaves]  # this stage's slice
-    else:
-      local = [p[:, 0] for p in p_leaves]  # this stage's R chunks
+    # This stage's slice (with repeats, its R chunks).
+    local = [p[0] if r == 1 else p[:, 0] for p in p_leaves]
     # Marked stage-varying here, once: the transpose (a psum of their cotangent over the
     # stage axis) then runs once after the backward loop, not at every tick.
     micro = tuple(_sharding._vary(micro, (axis,)))
@@ -241,11 +238,8 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
       own = ~busy | ((stage == 0) & (u < period))
       inp = [jnp.where(own, a, b) for a, b in zip(fresh, received, strict=True)]
       x_in = jax.tree.unflatten(x_def, inp)
-      if r == 1:
-        out = fn(jax.tree.unflatten(p_def, local), x_in)
-      else:
-        out = fn(jax.tree.unflatten(p_def, local), rnd, x_in)
-      out = jax.tree.leaves(out)
+      rnd_x = (x_in,) if r == 1 else (rnd, x_in)
+      out = jax.tree.leaves(fn(jax.tree.unflatten(p_def, local), *rnd_x))
       nxt = tuple(lax.ppermute(y, axis, perm) for y in out) if perm else tuple(out)
       return (nxt, buffer), tuple(out)
 

@@ -8,11 +8,8 @@ the first argument of ``fun`` (usually an ``eqx.Module``) is split with
 ``eqx.partition(model, eqx.is_inexact_array)``; its floating and complex array leaves are
 differentiated and everything else in it (activation functions, integer arrays, Python
 values) is held static. The rest is :func:`jaxaccum.value_and_grad`, built once when the
-transform is built: argument 1 is the batch by default, and the core's options are passed
-to it unchanged (``state_argnums`` for an ``eqx.nn.State``, ``rng_argnums`` or
-``rng_argnames="key"`` for a key). Gradients come back shaped like the model, with ``None``
-where a leaf is not differentiated, as equinox returns them. :func:`filter_evaluate` is the
-forward-only counterpart, on :func:`jaxaccum.evaluate`.
+transform is built, with its options. :func:`filter_evaluate` is the forward-only
+counterpart, on :func:`jaxaccum.evaluate`.
 """
 
 from __future__ import annotations
@@ -85,7 +82,7 @@ def filter_value_and_grad(
         "jaxaccum.eqx.filter_value_and_grad takes no argnums= option: as in equinox, the "
         "inexact arrays of the first argument are differentiated. Put everything to "
         "differentiate in the first argument, e.g. fun((model, extra), batch).")
-  _check_callable(fun)
+  _api.check_callable(fun, "fun(model, batch, ...)")
   return _ValueAndGradWrapper(fun, has_aux, options)
 
 
@@ -105,8 +102,7 @@ class _Wrapper:
 
   def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
     functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
-    self.fun = fun
-    self.has_aux = has_aux
+    self.fun, self.has_aux = fun, has_aux
     self.check_state = not options.get("state_argnums")
     self.core = self._core(fun, has_aux, options)
 
@@ -178,9 +174,8 @@ def filter_grad(
   """Like :func:`equinox.filter_grad`, accumulated over micro-batches.
 
   Arguments and options as :func:`filter_value_and_grad`. Returns a function giving
-  ``grads``, or
-  ``(grads, aux)`` with ``has_aux=True`` (or ``state_argnums``); with ``with_info=True`` it
-  gives ``(grads_part, info)`` as :func:`jaxaccum.grad` does.
+  ``grads``, or ``(grads, aux)`` with ``has_aux=True`` (or ``state_argnums``); with
+  ``with_info=True`` it gives ``(grads_part, info)`` as :func:`jaxaccum.grad` does.
 
   >>> import equinox as eqx, jax, jax.numpy as jnp
   >>> import jaxaccum
@@ -196,7 +191,7 @@ def filter_grad(
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
   return _api.Grad(vg, has_extra=has_aux or bool(options.get("state_argnums")),
-                            with_info=options.get("with_info", False))
+                   with_info=options.get("with_info", False))
 
 
 def filter_evaluate(
@@ -242,12 +237,5 @@ def filter_evaluate(
     return functools.partial(filter_evaluate, has_aux=has_aux, **options)
   _api.refuse_gradient_options("jaxaccum.eqx.filter_evaluate", options,
                                 "jaxaccum.eqx.filter_value_and_grad")
-  _check_callable(fun)
+  _api.check_callable(fun, "fun(model, batch, ...)")
   return _EvaluateWrapper(fun, has_aux, options)
-
-
-def _check_callable(fun: Any) -> None:
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
-        f"{type(fun).__name__}.")

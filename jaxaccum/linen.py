@@ -8,17 +8,13 @@ wraps it into a whole ``flax.training.train_state.TrainState`` step (with ``axis
 under ``jax.pmap``), and :func:`apply_gradients` drives a ``TrainState`` whose optimizer is
 a :class:`jaxaccum.MultiSteps`, passing ``weight=`` and counting optimizer steps.
 
-* ``model_state`` is a dict (or ``FrozenDict``) of the mutable collections, e.g.
-  ``{"batch_stats": ...}``. Micro-batch ``i + 1`` sees the collections left by micro-batch
-  ``i``; the final ones are returned in the containers passed in.
-* ``rngs`` is a dict of PRNG keys, e.g. ``{"dropout": key}``, as ``apply(..., rngs=...)``
-  takes it. Micro-batch ``i`` receives ``jax.random.fold_in(key, i)`` for each key, so every
-  micro-batch draws its own dropout mask; pass a new key each step (e.g.
-  ``jax.random.fold_in(key, state.step)``) so that steps differ too.
-* BatchNorm in training mode normalises each micro-batch with its own statistics (a "ghost
-  batch" of the micro-batch size) and updates ``batch_stats`` once per micro-batch, in
-  micro-batch order (micro-batch ``i`` holds rows ``i, i + N, ...``). Its gradients differ
-  from one full-batch step; LayerNorm and GroupNorm give exactly the full-batch result.
+``model_state`` (the mutable collections, e.g. ``{"batch_stats": ...}``) is threaded from
+micro-batch ``i`` into ``i + 1``, and each key of ``rngs`` (e.g. ``{"dropout": key}``) is
+folded with the micro-batch index, so every micro-batch draws its own dropout mask; pass a
+new key each step (e.g. ``jax.random.fold_in(key, state.step)``) so that steps differ too.
+BatchNorm in training mode normalises each micro-batch with its own statistics (a "ghost
+batch"), so its gradients differ from one full-batch step; LayerNorm and GroupNorm give
+exactly the full-batch result.
 
 This module does not import flax itself: it works on any ``TrainState``-like object.
 """
@@ -43,10 +39,7 @@ __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
 
 def _check_fun(fun: Any) -> None:
-  if not callable(fun):
-    raise TypeError(
-        "fun must be a callable fun(params, batch, model_state, rngs), got "
-        f"{fun!r} of type {type(fun).__name__}.")
+  _api.check_callable(fun, "fun(params, batch, model_state, rngs)")
   found = _split.short_signature(fun, 4)
   if found:
     raise TypeError(
@@ -56,7 +49,15 @@ def _check_fun(fun: Any) -> None:
         "BatchNorm) and rngs the dict of PRNG keys (e.g. {'dropout': key}, or {}).")
 
 
-_RESERVED = ("argnums", "state_argnums", "rng_argnums")
+def _refuse_layout_options(where: str, options: dict[str, Any], roles: str) -> None:
+  """The layout fixes ``argnums``, ``state_argnums`` and ``rng_argnums``; ``roles`` says
+  what it does with the parameters, in messages."""
+  for name in ("argnums", "state_argnums", "rng_argnums"):
+    if name in options:
+      raise TypeError(
+          f"jaxaccum.linen.{where} takes no {name}= option: the argument layout is fixed, "
+          f"fun(params, batch, model_state, rngs, ...), with {roles}model_state threaded "
+          "and the keys of rngs folded per micro-batch.")
 
 
 def _like(template: Any, new: Any) -> Any:
@@ -161,18 +162,11 @@ def value_and_grad(
   >>> sorted(new_state), sorted(grads)
   (['batch_stats'], ['BatchNorm_0', 'Dense_0', 'Dense_1'])
   """
-  for name in _RESERVED:
-    if name in options:
-      raise TypeError(
-          f"jaxaccum.linen.value_and_grad takes no {name}= option: the argument layout is "
-          "fixed, fun(params, batch, model_state, rngs, ...), with params differentiated, "
-          "model_state threaded and the keys of rngs folded per micro-batch.")
+  _refuse_layout_options("value_and_grad", options, "params differentiated, ")
   _check_fun(fun)
-  core = _api.value_and_grad(
+  return _api.value_and_grad(
       _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
       rng_argnums=3, has_aux=has_aux, **options)
-
-  return core
 
 
 def evaluate(
@@ -206,12 +200,7 @@ def evaluate(
   >>> bool(jnp.allclose(loss, eval_fn(params, x, {}, {})[0]))
   True
   """
-  for name in _RESERVED:
-    if name in options:
-      raise TypeError(
-          f"jaxaccum.linen.evaluate takes no {name}= option: the argument layout is fixed, "
-          "fun(params, batch, model_state, rngs, ...), with model_state threaded and the "
-          "keys of rngs folded per micro-batch.")
+  _refuse_layout_options("evaluate", options, "")
   _api.refuse_gradient_options("jaxaccum.linen.evaluate", options,
                                "jaxaccum.linen.value_and_grad")
   _check_fun(fun)
@@ -239,17 +228,15 @@ def make_train_step(
 
   Under :func:`jax.pmap` or :func:`jax.shard_map` each replica accumulates its own rows.
   With ``axis_name`` set, the replicas' accumulators are combined over that axis once per
-  step, after the micro-batch loop, by the rules of ``data_axis`` (see the devices guide),
-  the replicas playing the data shards: means divide by the micro-batches kept on all
-  replicas (``skip_nonfinite`` skips per micro-batch, so a replica that kept fewer weighs
-  less, and one that kept none adds nothing), ``"weighted"`` divides by the total
-  denominator, ``"sum"`` sums; aux leaves as their ``aux_reduce`` says (``"concat"`` rows
-  stay on their replica); the collections' floating leaves (``batch_stats``) are averaged
-  and integer leaves take the maximum; the :class:`jaxaccum.AccumInfo` counts every
-  replica's micro-batches. Every replica then applies the same update and the replicas stay
-  identical. PRNG keys are used as passed (fold in ``jax.lax.axis_index`` for masks that
-  differ across replicas). Without ``axis_name`` nothing is exchanged: under ``pmap`` each
-  replica applies the gradient of its own rows only, and the replicas drift apart.
+  step, after the micro-batch loop, by the rules of ``data_axis`` ("What data_axis
+  computes" in the devices guide), the replicas playing the data shards: the loss,
+  gradients, aux (but ``"concat"`` rows stay on their replica), collections
+  (``batch_stats``: floating leaves averaged, integer leaves the maximum) and
+  :class:`jaxaccum.AccumInfo` are reduced as there, so every replica applies the same
+  update and the replicas stay identical. PRNG keys are used as passed (fold in
+  ``jax.lax.axis_index`` for masks that differ across replicas). Without ``axis_name``
+  nothing is exchanged: under ``pmap`` each replica applies the gradient of its own rows
+  only, and the replicas drift apart.
 
   Args:
     fun: the loss, ``fun(params, batch, model_state, rngs)``.

@@ -16,18 +16,11 @@ and run on top of :func:`jaxaccum.value_and_grad`, built once when the transform
 3. the NNX objects are updated in place with ``nnx.update`` and the gradients come back as
    the ``wrt`` state, ready for ``nnx.Optimizer(model, tx, wrt=...).update(model, grads)``.
 
-What this means for common layers:
-
-* **Dropout** (and anything drawing from an ``nnx.Rngs`` stream) draws a fresh mask for
-  every micro-batch, because the stream's counter advances inside the scan; after the step
-  the stream has advanced by the number of draws of all micro-batches, so the next step
-  draws new masks again. The same seed gives the same result.
-* **BatchNorm** in training mode normalises each micro-batch with that micro-batch's own
-  statistics (a "ghost batch" of the micro-batch size) and updates its running averages
-  once per micro-batch, in micro-batch order (micro-batch ``i`` holds rows
-  ``i, i + N, i + 2N, ...``). Its loss and gradients therefore differ from one full-batch
-  step; in eval mode (``use_running_average=True``), and for LayerNorm, GroupNorm and
-  RMSNorm, which act per example, the result is exactly the full batch's.
+So **Dropout** (any ``nnx.Rngs`` stream) draws a fresh mask per micro-batch, and
+**BatchNorm** in training mode normalises each micro-batch with its own statistics (a
+"ghost batch") and updates its running averages once per micro-batch: its result differs
+from one full-batch step (in eval mode, and for LayerNorm, GroupNorm and RMSNorm, it is the
+full batch's). See "State: BatchNorm, Dropout, nnx.Rngs, nested objects" in the Flax guide.
 """
 
 from __future__ import annotations
@@ -68,8 +61,7 @@ def _param_names(fun: Any) -> list[str]:
     params = inspect.signature(fun).parameters.values()
   except (TypeError, ValueError):
     return []
-  return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+  return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _ordinal(j: int) -> str:
@@ -81,30 +73,21 @@ def _arg_label(names: list[str], j: int) -> str:
   return names[j] if j < len(names) else f"args[{j}]"
 
 
-def _attr_path(path: Sequence[Any]) -> str:
-  """``('block', 0, 'ema')`` as ``.block[0].ema``."""
-  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
-
-
-def _inner_signature(fun: Any) -> inspect.Signature | None:
-  """``fun``'s signature with the threaded variables added after its positional parameters.
+def _inner_signature(fun: Any, positional: list[str]) -> inspect.Signature | None:
+  """``fun``'s signature with the threaded variables added after its ``positional``
+  parameters (:func:`_param_names`).
 
   The core names arguments in its messages by position and by the parameter names of the
   function it transforms; the threaded variables are passed last, so both stay ``fun``'s
   (``argument 1 ('batch')``).
   """
-  try:
-    sig = inspect.signature(fun)
-  except (TypeError, ValueError):
+  if not positional:  # none, or an unreadable signature
     return None
+  sig = inspect.signature(fun)
   params = list(sig.parameters.values())
-  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-  k = sum(p.kind in positional for p in params)
-  if k == 0:
-    return None
-  names = {p.name for p in params}
+  k = len(positional)
   extra = "nnx_variables"
-  while extra in names:
+  while extra in sig.parameters:
     extra += "_"
   threaded = inspect.Parameter(extra, params[k - 1].kind)
   try:
@@ -131,15 +114,17 @@ class _Hole:
 _HOLE = _Hole()
 
 
-def _strip(tree: Any, first: int) -> tuple[Any, _Slots | None, list[Any]]:
-  """Replaces the NNX objects in ``tree`` by holes; returns what :func:`_fill` needs."""
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_node)
-  index = tuple(k for k, x in enumerate(leaves) if _is_node(x))
+def _strip(tree: Any, first: int, name: str) -> tuple[Any, _Slots | None, list[Any], list[str]]:
+  """Replaces the NNX objects in ``tree`` by holes; returns what :func:`_fill` needs, the
+  objects and a label for each (``name`` and its path, e.g. ``extra['teacher']``)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
+  index = tuple(k for k, (_, x) in enumerate(flat) if _is_node(x))
   if not index:
-    return tree, None, []
-  nodes = [leaves[k] for k in index]
-  leaves = [_HOLE if k in index else x for k, x in enumerate(leaves)]
-  return jax.tree.unflatten(treedef, leaves), _Slots(treedef, index, first), nodes
+    return tree, None, [], []
+  nodes = [flat[k][1] for k in index]
+  labels = [name + jax.tree_util.keystr(flat[k][0]) for k in index]
+  leaves = [_HOLE if k in index else x for k, (_, x) in enumerate(flat)]
+  return jax.tree.unflatten(treedef, leaves), _Slots(treedef, index, first), nodes, labels
 
 
 def _fill(stripped: Any, slots: _Slots | None, nodes: Sequence[Any]) -> Any:
@@ -175,14 +160,15 @@ class _Call(NamedTuple):
 
   graphdef: Any
   old: dict[tuple, Any]  # path -> Variable, of every split variable, for the checks
-  arg_slots: dict[int, _Slots]  # core positional index -> slots
-  kw_slots: dict[str, _Slots]
+  slots: dict[int | str, _Slots]  # positional index or keyword name -> slots
   labels: tuple[str, ...]  # a name for each threaded node, for messages
   written: set[int]  # leaves of the wrt state that fun wrote (filled while tracing)
 
 
 def _node_path(labels: Sequence[str], path: Sequence[Any]) -> str:
-  return str(labels[path[0]]) + _attr_path(path[1:])
+  """``(1, 'block', 0, 'ema')`` as ``extra['teacher'].block[0].ema`` (node 1's label)."""
+  attrs = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path[1:])
+  return str(labels[path[0]]) + attrs
 
 
 def _check_variables(call: _Call, new_graphdef: Any, *new_states: Any) -> None:
@@ -257,13 +243,11 @@ def value_and_grad(
   :func:`flax.nnx.jit`; ``fun`` is traced a constant number of times, whatever ``N`` is,
   and a second step with the same shapes does not retrace.
 
-  Which arguments are split: the positional arguments named by ``batch_argnums`` (by
-  default argument 1, the one after the model) and the keyword arguments named by
-  ``batch_argnames``. Every NNX object in the other arguments, at any depth (an
-  ``nnx.Rngs`` passed at call time, ``extra["teacher"]``, a module passed by keyword), is
-  threaded through the micro-batches like the model's own non-``wrt`` state and updated in
-  place; its variables are not differentiated. Other arguments are passed unchanged to
-  every micro-batch, except PRNG keys named by ``rng_argnums``.
+  Every NNX object in the arguments that are not split, at any depth (an ``nnx.Rngs``
+  passed at call time, ``extra["teacher"]``, a module passed by keyword), is threaded
+  through the micro-batches like the model's own non-``wrt`` state and updated in place;
+  its variables are not differentiated. Other arguments are passed unchanged to every
+  micro-batch, except PRNG keys named by ``rng_argnums``.
 
   Args:
     fun: the loss, ``fun(model, batch, ...)``. It returns what ``reduce`` asks for, or
@@ -351,10 +335,7 @@ def _check_layout(fun: Any, options: dict[str, Any], batch_argnums: Any, batch_a
   for name, why in _RESERVED.items():
     if name in options:
       raise TypeError(f"jaxaccum.nnx.{where} takes no {name}= option: {why}.")
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable fun(model, batch, ...), got {fun!r} of type "
-        f"{type(fun).__name__}.")
+  _api.check_callable(fun, "fun(model, batch, ...)")
   if batch_argnums is None:
     batch_argnums = _options.BATCH_ARGNUMS
   # As in the core: with batch_argnames, the default batch argument 1 applies when passed.
@@ -418,8 +399,7 @@ class _Threaded(NamedTuple):
   labels: tuple[str, ...]
   args: tuple[Any, ...]  # the positional arguments after the model
   kwargs: dict[str, Any]
-  arg_slots: dict[int, _Slots]
-  kw_slots: dict[str, _Slots]
+  slots: dict[int | str, _Slots]  # positional index or keyword name -> slots
 
 
 def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[int, ...]
@@ -427,29 +407,20 @@ def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[i
   """Takes every NNX object out of the arguments not in ``split`` (batch and key arguments)."""
   nodes: list[Any] = [args[0]]
   labels: list[str] = [_arg_label(layout.names, 0)]
-  core_args: list[Any] = []
-  arg_slots: dict[int, _Slots] = {}
-  for j, a in enumerate(args[1:], start=1):
-    if j in split:
-      core_args.append(a)
-      continue
-    stripped, slots, found = _strip(a, len(nodes))
-    core_args.append(stripped)
+  all_slots: dict[int | str, _Slots] = {}
+
+  def strip(tree: Any, key: int | str, name: str) -> Any:
+    stripped, slots, found, found_labels = _strip(tree, len(nodes), name)
     if slots is not None:
-      arg_slots[j] = slots
-      labels += _labels(_arg_label(layout.names, j), a)
-      nodes += found
-  core_kwargs: dict[str, Any] = {}
-  kw_slots: dict[str, _Slots] = {}
-  for name, v in kwargs.items():
-    stripped, slots, found = _strip(v, len(nodes))
-    core_kwargs[name] = stripped
-    if slots is not None:
-      kw_slots[name] = slots
-      labels += _labels(name, v)
-      nodes += found
-  return _Threaded(tuple(nodes), tuple(labels), tuple(core_args), core_kwargs, arg_slots,
-                   kw_slots)
+      all_slots[key] = slots
+      nodes.extend(found)
+      labels.extend(found_labels)
+    return stripped
+
+  core_args = tuple(a if j in split else strip(a, j, _arg_label(layout.names, j))
+                    for j, a in enumerate(args[1:], start=1))
+  core_kwargs = {name: strip(v, name, name) for name, v in kwargs.items()}
+  return _Threaded(tuple(nodes), tuple(labels), core_args, core_kwargs, all_slots)
 
 
 class _Wrapper:
@@ -474,7 +445,7 @@ class _Wrapper:
     self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
     self.wrt_pred = _wrt_predicate(wrt)
     self.core = self._core(fun, _core_options(self.layout, options, batch_argnames, has_aux))
-    self.signature = _inner_signature(fun)
+    self.signature = _inner_signature(fun, self.layout.names)
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
     raise NotImplementedError
@@ -497,7 +468,7 @@ class _Wrapper:
     graphdef, diff, rest = nnx.split(threaded.nodes, self.model_pred, ...)
     self._check_wrt(args[0], diff)
     old = {tuple(p): v for s in (diff, rest) for p, v in nnx.to_flat_state(s)}
-    call = _Call(graphdef, old, threaded.arg_slots, threaded.kw_slots, threaded.labels, set())
+    call = _Call(graphdef, old, threaded.slots, threaded.labels, set())
     core = self.core.with_fun(self._inner(call))
     out = core(diff, *threaded.args, (rest, diff), **threaded.kwargs)
     return self._write_back(call, threaded.nodes, out)
@@ -555,10 +526,9 @@ class _Wrapper:
     # The merged Variables are seen's own, and fun may write to them: note what they hold.
     given = [tuple(jax.tree.leaves(v)) for _, v in nnx.to_flat_state(seen)]
     nodes = nnx.merge(call.graphdef, seen, rest)
-    call_args = [nodes[0]] + [_fill(a, call.arg_slots.get(j), nodes)
+    call_args = [nodes[0]] + [_fill(a, call.slots.get(j), nodes)
                               for j, a in enumerate(args, start=1)]
-    call_kwargs = {name: _fill(v, call.kw_slots.get(name), nodes)
-                   for name, v in kwargs.items()}
+    call_kwargs = {name: _fill(v, call.slots.get(name), nodes) for name, v in kwargs.items()}
     out = self.fun(*call_args, **call_kwargs)
     if self.has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
@@ -658,15 +628,6 @@ def _raise_node_in_batch(args: tuple, j: int, role: str, default: bool, names: l
       f"fun(model, batch, ...), or drop the argument from {role}.")
 
 
-def _labels(name: str, tree: Any) -> list[str]:
-  """A name for each NNX object in ``tree``, e.g. ``extra['teacher']``."""
-  out = []
-  for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_node):
-    if _is_node(x):
-      out.append(name + jax.tree_util.keystr(path))
-  return out
-
-
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`flax.nnx.grad`, accumulated over micro-batches.
 
@@ -688,7 +649,7 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """
   vg = value_and_grad(fun, **options)
   return _api.Grad(vg, has_extra=options.get("has_aux", False),
-                            with_info=options.get("with_info", False))
+                   with_info=options.get("with_info", False))
 
 
 def evaluate(
@@ -703,17 +664,13 @@ def evaluate(
   """:func:`jaxaccum.evaluate` for an NNX model: ``fun(model, batch, ...)``, forward only.
 
   The forward-only counterpart of :func:`value_and_grad`, with its argument layout and its
-  state rules: ``fun`` runs on one micro-batch at a time inside one ``lax.scan``, with the
-  model's ``nnx.Param`` variables passed to every micro-batch as they are and its other
-  variables (BatchNorm statistics, ``nnx.Rngs`` counters, any ``Variable`` that ``fun``
-  writes, a ``Param`` included) threaded from micro-batch ``i`` into micro-batch ``i + 1``
-  and written back to the model in place after the call, as are those of the NNX objects
-  in the other arguments. The value (and aux) is reduced over the micro-batches as
-  :func:`jaxaccum.evaluate` reduces it, so for a model in eval mode (``nnx.Dropout``
-  deterministic, ``nnx.BatchNorm(use_running_average=True)``, or after ``model.eval()``)
-  the result is ``fun`` on the full batch; ``aux_reduce="concat"`` gives per-example rows
-  in batch order. In train mode each micro-batch draws its own dropout masks and
-  normalises with its own batch statistics, as in :func:`value_and_grad`.
+  state rules, in one ``lax.scan``: the model's ``nnx.Param`` variables are passed to every
+  micro-batch as they are; its other variables (and any ``Variable`` that ``fun`` writes, a
+  ``Param`` included), and those of the NNX objects in the other arguments, are threaded
+  from micro-batch ``i`` into ``i + 1`` and written back in place. The value (and aux) is
+  reduced as :func:`jaxaccum.evaluate` reduces it, so for a model in eval mode (after
+  ``model.eval()``) the result is ``fun`` on the full batch; in train mode each micro-batch
+  draws its own dropout masks and normalises with its own batch statistics.
 
   Args:
     fun: ``fun(model, batch, ...)``, returning a value as ``reduce`` says, or ``(value,
