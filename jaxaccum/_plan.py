@@ -9,14 +9,8 @@ the arguments may be :class:`jax.ShapeDtypeStruct` s, so planning allocates noth
 With ``target="h100"`` (or another described GPU) the programs are compiled for that GPU on a
 machine without one, see :mod:`jaxaccum._gpu_target`.
 
-The search: ``N = 1`` (the plain full-batch program, with no accumulator) is compiled first and
-chosen whenever it fits. Otherwise memory from ``N = 2`` on is expected to fall as ``N`` grows
-(each micro-batch holds fewer activations; the float32 accumulator is the same size for every
-``N > 1``), so a binary search over the other divisors follows: ``1 + ceil(log2(d))``
-compilations at most for ``d`` divisors, e.g. 5 for a batch of 4096 (13 divisors). Where the
-compiled figures show that memory does not fall with ``N`` (a larger count needing more than a
-smaller one), every count below the one found is compiled too, so the answer is still the
-fewest micro-batches that fit. ``search="all"`` compiles every divisor.
+The search (``N = 1`` first, then a binary search over the other divisors) is described in
+:func:`plan` and docs/planning.md.
 """
 
 from __future__ import annotations
@@ -214,11 +208,7 @@ def _check_budget(budget: Any) -> int | None:
 
 def _devices(args: tuple) -> list[Any]:
   """The devices the arguments live on (the default device when none says)."""
-  devices = set()
-  for leaf in jax.tree.leaves(args):
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is not None:
-      devices |= set(sharding.device_set)
+  devices = {d for sharding in _shardings(args) for d in sharding.device_set}
   return sorted(devices, key=lambda d: d.id) if devices else [jax.devices()[0]]
 
 
@@ -342,7 +332,7 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
   device = devices[0].device_kind + (" (described)" if target is not None else "")
   # A batch sharded over D devices (or split over D data shards by data_axis) only splits in
   # place into micro-batches of a multiple of D rows.
-  counts = _counts(size, max(shards, _batch_shards({j: args[j] for j in argnums})))
+  counts = _counts(size, max(shards, _batch_shards(batches)))
   trials: dict[int, _Trial] = {}
   expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
   progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
@@ -376,7 +366,7 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
   if found == len(counts):
     fits(len(counts) - 1)  # the most micro-batches allowed, for the error message
     raise _too_small(trials, size, counts[-1], budget, device, len(devices),
-                     described=target is not None, compiled=compiled)
+                     described=target is not None)
   n = counts[found]
   best = trials[n]
   return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=best.row.peak_bytes,
@@ -466,19 +456,13 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
   return lo
 
 
-def _rows(trials: dict[int, _Trial]) -> tuple[PlanCandidate, ...]:
-  """The compiled candidates, fewest micro-batches first."""
-  return tuple(sorted(trial.row for trial in trials.values()))
-
-
 def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, device: str,
-               num_devices: int, *, described: bool,
-               compiled: Sequence[PlanCandidate] = ()) -> ValueError:
+               num_devices: int, *, described: bool) -> ValueError:
   """The error for a budget that no count fits, ``last`` the most micro-batches allowed.
 
   The message names ``device`` when it is a ``described`` GPU (``target=``).
   """
-  rows = _rows(trials)
+  rows = sorted(trial.row for trial in trials.values())
   least = min(rows, key=lambda r: r.peak_bytes)
   rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
   at = (f"num_micro_batches={least.num_micro_batches}" + (
@@ -492,7 +476,7 @@ def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, dev
       f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
       "over the budget. Raise the budget, shard the batch over more devices, shrink the "
       "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
-      f"\n{_table(compiled or rows, size, budget, None, device, num_devices)}"
+      f"\n{_table(rows, size, budget, None, device, num_devices)}"
   )
 
 
@@ -644,9 +628,8 @@ def plan(
 
   axes = _sharding.check_data_axis_option(options.get("data_axis"))
   batch_argnums = options.get("batch_argnums", 1)
-  gpu = None
-  if target is not None:
-    gpu = _gpu_target.resolve(target)
+  gpu = _target(target, num_devices)
+  if gpu is not None:
     if isinstance(axes, tuple) and len(axes) != 1:
       raise ValueError(
           f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
@@ -661,10 +644,6 @@ def plan(
       if axes is not None:
         options = dict(options, mesh=mesh)
     args = _place(args, batch_argnums, mesh, axis)
-  elif num_devices != 1:
-    raise ValueError(
-        f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
-        "devices the arguments are placed on.")
 
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
@@ -789,23 +768,28 @@ def plan_step(
         "make_step must be a function of the micro-batch count returning a jitted step, got "
         f"{make_step!r} of type {type(make_step).__name__}."
     )
+  gpu = _target(target, num_devices)
+  context = None
+  if gpu is not None:
+    args = _place(args, batch_argnums, _gpu_target.target_mesh(gpu, (num_devices,)), "data")
+    meshes = {s.mesh for s in _shardings(args) if isinstance(s, jax.sharding.NamedSharding)}
+    if len(meshes) == 1:
+      # A concrete Mesh: _place keeps only shardings over target_mesh's devices.
+      mesh = cast(jax.sharding.Mesh, meshes.pop())
+      context = functools.partial(jax.set_mesh, mesh)
+  return _search(make_step, args, batch_argnums, memory_budget_bytes, search, target=gpu,
+                 verbose=verbose, context=context)
+
+
+def _target(target: Any, num_devices: int) -> _gpu_target.GpuTarget | None:
+  """The described GPU of ``target=``; without one, ``num_devices`` must be 1."""
   if target is None:
     if num_devices != 1:
       raise ValueError(
-          f"num_devices={num_devices!r} needs target=...: without a target the plan is for "
-          "the devices the arguments are placed on.")
-    return _search(make_step, args, batch_argnums, memory_budget_bytes, search,
-                   verbose=verbose)
-  gpu = _gpu_target.resolve(target)
-  placed = _place(args, batch_argnums, _gpu_target.target_mesh(gpu, (num_devices,)), "data")
-  meshes = {s.mesh for s in _shardings(placed) if isinstance(s, jax.sharding.NamedSharding)}
-  context = None
-  if len(meshes) == 1:
-    # A concrete Mesh: _place keeps only shardings over target_mesh's devices.
-    mesh = cast(jax.sharding.Mesh, meshes.pop())
-    context = functools.partial(jax.set_mesh, mesh)
-  return _search(make_step, placed, batch_argnums, memory_budget_bytes, search, target=gpu,
-                 verbose=verbose, context=context)
+          f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
+          "devices the arguments are placed on.")
+    return None
+  return _gpu_target.resolve(target)
 
 
 def _shardings(tree: Any) -> list[Any]:

@@ -98,9 +98,8 @@ def batch_size_ramp(
   """
   init_value = _check_int("init_value", init_value, low=1,
                           what="the number of micro-batches at step 0")
-  linear_args = (end_value, transition_steps)
   if boundaries_and_values is not None:
-    if any(a is not None for a in linear_args) or transition_begin != 0:
+    if end_value is not None or transition_steps is not None or transition_begin != 0:
       raise ValueError(
           "batch_size_ramp takes either end_value and transition_steps (a linear ramp, "
           "optionally with transition_begin) or boundaries_and_values (a stepwise ramp), "
@@ -157,16 +156,16 @@ def batch_size_ramp(
       raise TypeError(
           f"a batch_size_ramp schedule takes a scalar step, got an array of shape "
           f"{tuple(step.shape)}; use jax.vmap for several steps.")
-    if not (jnp.issubdtype(step.dtype, jnp.integer) or
-            jnp.issubdtype(step.dtype, jnp.floating)):
-      raise TypeError(
-          f"a batch_size_ramp schedule takes an integer step, got dtype {step.dtype}.")
     if jnp.issubdtype(step.dtype, jnp.floating):
       step = jnp.floor(step)
       low, high = -1, _INT32_MAX
-    else:  # bounds the step's own dtype holds: in int8, 2**31 - 1 would wrap to -1
+    elif jnp.issubdtype(step.dtype, jnp.integer):
+      # Bounds the step's own dtype holds: in int8, 2**31 - 1 would wrap to -1.
       info = jnp.iinfo(step.dtype)
       low, high = max(-1, int(info.min)), min(_INT32_MAX, int(info.max))
+    else:
+      raise TypeError(
+          f"a batch_size_ramp schedule takes an integer step, got dtype {step.dtype}.")
     # Clip before the cast so that a huge or negative step cannot wrap.
     step = jnp.clip(step, low, high).astype(jnp.int32)
     index = jnp.searchsorted(jnp.asarray(boundaries_np), step, side="right")

@@ -226,24 +226,20 @@ def batch_axes(batch_args: dict[Any, PyTree], batch_axis: int | tuple = 0) -> di
     entries = dict(zip(keys, batch_axis, strict=True))
   else:
     entries = dict.fromkeys(keys, batch_axis)
-  out = {}
-  for key, tree in batch_args.items():
-    out[key] = _leaf_axes(_label(key), tree, entries[key],
-                          batch_axis if isinstance(batch_axis, tuple) else None)
-  return out
+  return {key: _leaf_axes(_label(key), tree, entries[key], batch_axis)
+          for key, tree in batch_args.items()}
 
 
-def _leaf_axes(label: str, tree: PyTree, entry: Any, whole: Any = None) -> PyTree:
+def _leaf_axes(label: str, tree: PyTree, entry: Any, batch_axis: Any) -> PyTree:
   """``entry`` (an int or a pytree prefix of ``tree``) broadcast to ``tree``'s leaves."""
   try:
     axes = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), entry, tree)
   except ValueError:
-    spec = f"batch_axis={whole!r}" if whole is not None else f"batch_axis={entry!r}"
     raise ValueError(
-        f"{spec} gives the batch {label} the entry {entry!r}, which is not a pytree prefix "
-        f"of the argument (structure {jax.tree.structure(tree)}). Give an int for the whole "
-        "argument, or a pytree with its structure and an int at each leaf (or subtree), as "
-        "jax.vmap's in_axes.") from None
+        f"batch_axis={batch_axis!r} gives the batch {label} the entry {entry!r}, which is not "
+        f"a pytree prefix of the argument (structure {jax.tree.structure(tree)}). Give an int "
+        "for the whole argument, or a pytree with its structure and an int at each leaf (or "
+        "subtree), as jax.vmap's in_axes.") from None
 
   def one(path, leaf, a):
     shape = np.shape(leaf)
