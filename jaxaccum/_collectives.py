@@ -4,10 +4,7 @@ XLA's compiled program (``jax.jit(f).lower(*args).compile().as_text()``) is the 
 runs, after every pass: the collectives the partitioner inserted, the ones XLA hoisted out of
 loops or combined, and the ones ``shard_map`` asked for. This module reads that text: one
 :class:`Collective` per op (an asynchronous ``-start``/``-done`` pair is one op; an op over a
-tuple of operands is one op whose bytes are their sum), with its element types, shapes and
-bytes, how many ``while`` loops deep it sits (a ``lax.scan`` or ``fori_loop`` compiles to one),
-how often it runs per call when the loops' trip counts are known, and the device groups or
-mesh axes it communicates over.
+tuple of operands is one op whose bytes are their sum), with the attributes listed there.
 
 It is the one parser of compiled HLO text in the project: :func:`jaxaccum.plan` reports the
 collectives of the chosen program with it, and the tests read compiled programs with it.

@@ -50,13 +50,6 @@ _UNKNOWN_TO_THIS_JAXLIB = ("collective_memory_granularity",)
 # Hosts of this many GPUs each when ``num_devices`` is larger (a DGX/HGX node).
 DEVICES_PER_HOST = 8
 
-# The default budget for a described GPU: the share of device memory JAX's allocator takes
-# (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set), less the same 10% safety margin that
-# planning on a real device keeps (fragmentation, buffers outside the program, cuBLAS/cuDNN
-# workspaces).
-DEFAULT_MEM_FRACTION = 0.75
-SAFETY_MARGIN = 0.10
-
 _INSTALL = (
     "Compiling for a described GPU needs the CUDA compiler plugin and ptxas: install them with "
     "`pip install 'jaxaccum[gpu-plan]'` (or `pip install jax-cuda12-plugin=={v} "

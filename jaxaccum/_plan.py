@@ -39,6 +39,9 @@ from jaxaccum._collectives import format_bytes as _fmt_bytes
 # the program (a prefetched next batch, metrics, a second copy of the parameters for eval) and
 # library workspaces (cuBLAS/cuDNN) that XLA allocates outside its buffer assignment.
 _SAFETY_MARGIN = 0.10
+# On a described GPU the default budget starts from the share of its memory JAX's allocator
+# takes (XLA_PYTHON_CLIENT_MEM_FRACTION, this unless set).
+_DEFAULT_MEM_FRACTION = 0.75
 
 _SEARCHES = ("binary", "all")
 _FIXED_BY_PLAN = ("num_micro_batches", "micro_batch_size")
@@ -493,8 +496,8 @@ def _target_budget(target: _gpu_target.GpuTarget) -> int:
         f"memory_budget_bytes is required here: the GPU description {target.name!r} has no "
         "device_memory_size. Pass the budget per device, e.g. memory_budget_bytes=60 * 2**30.")
   fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                  _gpu_target.DEFAULT_MEM_FRACTION))
-  return int(target.memory_bytes * fraction * (1 - _gpu_target.SAFETY_MARGIN))
+                                  _DEFAULT_MEM_FRACTION))
+  return int(target.memory_bytes * fraction * (1 - _SAFETY_MARGIN))
 
 
 def _place(args: tuple, batch_argnums: Any, mesh: Any, axis: str) -> tuple:

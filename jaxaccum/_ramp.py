@@ -1,12 +1,8 @@
 """``jaxaccum.batch_size_ramp``: a schedule of micro-batch counts, like an optax schedule.
 
 A ramp grows (or shrinks) the effective batch by changing how many micro-batches run per
-optimizer step: ``k = ramp(step)``. The same schedule drives both ways of accumulating:
-
-* the call-time ``active_micro_batches=k`` of the function :func:`jaxaccum.value_and_grad`
-  returns (one compiled program for every ``k``), and
-* ``jaxaccum.MultiSteps(opt, every_k_schedule=ramp)``, where ``step`` is the optimizer step
-  count ``gradient_step``.
+optimizer step, ``k = ramp(step)``, through ``active_micro_batches=k`` or
+``MultiSteps(every_k_schedule=ramp)`` (see :func:`batch_size_ramp`).
 
 Every ramp is a table of steps at which ``k`` changes, built in Python when the ramp is
 made; calling it is one :func:`jax.numpy.searchsorted`, exact in int32 and jittable with a
