@@ -255,8 +255,7 @@ class Collectives:
                        for r in rows]
     return "\n".join(lines)
 
-  def __str__(self) -> str:
-    return self.summary()
+  __str__ = summary
 
 
 # --------------------------------------------------------------------------- parsing

@@ -128,8 +128,7 @@ class Plan:
     return _table(self.candidates, self.batch_size, self.memory_budget_bytes,
                   self.num_micro_batches, self.device, self.num_devices, self.placement)
 
-  def __str__(self) -> str:
-    return self.table()
+  __str__ = table
 
 
 def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
