@@ -4,10 +4,7 @@ XLA's compiled program (``jax.jit(f).lower(*args).compile().as_text()``) is the 
 runs, after every pass: the collectives the partitioner inserted, the ones XLA hoisted out of
 loops or combined, and the ones ``shard_map`` asked for. This module reads that text: one
 :class:`Collective` per op (an asynchronous ``-start``/``-done`` pair is one op; an op over a
-tuple of operands is one op whose bytes are their sum), with its element types, shapes and
-bytes, how many ``while`` loops deep it sits (a ``lax.scan`` or ``fori_loop`` compiles to one),
-how often it runs per call when the loops' trip counts are known, and the device groups or
-mesh axes it communicates over.
+tuple of operands is one op whose bytes are their sum), with the attributes listed there.
 
 It is the one parser of compiled HLO text in the project: :func:`jaxaccum.plan` reports the
 collectives of the chosen program with it, and the tests read compiled programs with it.
@@ -258,8 +255,7 @@ class Collectives:
                        for r in rows]
     return "\n".join(lines)
 
-  def __str__(self) -> str:
-    return self.summary()
+  __str__ = summary
 
 
 # --------------------------------------------------------------------------- parsing
@@ -363,8 +359,8 @@ def _start_result(kind: str, type_str: str) -> str:
 
 
 def _iota(dims: str, reshape: str, perm: str | None) -> np.ndarray:
-  ids = np.arange(math.prod(int(d) for d in reshape.split(",")))
-  ids = ids.reshape([int(d) for d in reshape.split(",")])
+  shape = [int(d) for d in reshape.split(",")]
+  ids = np.arange(math.prod(shape)).reshape(shape)
   if perm:
     ids = ids.transpose([int(p) for p in perm.split(",")])
   return ids.reshape([int(d) for d in dims.split(",")])
@@ -420,13 +416,10 @@ def _axes_of_pairs(pairs, mesh: tuple[tuple[str, int], ...]) -> tuple[str, ...] 
   n = math.prod(sizes)
   if not pairs or any(not 0 <= i < n for p in pairs for i in p):
     return None
-  moved = set()
-  for s, t in pairs:
-    for k, (a, b) in enumerate(zip(np.unravel_index(s, sizes), np.unravel_index(t, sizes),
-                                   strict=True)):
-      if a != b:
-        moved.add(k)
-  return tuple(mesh[k][0] for k in sorted(moved))
+  sources = np.unravel_index([src for src, _ in pairs], sizes)
+  targets = np.unravel_index([dst for _, dst in pairs], sizes)
+  return tuple(axis for (axis, _), src, dst in zip(mesh, sources, targets, strict=True)
+               if np.any(src != dst))
 
 
 def _parse(text: str, mesh: tuple[tuple[str, int], ...] | None) -> Collectives:
@@ -508,13 +501,11 @@ def _is_array_like(leaf: Any) -> bool:
 
 
 def _not_lowerable(args: tuple, kwargs: dict) -> list[str]:
-  bad = []
-  for prefix, tree in (("args", args), ("kwargs", kwargs)):
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if not _is_array_like(leaf):
-        bad.append(f"{prefix}{jax.tree_util.keystr(path)} = {leaf!r:.60} "
-                   f"(of type {type(leaf).__name__})")
-  return bad
+  return [f"{prefix}{jax.tree_util.keystr(path)} = {leaf!r:.60} "
+          f"(of type {type(leaf).__name__})"
+          for prefix, tree in (("args", args), ("kwargs", kwargs))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+          if not _is_array_like(leaf)]
 
 
 def _compile(fn: Any, args: tuple, kwargs: dict) -> Any:

@@ -50,13 +50,6 @@ _UNKNOWN_TO_THIS_JAXLIB = ("collective_memory_granularity",)
 # Hosts of this many GPUs each when ``num_devices`` is larger (a DGX/HGX node).
 DEVICES_PER_HOST = 8
 
-# The default budget for a described GPU: the share of device memory JAX's allocator takes
-# (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set), less the same 10% safety margin that
-# planning on a real device keeps (fragmentation, buffers outside the program, cuBLAS/cuDNN
-# workspaces).
-DEFAULT_MEM_FRACTION = 0.75
-SAFETY_MARGIN = 0.10
-
 _INSTALL = (
     "Compiling for a described GPU needs the CUDA compiler plugin and ptxas: install them with "
     "`pip install 'jaxaccum[gpu-plan]'` (or `pip install jax-cuda12-plugin=={v} "
@@ -124,6 +117,7 @@ def _clean(text: str) -> str:
 
 def check_installed() -> None:
   """Raises a clear ImportError when the CUDA compile-only packages are missing."""
+  install = _INSTALL.format(v=jax.__version__)
   missing = []
   for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
     try:
@@ -134,23 +128,19 @@ def check_installed() -> None:
     if version != jax.__version__:
       raise ImportError(
           f"{dist} {version} does not match jax {jax.__version__}: the CUDA plugin must be "
-          f"the same version as jax. " + _INSTALL.format(v=jax.__version__))
+          f"the same version as jax. " + install)
   if missing:
-    raise ImportError(f"{' and '.join(missing)} not installed. "
-                      + _INSTALL.format(v=jax.__version__))
+    raise ImportError(f"{' and '.join(missing)} not installed. " + install)
   if importlib.util.find_spec("nvidia.cuda_nvcc") is None and shutil.which("ptxas") is None:
-    raise ImportError("ptxas (from nvidia-cuda-nvcc-cu12) was not found. "
-                      + _INSTALL.format(v=jax.__version__))
+    raise ImportError("ptxas (from nvidia-cuda-nvcc-cu12) was not found. " + install)
 
 
 @functools.lru_cache(maxsize=32)
 def _topology(text: str, num_devices: int) -> Any:
   from jax.experimental import topologies
 
-  if num_devices <= DEVICES_PER_HOST:
-    shape = f"1x1x{num_devices}"
-  else:
-    shape = f"1x{num_devices // DEVICES_PER_HOST}x{DEVICES_PER_HOST}"
+  per_host = min(num_devices, DEVICES_PER_HOST)  # gpu_devices checks that it divides
+  shape = f"1x{num_devices // per_host}x{per_host}"
   try:
     return topologies.get_topology_desc(platform="cuda", target_config=text, topology=shape)
   except NotImplementedError:
@@ -264,7 +254,6 @@ def capture_gpu_target(device: Any = None) -> str:
         f"{device.platform!r}). Run it on the machine with the GPU you want to describe.")
   # jaxlib's compiled extension (no stubs), which has get_topology_for_devices.
   xla_ext = importlib.import_module("jaxlib._jax")
-
   getter = getattr(xla_ext, "get_topology_for_devices", None)
   if getter is None:
     from jaxlib import xla_client

@@ -9,14 +9,8 @@ the arguments may be :class:`jax.ShapeDtypeStruct` s, so planning allocates noth
 With ``target="h100"`` (or another described GPU) the programs are compiled for that GPU on a
 machine without one, see :mod:`jaxaccum._gpu_target`.
 
-The search: ``N = 1`` (the plain full-batch program, with no accumulator) is compiled first and
-chosen whenever it fits. Otherwise memory from ``N = 2`` on is expected to fall as ``N`` grows
-(each micro-batch holds fewer activations; the float32 accumulator is the same size for every
-``N > 1``), so a binary search over the other divisors follows: ``1 + ceil(log2(d))``
-compilations at most for ``d`` divisors, e.g. 5 for a batch of 4096 (13 divisors). Where the
-compiled figures show that memory does not fall with ``N`` (a larger count needing more than a
-smaller one), every count below the one found is compiled too, so the answer is still the
-fewest micro-batches that fit. ``search="all"`` compiles every divisor.
+The search (``N = 1`` first, then a binary search over the other divisors) is described in
+:func:`plan` and docs/planning.md.
 """
 
 from __future__ import annotations
@@ -45,6 +39,9 @@ from jaxaccum._collectives import format_bytes as _fmt_bytes
 # the program (a prefetched next batch, metrics, a second copy of the parameters for eval) and
 # library workspaces (cuBLAS/cuDNN) that XLA allocates outside its buffer assignment.
 _SAFETY_MARGIN = 0.10
+# On a described GPU the default budget starts from the share of its memory JAX's allocator
+# takes (XLA_PYTHON_CLIENT_MEM_FRACTION, this unless set).
+_DEFAULT_MEM_FRACTION = 0.75
 
 _SEARCHES = ("binary", "all")
 _FIXED_BY_PLAN = ("num_micro_batches", "micro_batch_size")
@@ -131,8 +128,7 @@ class Plan:
     return _table(self.candidates, self.batch_size, self.memory_budget_bytes,
                   self.num_micro_batches, self.device, self.num_devices, self.placement)
 
-  def __str__(self) -> str:
-    return self.table()
+  __str__ = table
 
 
 def _table(candidates: Sequence[PlanCandidate], batch_size: int, budget: int,
@@ -214,11 +210,7 @@ def _check_budget(budget: Any) -> int | None:
 
 def _devices(args: tuple) -> list[Any]:
   """The devices the arguments live on (the default device when none says)."""
-  devices = set()
-  for leaf in jax.tree.leaves(args):
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is not None:
-      devices |= set(sharding.device_set)
+  devices = {d for sharding in _shardings(args) for d in sharding.device_set}
   return sorted(devices, key=lambda d: d.id) if devices else [jax.devices()[0]]
 
 
@@ -342,7 +334,7 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
   device = devices[0].device_kind + (" (described)" if target is not None else "")
   # A batch sharded over D devices (or split over D data shards by data_axis) only splits in
   # place into micro-batches of a multiple of D rows.
-  counts = _counts(size, max(shards, _batch_shards({j: args[j] for j in argnums})))
+  counts = _counts(size, max(shards, _batch_shards(batches)))
   trials: dict[int, _Trial] = {}
   expected = len(counts) if search == "all" else 1 + math.ceil(math.log2(max(len(counts), 1)))
   progress = _Progress(verbose, expected, f" [{len(devices)} x {device}]" if target else "")
@@ -376,7 +368,7 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
   if found == len(counts):
     fits(len(counts) - 1)  # the most micro-batches allowed, for the error message
     raise _too_small(trials, size, counts[-1], budget, device, len(devices),
-                     described=target is not None, compiled=compiled)
+                     described=target is not None)
   n = counts[found]
   best = trials[n]
   return Plan(num_micro_batches=n, micro_batch_size=size // n, peak_bytes=best.row.peak_bytes,
@@ -466,19 +458,13 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
   return lo
 
 
-def _rows(trials: dict[int, _Trial]) -> tuple[PlanCandidate, ...]:
-  """The compiled candidates, fewest micro-batches first."""
-  return tuple(sorted(trial.row for trial in trials.values()))
-
-
 def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, device: str,
-               num_devices: int, *, described: bool,
-               compiled: Sequence[PlanCandidate] = ()) -> ValueError:
+               num_devices: int, *, described: bool) -> ValueError:
   """The error for a budget that no count fits, ``last`` the most micro-batches allowed.
 
   The message names ``device`` when it is a ``described`` GPU (``target=``).
   """
-  rows = _rows(trials)
+  rows = sorted(trial.row for trial in trials.values())
   least = min(rows, key=lambda r: r.peak_bytes)
   rows_of = f"micro-batches of {size // last} row{'s' if size // last > 1 else ''}"
   at = (f"num_micro_batches={least.num_micro_batches}" + (
@@ -492,7 +478,7 @@ def _too_small(trials: dict[int, _Trial], size: int, last: int, budget: int, dev
       f"{at}, {least.peak_bytes - budget:,} bytes ({_fmt_bytes(least.peak_bytes - budget)}) "
       "over the budget. Raise the budget, shard the batch over more devices, shrink the "
       "parameters or optimizer state (which no micro-batch count splits), or try remat=True."
-      f"\n{_table(compiled or rows, size, budget, None, device, num_devices)}"
+      f"\n{_table(rows, size, budget, None, device, num_devices)}"
   )
 
 
@@ -509,8 +495,8 @@ def _target_budget(target: _gpu_target.GpuTarget) -> int:
         f"memory_budget_bytes is required here: the GPU description {target.name!r} has no "
         "device_memory_size. Pass the budget per device, e.g. memory_budget_bytes=60 * 2**30.")
   fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                  _gpu_target.DEFAULT_MEM_FRACTION))
-  return int(target.memory_bytes * fraction * (1 - _gpu_target.SAFETY_MARGIN))
+                                  _DEFAULT_MEM_FRACTION))
+  return int(target.memory_bytes * fraction * (1 - _SAFETY_MARGIN))
 
 
 def _place(args: tuple, batch_argnums: Any, mesh: Any, axis: str) -> tuple:
@@ -644,9 +630,8 @@ def plan(
 
   axes = _sharding.check_data_axis_option(options.get("data_axis"))
   batch_argnums = options.get("batch_argnums", 1)
-  gpu = None
-  if target is not None:
-    gpu = _gpu_target.resolve(target)
+  gpu = _target(target, num_devices)
+  if gpu is not None:
     if isinstance(axes, tuple) and len(axes) != 1:
       raise ValueError(
           f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
@@ -661,10 +646,6 @@ def plan(
       if axes is not None:
         options = dict(options, mesh=mesh)
     args = _place(args, batch_argnums, mesh, axis)
-  elif num_devices != 1:
-    raise ValueError(
-        f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
-        "devices the arguments are placed on.")
 
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
@@ -789,23 +770,28 @@ def plan_step(
         "make_step must be a function of the micro-batch count returning a jitted step, got "
         f"{make_step!r} of type {type(make_step).__name__}."
     )
+  gpu = _target(target, num_devices)
+  context = None
+  if gpu is not None:
+    args = _place(args, batch_argnums, _gpu_target.target_mesh(gpu, (num_devices,)), "data")
+    meshes = {s.mesh for s in _shardings(args) if isinstance(s, jax.sharding.NamedSharding)}
+    if len(meshes) == 1:
+      # A concrete Mesh: _place keeps only shardings over target_mesh's devices.
+      mesh = cast(jax.sharding.Mesh, meshes.pop())
+      context = functools.partial(jax.set_mesh, mesh)
+  return _search(make_step, args, batch_argnums, memory_budget_bytes, search, target=gpu,
+                 verbose=verbose, context=context)
+
+
+def _target(target: Any, num_devices: int) -> _gpu_target.GpuTarget | None:
+  """The described GPU of ``target=``; without one, ``num_devices`` must be 1."""
   if target is None:
     if num_devices != 1:
       raise ValueError(
-          f"num_devices={num_devices!r} needs target=...: without a target the plan is for "
-          "the devices the arguments are placed on.")
-    return _search(make_step, args, batch_argnums, memory_budget_bytes, search,
-                   verbose=verbose)
-  gpu = _gpu_target.resolve(target)
-  placed = _place(args, batch_argnums, _gpu_target.target_mesh(gpu, (num_devices,)), "data")
-  meshes = {s.mesh for s in _shardings(placed) if isinstance(s, jax.sharding.NamedSharding)}
-  context = None
-  if len(meshes) == 1:
-    # A concrete Mesh: _place keeps only shardings over target_mesh's devices.
-    mesh = cast(jax.sharding.Mesh, meshes.pop())
-    context = functools.partial(jax.set_mesh, mesh)
-  return _search(make_step, placed, batch_argnums, memory_budget_bytes, search, target=gpu,
-                 verbose=verbose, context=context)
+          f"num_devices={num_devices!r} needs target=...: without a target the plan is for the "
+          "devices the arguments are placed on.")
+    return None
+  return _gpu_target.resolve(target)
 
 
 def _shardings(tree: Any) -> list[Any]:

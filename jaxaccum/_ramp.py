@@ -1,12 +1,8 @@
 """``jaxaccum.batch_size_ramp``: a schedule of micro-batch counts, like an optax schedule.
 
 A ramp grows (or shrinks) the effective batch by changing how many micro-batches run per
-optimizer step: ``k = ramp(step)``. The same schedule drives both ways of accumulating:
-
-* the call-time ``active_micro_batches=k`` of the function :func:`jaxaccum.value_and_grad`
-  returns (one compiled program for every ``k``), and
-* ``jaxaccum.MultiSteps(opt, every_k_schedule=ramp)``, where ``step`` is the optimizer step
-  count ``gradient_step``.
+optimizer step, ``k = ramp(step)``, through ``active_micro_batches=k`` or
+``MultiSteps(every_k_schedule=ramp)`` (see :func:`batch_size_ramp`).
 
 Every ramp is a table of steps at which ``k`` changes, built in Python when the ramp is
 made; calling it is one :func:`jax.numpy.searchsorted`, exact in int32 and jittable with a
@@ -98,9 +94,8 @@ def batch_size_ramp(
   """
   init_value = _check_int("init_value", init_value, low=1,
                           what="the number of micro-batches at step 0")
-  linear_args = (end_value, transition_steps)
   if boundaries_and_values is not None:
-    if any(a is not None for a in linear_args) or transition_begin != 0:
+    if end_value is not None or transition_steps is not None or transition_begin != 0:
       raise ValueError(
           "batch_size_ramp takes either end_value and transition_steps (a linear ramp, "
           "optionally with transition_begin) or boundaries_and_values (a stepwise ramp), "
@@ -157,16 +152,16 @@ def batch_size_ramp(
       raise TypeError(
           f"a batch_size_ramp schedule takes a scalar step, got an array of shape "
           f"{tuple(step.shape)}; use jax.vmap for several steps.")
-    if not (jnp.issubdtype(step.dtype, jnp.integer) or
-            jnp.issubdtype(step.dtype, jnp.floating)):
-      raise TypeError(
-          f"a batch_size_ramp schedule takes an integer step, got dtype {step.dtype}.")
     if jnp.issubdtype(step.dtype, jnp.floating):
       step = jnp.floor(step)
       low, high = -1, _INT32_MAX
-    else:  # bounds the step's own dtype holds: in int8, 2**31 - 1 would wrap to -1
+    elif jnp.issubdtype(step.dtype, jnp.integer):
+      # Bounds the step's own dtype holds: in int8, 2**31 - 1 would wrap to -1.
       info = jnp.iinfo(step.dtype)
       low, high = max(-1, int(info.min)), min(_INT32_MAX, int(info.max))
+    else:
+      raise TypeError(
+          f"a batch_size_ramp schedule takes an integer step, got dtype {step.dtype}.")
     # Clip before the cast so that a huge or negative step cannot wrap.
     step = jnp.clip(step, low, high).astype(jnp.int32)
     index = jnp.searchsorted(jnp.asarray(boundaries_np), step, side="right")

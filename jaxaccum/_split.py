@@ -19,6 +19,7 @@ use them.
 from __future__ import annotations
 
 import inspect
+import itertools
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -39,11 +40,15 @@ def describe(x: Any) -> str:
   return f"{type(x).__name__} {text}" if len(text) < 80 else type(x).__name__
 
 
+def _is_int(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def check_count(name: str, value: Any) -> int | None:
   """Returns ``value`` as an int, or raises if it is not a positive integer."""
   if value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+  if not _is_int(value):
     raise TypeError(
         f"{name} must be a positive Python int, got {value!r} of type "
         f"{type(value).__name__}. Pass a static integer such as {name}=8; a traced "
@@ -60,14 +65,12 @@ def normalize_argnums(name: str, value: Any, *, allow_empty: bool) -> tuple[int,
     if allow_empty:
       return ()
     raise TypeError(f"{name} must be an int or a tuple of ints, got None.")
-  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+  if _is_int(value):
     return (int(value),)
   if isinstance(value, Sequence) and not isinstance(value, str):
-    out = []
-    for v in value:
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
-      out.append(int(v))
+    if not all(_is_int(v) for v in value):
+      raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
+    out = [int(v) for v in value]
     if not out and not allow_empty:
       raise ValueError(f"{name} must name at least one argument, got {value!r}.")
     if len(set(out)) != len(out):
@@ -135,15 +138,13 @@ def short_signature(fun: Any, num_positional: int) -> str | None:
 
 def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
   """Raises if two roles (differentiated, batch, rng, state) share an argument."""
-  names = list(named)
-  for i, a in enumerate(names):
-    for b in names[i + 1 :]:
-      both = sorted(set(named[a]) & set(named[b]))
-      if both:
-        raise ValueError(
-            f"{a}={named[a]} and {b}={named[b]} overlap at argument(s) {both}: an argument "
-            f"can have only one role. Give each of {a} and {b} different positions."
-        )
+  for a, b in itertools.combinations(named, 2):
+    both = sorted(set(named[a]) & set(named[b]))
+    if both:
+      raise ValueError(
+          f"{a}={named[a]} and {b}={named[b]} overlap at argument(s) {both}: an argument "
+          f"can have only one role. Give each of {a} and {b} different positions."
+      )
 
 
 def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tuple:
@@ -159,7 +160,7 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
         "with one entry per batch argument (batch_argnums in order, then batch_argnames), "
         "each an int or a pytree prefix of that argument with int leaves, as jax.vmap's "
         f"in_axes; got batch_axis={got!r}.")
-  if _is_axis(value):
+  if _is_int(value):
     return int(value)
   if not isinstance(value, tuple):
     raise bad(value)
@@ -170,7 +171,7 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
             f"batch_axis={value!r} has a None entry: every leaf of a batch argument is split "
             "along its batch axis. Pass an array that is not to be split as a non-batch "
             "argument instead.")
-      if not _is_axis(leaf):
+      if not _is_int(leaf):
         raise bad(value)
   if num_batch_args is not None and len(value) != num_batch_args:
     raise ValueError(
@@ -180,14 +181,10 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
   return tuple(value)
 
 
-def _is_axis(x: Any) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_entry(batch_axis: Any, what: str) -> None:
   """Validates the ``batch_axis`` of one pytree: an int, or a pytree prefix of it with ints."""
   leaves = jax.tree.leaves(batch_axis, is_leaf=lambda x: x is None)
-  if not leaves or not all(_is_axis(a) for a in leaves):
+  if not leaves or not all(_is_int(a) for a in leaves):
     raise TypeError(
         f"batch_axis must be an int or a pytree prefix of {what} with an int at each leaf (as "
         f"jax.vmap's in_axes), got batch_axis={batch_axis!r}.")
@@ -226,24 +223,20 @@ def batch_axes(batch_args: dict[Any, PyTree], batch_axis: int | tuple = 0) -> di
     entries = dict(zip(keys, batch_axis, strict=True))
   else:
     entries = dict.fromkeys(keys, batch_axis)
-  out = {}
-  for key, tree in batch_args.items():
-    out[key] = _leaf_axes(_label(key), tree, entries[key],
-                          batch_axis if isinstance(batch_axis, tuple) else None)
-  return out
+  return {key: _leaf_axes(_label(key), tree, entries[key], batch_axis)
+          for key, tree in batch_args.items()}
 
 
-def _leaf_axes(label: str, tree: PyTree, entry: Any, whole: Any = None) -> PyTree:
+def _leaf_axes(label: str, tree: PyTree, entry: Any, batch_axis: Any) -> PyTree:
   """``entry`` (an int or a pytree prefix of ``tree``) broadcast to ``tree``'s leaves."""
   try:
     axes = jax.tree.map(lambda a, sub: jax.tree.map(lambda _: a, sub), entry, tree)
   except ValueError:
-    spec = f"batch_axis={whole!r}" if whole is not None else f"batch_axis={entry!r}"
     raise ValueError(
-        f"{spec} gives the batch {label} the entry {entry!r}, which is not a pytree prefix "
-        f"of the argument (structure {jax.tree.structure(tree)}). Give an int for the whole "
-        "argument, or a pytree with its structure and an int at each leaf (or subtree), as "
-        "jax.vmap's in_axes.") from None
+        f"batch_axis={batch_axis!r} gives the batch {label} the entry {entry!r}, which is not "
+        f"a pytree prefix of the argument (structure {jax.tree.structure(tree)}). Give an int "
+        "for the whole argument, or a pytree with its structure and an int at each leaf (or "
+        "subtree), as jax.vmap's in_axes.") from None
 
   def one(path, leaf, a):
     shape = np.shape(leaf)
