@@ -160,8 +160,9 @@ class _Step(NamedTuple):
 
 
 def _zeros_like(x: Any) -> jax.Array:
-  """Zeros of ``x``'s shape and dtype (an array or a :class:`jax.ShapeDtypeStruct`)."""
-  return jnp.zeros(x.shape, x.dtype)
+  """Zeros of ``x``'s shape, dtype and ``Explicit`` sharding (an array or a
+  :class:`jax.ShapeDtypeStruct`): both branches of the step's ``cond`` must type them alike."""
+  return _sharding.conform(jnp.zeros(x.shape, x.dtype), x)
 
 
 def _increment(x: jax.Array) -> jax.Array:

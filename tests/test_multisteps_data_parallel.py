@@ -75,11 +75,12 @@ def after_one_step(tx, params, grads):
 
 
 def run_window(mesh, params, batch, *, loss=loss_fn, reduce="mean", use_grad_mean=True,
-               tx=None, **accumulate):
+               tx=None, pass_mesh=True, **accumulate):
   tx = tx or optax.sgd(0.1, momentum=0.9)
+  option = {"mesh": mesh} if pass_mesh else {}  # else the mesh set with jax.set_mesh
   opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, use_grad_mean=use_grad_mean,
-                            data_axis="data", mesh=mesh)
-  grad_fn = jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh, reduce=reduce,
+                            data_axis="data", **option)
+  grad_fn = jaxaccum.local_value_and_grad(loss, data_axis="data", reduce=reduce, **option,
                                           **accumulate)
   step = make_step(opt, grad_fn)
   params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -278,3 +279,20 @@ def test_skip_nonfinite_costs_one_boolean_all_reduce_per_call():
   updates, state = update(pieces(jnp.array([3.0, 4.0, 5.0])), state, params)
   chex.assert_trees_all_close(updates, -jnp.array([2.0, 3.0, 4.0]))
   assert int(state.skipped) == 1
+
+
+@pytest.mark.parametrize("pass_mesh", [True, False], ids=["mesh", "no-mesh"])
+def test_window_under_set_mesh(pass_mesh):
+  """Under ``jax.set_mesh`` on an Explicit mesh the window's last call resets the accumulator
+  to zeros typed like it (sharded over "data"), with or without ``mesh=``."""
+  mesh = mesh_of(AxisType.Explicit)
+  params, batch = make_problem()
+  tx = optax.sgd(0.1, momentum=0.9)
+  with jax.set_mesh(mesh):
+    got, state, _, emitted = run_window(mesh, params, batch, tx=tx, pass_mesh=pass_mesh)
+  expected = after_one_step(tx, params, value_and_grad_ref(params, batch)[1])
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
+  assert emitted == [False] * (K - 1) + [True]
+  for acc in jax.tree.leaves(state.acc_grads):
+    assert acc.sharding.spec[0] == "data", acc.sharding
+    chex.assert_trees_all_close(acc, jnp.zeros_like(acc))
