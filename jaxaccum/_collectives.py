@@ -33,6 +33,7 @@ _DONE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s(?:" + _KIND
                    + r")-done\(((?:[^()]|\([^()]*\))*)\)")
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 _WHILE = re.compile(r"\swhile\(")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
@@ -84,8 +85,15 @@ class Collective:
     operands: the arrays the op produces, one :class:`Operand` each: one for most ops,
       several for an op over a tuple (XLA combines reductions into one such op).
     loop_depth: how many ``while`` loops enclose the op (0: it runs once per call).
-    executions: how many times the op runs per call of the program (the product of the
-      enclosing loops' trip counts), or ``None`` where a loop's trip count is not in the text.
+    executions: how many times the op runs per call of the program when it runs whenever
+      its computation is reached: the product of the enclosing loops' trip counts, summed
+      over the places that call its computation; ``None`` where a loop's trip count is not
+      in the text. For a ``conditional`` op it is an upper bound: the count if its branch
+      were taken every time.
+    conditional: whether the op sits in a branch of a ``conditional`` (:func:`jax.lax.cond`,
+      :func:`jax.lax.switch`, a micro-batch loop under a traced ``active_micro_batches``),
+      on some path from the program's entry: it runs only when its branch is taken, so
+      ``executions`` is at most what runs, and ops in sibling branches never both run.
     replica_groups: the device groups that communicate, as logical device ids (positions in
       the program's device assignment: for a program on one mesh, ``mesh.devices.flat``
       order); ``()`` where the text says every device (``replica_groups={}``) and no mesh
@@ -105,6 +113,7 @@ class Collective:
   operands: tuple[Operand, ...]
   loop_depth: int
   executions: int | None
+  conditional: bool
   replica_groups: tuple[tuple[int, ...], ...] | None
   source_target_pairs: tuple[tuple[int, int], ...] | None
   mesh_axes: tuple[str, ...] | None
@@ -147,6 +156,7 @@ class Collective:
     arrays = ", ".join(f"{o.dtype}[{','.join(map(str, o.shape))}]" for o in self.operands)
     arrays = arrays if len(self.operands) == 1 else f"({arrays})"
     where = f", loop depth {self.loop_depth}" if self.loop_depth else ""
+    where += ", in a conditional branch" if self.conditional else ""
     over = f", over {self.mesh_axes}" if self.mesh_axes is not None else ""
     return f"<{self.kind} {arrays} {format_bytes(self.bytes)}{where}{over}>"
 
@@ -169,7 +179,9 @@ class Collectives:
 
   Iterate over it (or index it) for the :class:`Collective` ops. ``str(result)`` (or
   :meth:`summary`) is a table per kind: ops, their bytes, how many sit inside a loop, the
-  deepest, and how many times they run per call where the loops' trip counts are known.
+  deepest, and how many times they run per call where the loops' trip counts are known
+  (:meth:`max_executions`: marked ``≤``, an upper bound, where some sit in conditional
+  branches).
 
   Attributes:
     ops: the ops, in the order of the HLO text's computations.
@@ -181,6 +193,10 @@ class Collectives:
   ops: tuple[Collective, ...]
   num_loops: int = 0
   mesh_shape: tuple[tuple[str, int], ...] | None = None
+  # The program's call graph (computation -> its calls), read by max_executions.
+  _calls: Mapping[str, tuple[_Call, ...]] = dataclasses.field(
+      default_factory=dict, repr=False, compare=False)
+  _entry: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
   @classmethod
   def from_text(cls, text: str, mesh: Any = None) -> Collectives:
@@ -232,18 +248,35 @@ class Collectives:
     """Their results' bytes per device, each op counted once (as :meth:`select`)."""
     return sum(c.bytes for c in self.select(kind, in_loop))
 
+  def max_executions(self, kind: str | Sequence[str] | None = None,
+                     in_loop: bool | None = None) -> int | None:
+    """At most how many times the ops (as :meth:`select`) run per call, together.
+
+    Each op counts its runs over every place that calls its computation and every iteration
+    of the loops around it; of the branches of one conditional only the one whose ops run
+    most is counted, since one branch runs per execution. Exact when no op is
+    ``conditional``; ``None`` where a loop's trip count is not in the text.
+    """
+    ops = self.select(kind, in_loop).ops
+    if self._entry is None:  # built without a program: each op on its own
+      runs = [c.executions for c in ops]
+      return None if None in runs else sum(r for r in runs if r is not None)
+    return _max_runs(self._calls, self._entry, collections.Counter(c.computation for c in ops))
+
   def summary(self) -> str:
-    """A table per kind: ops, bytes, in a loop, deepest loop, executions per call."""
+    """A table per kind: ops, bytes, in a loop, deepest loop, executions per call (at most,
+    marked ``≤``, where some ops sit in conditional branches)."""
     header = ("kind", "ops", "bytes", "in a loop", "loop depth", "runs per call")
     rows: list[tuple[str, ...]] = [header]
     for kind in KINDS:
       ops = [c for c in self.ops if c.kind == kind]
       if not ops:
         continue
-      runs = [c.executions for c in ops]
+      runs = self.max_executions(kind)
+      bound = "≤" if any(c.conditional for c in ops) else ""
       rows.append((kind, str(len(ops)), format_bytes(sum(c.bytes for c in ops)),
                    str(sum(c.in_loop for c in ops)), str(max(c.loop_depth for c in ops)),
-                   "?" if None in runs else str(sum(r for r in runs if r is not None))))
+                   "?" if runs is None else f"{bound}{runs}"))
     loops = f" in a program with {self.num_loops} loop{'s' * (self.num_loops != 1)}"
     title = (f"{len(self.ops)} collective{'s' * (len(self.ops) != 1)}{loops} "
              f"({format_bytes(self.bytes())} of results per device, each op counted once)")
@@ -253,6 +286,9 @@ class Collectives:
     lines = [title] + ["  ".join([r[0].ljust(widths[0])] +
                                  [r[k].rjust(widths[k]) for k in range(1, len(header))])
                        for r in rows]
+    if any(c.conditional for c in self.ops):
+      lines.append("≤: at most; some ops sit in conditional branches and run only when "
+                   "their branch is taken")
     return "\n".join(lines)
 
   __str__ = summary
@@ -279,39 +315,86 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   return comps, entry
 
 
-def _callees(line: str) -> Iterator[tuple[str, str]]:
-  """``(how, computation)`` for each computation an HLO line calls."""
-  yield from _CALLS.findall(line)
-  for group in _BRANCHES.findall(line):
-    yield from (("branch", n.strip().lstrip("%")) for n in group.split(",") if n.strip())
+class _Call(NamedTuple):
+  """One HLO line's calls: a loop's body and condition (``how="while"``, run ``trip``
+  times, ``None`` if unknown), a conditional's branches (``"branches"``: one of them runs),
+  or other callees (``"call"``: fusions, calls, reductions, each run once)."""
+
+  how: str
+  callees: tuple[str, ...]
+  trip: int | None = 1
+
+
+def _line_calls(line: str) -> Iterator[_Call]:
+  """The calls of one HLO line."""
+  found = [(how, c) for how, c in _CALLS.findall(line)
+           if not (how == "to_apply" and _OP.search(line))]  # a collective's reduction
+  if _WHILE.search(line):
+    trip = _TRIP.search(line)
+    loop = tuple(c for how, c in found if how in ("body", "condition"))
+    yield _Call("while", loop, int(trip.group(1)) if trip else None)
+    found = [(how, c) for how, c in found if how not in ("body", "condition")]
+  branches = [n.strip().lstrip("%") for group in _BRANCHES.findall(line)
+              for n in group.split(",") if n.strip()] + _TRUE_FALSE.findall(line)
+  if branches:
+    yield _Call("branches", tuple(branches))
+  if found:
+    yield _Call("call", tuple(c for _, c in found))
 
 
 def _contexts(comps: dict[str, list[str]], entry: str):
-  """Per computation reachable from ``entry``: (deepest loop nesting, executions per call or
-  None when a trip count is unknown), and the number of while loops."""
+  """Per computation reachable from ``entry``: deepest loop nesting, executions per call (a
+  sum over call sites, each branch counted as taken; None when a trip count is unknown),
+  whether a conditional branch leads to it; the call graph, and the number of while loops."""
+  calls = {c: tuple(call for line in lines for call in _line_calls(line))
+           for c, lines in comps.items()}
   depth: dict[str, int] = {}
   runs: dict[str, int | None] = collections.defaultdict(int)
-  stack: list[tuple[str, int, int | None]] = [(entry, 0, 1)]
+  branched: dict[str, bool] = {}
+  stack: list[tuple[str, int, int | None, bool]] = [(entry, 0, 1, False)]
   while stack:
-    comp, d, times = stack.pop()
+    comp, d, times, in_branch = stack.pop()
     if comp not in comps:
       continue
     depth[comp] = max(depth.get(comp, 0), d)
+    branched[comp] = branched.get(comp, False) or in_branch
     before = runs[comp]
     runs[comp] = None if before is None or times is None else before + times
-    for line in comps[comp]:
-      is_while = bool(_WHILE.search(line))
-      trip = _TRIP.search(line)
-      inner = None if times is None or not trip else times * int(trip.group(1))
-      for how, callee in _callees(line):
-        if how == "to_apply" and _OP.search(line):
-          continue  # a collective's reduction: scalar arithmetic
-        if is_while and how in ("body", "condition"):
-          stack.append((callee, d + 1, inner))
-        else:
-          stack.append((callee, d, times))
+    for call in calls[comp]:
+      if call.how == "while":
+        inner = None if times is None or call.trip is None else times * call.trip
+        stack.extend((c, d + 1, inner, in_branch) for c in call.callees)
+      else:
+        stack.extend((c, d, times, in_branch or call.how == "branches")
+                     for c in call.callees)
   loops = sum(bool(_WHILE.search(line)) for c in depth for line in comps[c])
-  return depth, dict(runs), loops
+  return depth, dict(runs), branched, {c: calls[c] for c in depth}, loops
+
+
+def _max_runs(calls: Mapping[str, tuple[_Call, ...]], entry: str,
+              counted: Mapping[str, int]) -> int | None:
+  """At most how many runs per call of the ops ``counted`` (per computation) the program
+  makes: a sum over call sites and loop iterations, the max over a conditional's branches;
+  None where a trip count that matters is unknown."""
+  memo: dict[str, int | None] = {}
+
+  def runs(comp: str) -> int | None:
+    if comp not in memo:
+      total: int | None = counted.get(comp, 0)
+      for call in calls.get(comp, ()):
+        inner = [runs(c) for c in call.callees]
+        if None in inner:
+          n = None
+        else:
+          known = [i for i in inner if i is not None]
+          n = max(known, default=0) if call.how == "branches" else sum(known)
+          if call.how == "while" and n:
+            n = None if call.trip is None else n * call.trip
+        total = None if total is None or n is None else total + n
+      memo[comp] = total
+    return memo[comp]
+
+  return runs(entry)
 
 
 def _top_level(type_str: str) -> list[str]:
@@ -428,7 +511,7 @@ def _parse(text: str, mesh: tuple[tuple[str, int], ...] | None) -> Collectives:
     raise ValueError(
         "no ENTRY computation in this text: pass the text of a compiled program, "
         "jax.jit(f).lower(*args).compile().as_text().")
-  depth, runs, loops = _contexts(comps, entry)
+  depth, runs, branched, calls, loops = _contexts(comps, entry)
   done: dict[str, str] = {}
   for c in depth:
     for line in comps[c]:
@@ -459,10 +542,12 @@ def _parse(text: str, mesh: tuple[tuple[str, int], ...] | None) -> Collectives:
         elif pairs is not None:
           axes = _axes_of_pairs(pairs, mesh)
       ops.append(Collective(kind=kind, operands=_operands(result), loop_depth=depth[c],
-                            executions=runs[c], replica_groups=groups,
+                            executions=runs[c], conditional=branched[c],
+                            replica_groups=groups,
                             source_target_pairs=pairs, mesh_axes=axes, groups=raw,
                             name=name, computation=c, line=line.strip()))
-  return Collectives(ops=tuple(ops), num_loops=loops, mesh_shape=mesh)
+  return Collectives(ops=tuple(ops), num_loops=loops, mesh_shape=mesh, _calls=calls,
+                     _entry=entry)
 
 
 # ------------------------------------------------------------------------ compiling

@@ -248,6 +248,100 @@ def test_value_and_grad_with_and_without_data_axis(axis_type):
       assert got.count(in_loop=True) == len(got.in_loop) > 0
 
 
+# --------------------------------------------------------------- conditionals
+
+
+def branch_names(text):
+  """The computations the text's conditionals run as branches, one set per conditional."""
+  return [{n.strip().lstrip("%") for n in group.split(",")}
+          for group in re.findall(r"\sconditional\(.*?branch_computations=\{([^}]*)\}", text)]
+
+
+def test_two_branches_of_one_cond_run_one_all_reduce():
+  mesh = mesh_of((8,), ("data",))
+
+  def body(p, x):
+    s = jax.lax.psum(x, "data")  # always runs
+    return jax.lax.cond(p[0] > 0, lambda: jax.lax.psum(x * 2, "data"),
+                        lambda: jax.lax.psum(x * 3, "data")) + s
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+  args = sds((1,), jnp.float32, mesh, P()), sds((16, 3), jnp.float32, mesh, P("data"))
+  got = jaxaccum.collectives(f, *args)
+  text = f.lower(*args).compile().as_text()
+  (branches,) = branch_names(text)  # one conditional, both its branches all-reduce
+  assert got.count() == text_count(text, "all-reduce") == 3
+  in_branch = sorted(computation_of(text, c.line) in branches for c in got)
+  assert in_branch == [False, True, True]
+  assert [c.conditional for c in got] == [computation_of(text, c.line) in branches
+                                          for c in got]
+  assert all(c.executions == 1 for c in got)  # each op, if its branch is taken
+  assert got.max_executions() == 2  # the unconditional one and one of the branches
+  assert got.max_executions(in_loop=False) == 2 and got.select("all-gather").max_executions() == 0
+  table = str(got)
+  row = table.splitlines()[2].split()
+  assert row[0] == "all-reduce" and row[-1] == "≤2", table
+  assert table.splitlines()[-1].startswith("≤: at most"), table
+  assert "in a conditional branch" in repr(got)
+
+
+def test_micro_batch_loop_under_traced_active_micro_batches_is_an_upper_bound():
+  mesh = mesh_of((8,), ("data",))
+  loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)  # noqa: E731
+  vg = jaxaccum.value_and_grad(loss_fn, num_micro_batches=4)
+  w, x = sds((3,), jnp.float32, mesh, P()), sds((64, 3), jnp.float32, mesh, P("data"))
+  traced = jax.jit(lambda w, x, k: vg(w, x, active_micro_batches=k))
+  got = jaxaccum.collectives(traced, w, x, sds((), jnp.int32))
+  text = traced.lower(w, x, sds((), jnp.int32)).compile().as_text()
+  branches = set().union(*branch_names(text))
+  # The loop's body runs micro-batch i only while i < k: its all-reduce is in a branch.
+  assert got.count() == text_count(text, "all-reduce") >= 1
+  assert all(c.conditional and computation_of(text, c.line) in branches for c in got), got
+  assert all(c.loop_depth == 1 and c.executions == 4 for c in got), got
+  assert got.max_executions() == 4 * got.count()
+  assert str(got).splitlines()[2].split()[-1] == f"≤{4 * got.count()}", str(got)
+  # Without active_micro_batches every micro-batch runs: exact counts, nothing conditional.
+  plain = jaxaccum.collectives(jax.jit(vg), w, x)
+  assert plain.count() >= 1 and not any(c.conditional for c in plain), plain
+  assert plain.max_executions() == sum(c.executions for c in plain) == 4 * plain.count()
+  assert "≤" not in str(plain)
+
+
+def test_runs_add_up_over_call_sites_and_take_the_larger_branch():
+  shared = ("%shared (p: f32[8]) -> f32[8] {",
+            "  ROOT %r = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={}, to_apply=%add",
+            "}")
+  text = "\n".join([
+      "HloModule m", "",
+      "%add (a: f32[], b: f32[]) -> f32[] {", "  ROOT %s = f32[] add(f32[] %a, f32[] %b)", "}",
+      *shared,
+      "%twice (p: f32[8]) -> f32[8] {",  # a branch that reduces twice
+      "  %t1 = f32[8]{0} call(f32[8]{0} %p), to_apply=%shared",
+      "  ROOT %t2 = f32[8]{0} call(f32[8]{0} %t1), to_apply=%shared", "}",
+      "%none (p: f32[8]) -> f32[8] {", "  ROOT %n = f32[8]{0} negate(f32[8]{0} %p)", "}",
+      "%body (p: f32[8]) -> f32[8] {",
+      "  ROOT %b = f32[8]{0} call(f32[8]{0} %p), to_apply=%shared", "}",
+      "%cond (p: f32[8]) -> pred[] {", "  ROOT %c = pred[] constant(true)", "}",
+      "ENTRY %main (p: f32[8], i: pred[]) -> f32[8] {",
+      "  %a = f32[8]{0} call(f32[8]{0} %p), to_apply=%shared",
+      "  %w = f32[8]{0} while(f32[8]{0} %a), condition=%cond, body=%body, "
+      'backend_config={"known_trip_count":{"n":"3"}}',
+      "  ROOT %k = f32[8]{0} conditional(pred[] %i, f32[8]{0} %w, f32[8]{0} %w), "
+      "true_computation=%twice, false_computation=%none", "}"])
+  (c,) = jaxaccum.Collectives.from_text(text)  # one op, in a computation called from 4 sites
+  # Once from ENTRY, 3 times from the loop's body, twice from the true branch.
+  assert c.executions == 1 + 3 + 2 and c.conditional and c.loop_depth == 1
+  got = jaxaccum.Collectives.from_text(text)
+  assert got.max_executions() == 1 + 3 + 2  # the true branch runs more than the false one
+  assert str(got).splitlines()[2].split()[-1] == "≤6"
+  # Without the conditional every run is certain.
+  exact = jaxaccum.Collectives.from_text(text.replace(
+      "conditional(pred[] %i, f32[8]{0} %w, f32[8]{0} %w), true_computation=%twice, "
+      "false_computation=%none", "call(f32[8]{0} %w), to_apply=%body"))
+  assert [(c.executions, c.conditional) for c in exact] == [(1 + 3 + 1, False)]
+  assert exact.max_executions() == 5 and "≤" not in str(exact)
+
+
 # --------------------------------------------------------------- never runs fn
 
 
