@@ -78,8 +78,10 @@ def local_value_and_grad(
     ``((value, aux), grads)``), each leaf with the leading axis of the ``D`` shards.
 
   Raises:
-    ValueError, TypeError: a bad ``data_axis``, ``mesh`` or ``reduce``; at trace time, a
-      batch whose size is not a multiple of ``D``.
+    ValueError, TypeError: a bad ``data_axis``, ``mesh`` or ``reduce``, or ``argnums``
+      and ``batch_argnums`` naming one argument; at trace time, a batch whose size is not
+      a multiple of ``D``, or such an overlap seen only once negative positions are
+      resolved.
 
   >>> import jax, jax.numpy as jnp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -119,6 +121,7 @@ def local_value_and_grad(
         "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
   diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
   batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
+  _split.check_disjoint({"argnums": diff, "batch_argnums": batch})  # same-sign positions
   if accumulate:
     inner = _api.value_and_grad(fun, argnums=argnums, batch_argnums=batch_argnums,
                                 has_aux=has_aux, reduce=reduce, **accumulate)
@@ -130,6 +133,7 @@ def local_value_and_grad(
     shards = math.prod(m.shape[a] for a in axes)
     diff_j = _split.resolve_argnums("argnums", diff, len(args))
     batch_j = _split.resolve_argnums("batch_argnums", batch, len(args))
+    _split.check_disjoint({"argnums": diff_j, "batch_argnums": batch_j})
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
     arrays, in_specs = list(args), []
     for j, arg in enumerate(args):

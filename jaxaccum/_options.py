@@ -76,6 +76,18 @@ def _check_rng_argnames(rng_argnames: Any, batch_names: tuple[str, ...]) -> tupl
   return rng_names
 
 
+def _check_roles(done: dict[str, Any], state: tuple[int, ...]) -> tuple[int, ...]:
+  """Raises when two roles name one argument by positions of the same sign (``1`` twice,
+  or ``-1`` twice), which needs no call; ``-1`` against ``1`` is checked at the call
+  (:meth:`Options.roles`), which knows how many arguments there are. Returns ``state``."""
+  roles = {"argnums": done["argnums"], "batch_argnums": done["batch_argnums"],
+           "rng_argnums": done["rng_argnums"], "state_argnums": state}
+  if done["batch_optional"]:  # the default argument 1 is a batch only where it is free
+    del roles["batch_argnums"]
+  _split.check_disjoint(roles)
+  return state
+
+
 def _check_policy(name: str, policy: Any) -> Callable[..., bool] | None:
   if policy is not None and not callable(policy):
     raise TypeError(
@@ -145,8 +157,8 @@ class Options:
       "rng_argnums", raw["rng_argnums"], allow_empty=True))
   rng_argnames: tuple[str, ...] = option(lambda raw, done: _check_rng_argnames(
       raw["rng_argnames"], done["batch_argnames"]))
-  state_argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
-      "state_argnums", raw["state_argnums"], allow_empty=True))
+  state_argnums: tuple[int, ...] = option(lambda raw, done: _check_roles(
+      done, _split.normalize_argnums("state_argnums", raw["state_argnums"], allow_empty=True)))
   state_is_tuple: bool = option(lambda raw, done: isinstance(raw["state_argnums"],
                                                              (tuple, list)))
   accumulator_dtype: np.dtype | None = _given("accumulator_dtype", _reduce.check_dtype)

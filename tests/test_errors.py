@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -206,3 +207,43 @@ def test_batch_argument_without_arrays():
   with pytest.raises(ValueError, match=r"the batch argument 1 \('b'\) has no array leaves, "
                      r"got dict \{\}"):
     call(fun=lambda w, b: jnp.sum(w), args=(W, {}))
+
+
+@pytest.mark.parametrize("roles, message", [
+    ({"argnums": 1}, "argnums=(1,) and batch_argnums=(1,) overlap at argument(s) [1]"),
+    ({"argnums": (0, 2), "batch_argnums": (1, 2)},
+     "argnums=(0, 2) and batch_argnums=(1, 2) overlap at argument(s) [2]"),
+    ({"rng_argnums": 1}, "batch_argnums=(1,) and rng_argnums=(1,) overlap at argument(s) [1]"),
+    ({"state_argnums": -1, "batch_argnums": -1},
+     "batch_argnums=(-1,) and state_argnums=(-1,) overlap at argument(s) [-1]"),
+    ({"argnums": 2, "rng_argnums": 2}, "argnums=(2,) and rng_argnums=(2,) overlap"),
+])
+def test_overlapping_roles_raise_when_the_transform_is_built(roles, message):
+  """As the docstring says: bad options raise at construction, no call needed."""
+  for build in (jaxaccum.value_and_grad, jaxaccum.grad):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      build(loss, num_micro_batches=2, **roles)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    jaxaccum.local_value_and_grad(loss, data_axis="data", num_micro_batches=2, **roles)
+  if set(roles) <= {"argnums", "batch_argnums"}:  # its own options, without micro-batches
+    with pytest.raises(ValueError, match=re.escape(message)):
+      jaxaccum.local_value_and_grad(loss, data_axis="data", **roles)
+
+
+def test_overlap_known_only_at_the_call():
+  """argnums=-1 and batch_argnums=1 name one argument only when the call has two."""
+  fn = jaxaccum.value_and_grad(loss, num_micro_batches=2, argnums=-1)  # builds
+  with pytest.raises(ValueError, match=re.escape(
+      "argnums=(1,) and batch_argnums=(1,) overlap at argument(s) [1]")):
+    fn(W, BATCH)
+  mesh = jax.make_mesh((8,), ("data",))
+  fn = jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh, argnums=-1)
+  with pytest.raises(ValueError, match=re.escape(
+      "argnums=(1,) and batch_argnums=(1,) overlap at argument(s) [1]")):
+    fn(W, BATCH)
+  # The default batch argument with batch_argnames applies only where it has no other role.
+  fn = jaxaccum.value_and_grad(lambda w, v, *, batch: loss(w + v, batch), num_micro_batches=2,
+                               argnums=1, batch_argnames="batch")
+  value, grads = fn(W, jnp.zeros(3), batch=BATCH)
+  expected = jax.value_and_grad(lambda v: loss(W + v, BATCH))(jnp.zeros(3))
+  chex.assert_trees_all_close((value, grads), expected, rtol=1e-6)
