@@ -346,7 +346,8 @@ class _Transform:
     ``(value, extra, grads, info)``."""
     opts = self.options
     run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
-    return run(opts, args, kwargs, active)
+    with jax.named_scope(_transform.call_scope(self.name)):
+      return run(opts, args, kwargs, active)
 
   def __repr__(self) -> str:
     return f"<jaxaccum.{self.name} of {self.options.fun!r}>"

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _api, _sharding, _split
+from jaxaccum import _api, _sharding, _split, _transform
 from jaxaccum._types import ArgNums
 
 
@@ -129,6 +129,10 @@ def local_value_and_grad(
     inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def local_fn(*args: Any) -> Any:
+    with jax.named_scope(_transform.call_scope("local_value_and_grad")):
+      return run(*args)
+
+  def run(*args: Any) -> Any:
     m = _sharding._resolve_mesh(mesh, axes)
     shards = math.prod(m.shape[a] for a in axes)
     diff_j = _split.resolve_argnums("argnums", diff, len(args))

@@ -869,8 +869,16 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
 
 
 # The names of the three steps in the compiled program's op_name metadata and in profiles.
+# A step that computes nothing leaves no op to carry its name: "reduce" runs only with a
+# cross-device combine, and "finalize" under reduce="sum" only where it casts.
 SCOPES = {"scan": "jaxaccum/micro_batches", "combine": "jaxaccum/reduce",
           "finalize": "jaxaccum/finalize"}
+
+
+def call_scope(name: str) -> str:
+  """The scope around a whole call of the public transform ``name`` (``"value_and_grad"``):
+  the three steps' scopes sit inside it, with the split and the data-parallel placement."""
+  return f"jaxaccum.{name}"
 
 
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
