@@ -87,13 +87,10 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     fun, closed = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
     for j in roles.diff:
       largs[j] = _sharding._vary(largs[j], axes)
-    shard = lax.axis_index(axes)
     for j in roles.rng:
-      largs[j] = jax.tree.map(lambda k: jax.random.fold_in(k, shard),
-                              _sharding._vary(largs[j], axes))
+      largs[j] = fold_shard(largs[j], axes)
     for k in roles.rng_names:
-      lkwargs[k] = jax.tree.map(lambda key: jax.random.fold_in(key, shard),
-                                _sharding._vary(lkwargs[k], axes))
+      lkwargs[k] = fold_shard(lkwargs[k], axes)
 
     def across(carry, stacked, kinds):
       meta["kinds"] = kinds
@@ -358,6 +355,13 @@ def _gathered_once_bwd(gathers, varying, _, ct):
 
 
 _gathered_once.defvjp(_gathered_once_fwd, _gathered_once_bwd)
+
+
+def fold_shard(keys: PyTree, axes: tuple) -> PyTree:
+  """Inside ``shard_map`` over ``axes``: each key of ``keys`` folded with this device's shard
+  index, ``fold_in(key, d)``, so that the data shards draw different numbers."""
+  shard = lax.axis_index(axes)
+  return jax.tree.map(lambda k: jax.random.fold_in(k, shard), _sharding._vary(keys, axes))
 
 
 def _pin(x: jax.Array, tie: Any) -> jax.Array:

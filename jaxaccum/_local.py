@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _api, _sharding, _split, _transform
-from jaxaccum._types import ArgNums
+from jaxaccum import _api, _data_parallel, _options, _sharding, _transform
+from jaxaccum._types import ArgNames, ArgNums
 
 
 def local_value_and_grad(
@@ -31,9 +32,12 @@ def local_value_and_grad(
     data_axis: str | Sequence[str],
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     argnums: ArgNums = 0,
-    batch_argnums: ArgNums = 1,
+    batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
+    batch_argnames: ArgNames | None = None,
     has_aux: bool = False,
     reduce: str = "mean",
+    rng_argnums: ArgNums | None = None,
+    rng_argnames: ArgNames | None = None,
     **accumulate: Any,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, per data shard and unreduced: no cross-device reduction.
@@ -49,6 +53,12 @@ def local_value_and_grad(
   (taking it costs a scalar all-reduce) and ``jax.tree.map(lambda g: g.sum(0), grads)`` its
   gradients, which is what :class:`jaxaccum.MultiSteps` with ``data_axis`` does once per
   window. ``aux`` keeps each shard's value, stacked along the leading axis.
+
+  Arguments play the roles they play in :func:`jaxaccum.value_and_grad`, by position or by
+  keyword (``batch_argnames``, ``rng_argnames``). A PRNG key reaches shard ``d`` as
+  ``jax.random.fold_in(key, d)``, so that the shards draw different numbers (dropout masks),
+  as under ``value_and_grad(..., data_axis=...)``; with micro-batches, micro-batch ``i`` of
+  the shard gets ``fold_in(fold_in(key, d), i)``.
 
   A loss that is a mean or a sum over rows gives exactly the full batch's gradient. A loss
   that is not (a statistic of the batch such as BatchNorm's, the in-batch negatives of a
@@ -66,22 +76,26 @@ def local_value_and_grad(
       :func:`jax.set_mesh`.
     argnums: the positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: the positional argument(s) that carry the batch (leading axis split
-      over the data shards).
+      over the data shards); argument 1 by default, as in :func:`jaxaccum.value_and_grad`.
+    batch_argnames: keyword argument(s) that carry the batch.
     has_aux: ``fun`` returns ``(value, aux)``.
     reduce: ``"mean"`` or ``"sum"``: what ``fun``'s value is over its rows.
+    rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys), folded
+      per shard (and per micro-batch).
+    rng_argnames: keyword argument(s) holding a PRNG key, likewise.
     **accumulate: options of :func:`jaxaccum.value_and_grad` (``num_micro_batches``,
       ``micro_batch_size``, ``remat``, ...) to also accumulate over micro-batches within
       each device's rows in this call; without them the gradient is taken in one pass.
 
   Returns:
-    A function with ``fun``'s positional arguments returning ``(value, grads)`` (or
+    A function with ``fun``'s arguments (positional and keyword) returning ``(value, grads)`` (or
     ``((value, aux), grads)``), each leaf with the leading axis of the ``D`` shards.
 
   Raises:
-    ValueError, TypeError: a bad ``data_axis``, ``mesh`` or ``reduce``, or ``argnums``
-      and ``batch_argnums`` naming one argument; at trace time, a batch whose size is not
-      a multiple of ``D``, or such an overlap seen only once negative positions are
-      resolved.
+    ValueError, TypeError: a bad ``data_axis``, ``mesh`` or ``reduce``, or two roles
+      naming one argument (as :func:`jaxaccum.value_and_grad`); at trace time, a batch
+      whose size is not a multiple of ``D``, a key argument that is not a key, or an
+      overlap seen only once negative positions are resolved.
 
   >>> import jax, jax.numpy as jnp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -119,56 +133,65 @@ def local_value_and_grad(
         f"the batch axis must be the leading one, got batch_axis={accumulate['batch_axis']!r}. "
         "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
         "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
-  diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
-  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
-  _split.check_disjoint({"argnums": diff, "batch_argnums": batch})  # same-sign positions
-  if accumulate:
-    inner = _api.value_and_grad(fun, argnums=argnums, batch_argnums=batch_argnums,
-                                has_aux=has_aux, reduce=reduce, **accumulate)
-  else:
-    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+  # The core's options, validated once (roles, names and their overlaps); they run the
+  # micro-batches when accumulating, and resolve each call's roles as the core does.
+  core = _api.value_and_grad(
+      fun, argnums=argnums, batch_argnums=batch_argnums, batch_argnames=batch_argnames,
+      has_aux=has_aux, reduce=reduce, rng_argnums=rng_argnums, rng_argnames=rng_argnames,
+      **(accumulate or {"num_micro_batches": 1}))
+  opts = core.options
+  inner = core if accumulate else jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
-  def local_fn(*args: Any) -> Any:
+  def local_fn(*args: Any, **kwargs: Any) -> Any:
     with jax.named_scope(_transform.call_scope("local_value_and_grad")):
-      return run(*args)
+      return run(args, kwargs)
 
-  def run(*args: Any) -> Any:
+  def run(args: tuple, kwargs: dict) -> Any:
     m = _sharding._resolve_mesh(mesh, axes)
     shards = math.prod(m.shape[a] for a in axes)
-    diff_j = _split.resolve_argnums("argnums", diff, len(args))
-    batch_j = _split.resolve_argnums("batch_argnums", batch, len(args))
-    _split.check_disjoint({"argnums": diff_j, "batch_argnums": batch_j})
+    roles = opts.roles(len(args), kwargs)
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
-    arrays, in_specs = list(args), []
-    for j, arg in enumerate(args):
-      if j in batch_j:
-        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
-          if not leaf.ndim or leaf.shape[0] % shards:
-            raise ValueError(
-                f"batch leaf {j}{jax.tree_util.keystr(path)} has shape {leaf.shape}; its "
-                f"leading axis must be a multiple of the {shards} data shards of "
-                f"{_sharding._axes_str(axes, m)}.")
-        if explicit:  # a manual Explicit shard_map needs its input typed as it maps it
-          arrays[j] = jax.tree.map(lambda x, m=m: _reshard_rows(x, m, axes), arg)
-        in_specs.append(PartitionSpec(axes))
-      else:
-        in_specs.append(PartitionSpec())
-    scale = 1 / shards if reduce == "mean" else 1
+    arrays, kw_arrays = list(args), dict(kwargs)
+    size = 0
+    for key in (*roles.batch, *roles.batch_names):
+      where = arrays if isinstance(key, int) else kw_arrays
+      label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
+      for path, leaf in jax.tree_util.tree_leaves_with_path(where[key]):
+        if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % shards:
+          raise ValueError(
+              f"batch leaf {label}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
+              f"its leading axis must be a multiple of the {shards} data shards of "
+              f"{_sharding._axes_str(axes, m)}.")
+        size = size or jnp.shape(leaf)[0]
+      if explicit:  # a manual Explicit shard_map needs its input typed as it maps it
+        where[key] = jax.tree.map(lambda x, m=m: _reshard_rows(x, m, axes), where[key])
+    for j in roles.rng:
+      _transform._check_keys(opts, j, args[j], size, roles.batch)
+    for k in roles.rng_names:
+      _transform._check_keys(opts, k, kwargs[k], size, roles.batch, roles.batch_names)
+    spec = lambda batch: PartitionSpec(axes) if batch else PartitionSpec()  # noqa: E731
+    in_specs = (tuple(spec(j in roles.batch) for j in range(len(args))),
+                {k: spec(k in roles.batch_names) for k in kwargs})
+    piece = 1 / shards if reduce == "mean" else 1  # the pieces sum to the batch's mean
 
-    def per_shard(*largs):
-      largs = list(largs)
-      for j in diff_j:  # varying: the gradient stays this device's own, unreduced
+    def per_shard(largs, lkwargs):
+      largs, lkwargs = list(largs), dict(lkwargs)
+      for j in roles.diff:  # varying: the gradient stays this device's own, unreduced
         largs[j] = _sharding._vary(largs[j], axes)
-      out, grads = inner(*largs)
+      for j in roles.rng:
+        largs[j] = _data_parallel.fold_shard(largs[j], axes)
+      for k in roles.rng_names:
+        lkwargs[k] = _data_parallel.fold_shard(lkwargs[k], axes)
+      out, grads = inner(*largs, **lkwargs)
       value, aux = out if has_aux else (out, None)
-      lead = lambda x, s=scale: (x * s if s != 1 else x)[None]  # noqa: E731
+      lead = lambda x: (x * piece if piece != 1 else x)[None]  # noqa: E731
       value, grads = lead(value), jax.tree.map(lead, grads)
       aux = jax.tree.map(lambda x: _sharding._vary(x, axes)[None], aux)
       return ((value, aux) if has_aux else value), grads
 
-    mapped = jax.shard_map(per_shard, mesh=m, in_specs=tuple(in_specs),
+    mapped = jax.shard_map(per_shard, mesh=m, in_specs=in_specs,
                            out_specs=PartitionSpec(axes), axis_names=frozenset(axes))
-    return mapped(*arrays)
+    return mapped(tuple(arrays), kw_arrays)
 
   local_fn.__doc__ = fun.__doc__
   return local_fn
