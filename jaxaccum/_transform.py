@@ -261,10 +261,11 @@ def _check_keys(opts: Options, argnum: int | str, tree: PyTree, size: int,
     as_batch = f"batch_argnums={tuple(sorted((*batch, argnum)))}"
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not _split.is_key(leaf):
-      shape = np.shape(leaf)
-      typed = jnp.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.prng_key)
-      per_example = shape[:1] == (size,) and (
-          len(shape) == 1 and typed or len(shape) == 2 and _split.is_key(leaf[0]))
+      # Rows of keys: is each row one key? Shape and dtype only, never leaf[0], which on
+      # an array sharded over an Explicit mesh is a gather JAX refuses outside jit.
+      shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
+      per_example = (shape[:1] == (size,) and dtype is not None
+                     and _split.is_key(jax.ShapeDtypeStruct(shape[1:], dtype)))
       hint = (
           f" Its leading axis of size {size} is the batch's: per-example keys are "
           f"per-example data. Pass them as a batch argument ({as_batch}) instead of "

@@ -383,3 +383,32 @@ def test_nnx_loss_closing_over_the_batch_names_the_closure():
     step(model, nnx.Rngs(1))
   assert "named by batch_argnums" not in str(e.value)
   assert "the second argument (rngs) is the batch by default (batch_argnums=1)" in str(e.value)
+
+
+def row_keyed(w, x, k):
+  """Each row scaled by a uniform drawn from its own raw key (rows of ``k``)."""
+  return jnp.mean(jnp.sum(x * w, -1) * jax.vmap(jax.random.uniform)(k))
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint32, jnp.float32])
+def test_rng_argnums_check_reads_only_metadata_of_sharded_arrays(dtype):
+  # A 2-D leaf with the batch's rows is tested for rows of keys; on an Explicit mesh,
+  # outside jit, indexing its first row is a gather that JAX refuses to shard.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  x, _ = data(16, 3)
+  w = jnp.arange(3.0)
+  keys = jax.random.key_data(jax.random.split(jax.random.key(1), 16))
+  x, keys = jax.device_put((x, keys.astype(dtype)), rows)
+  step = jaxaccum.value_and_grad(row_keyed, num_micro_batches=2, rng_argnums=2)
+  hint = ("Its leading axis of size 16 is the batch's: per-example keys are per-example "
+          "data. Pass them as a batch argument (batch_argnums=(1, 2))"
+          if dtype == jnp.uint32 else "Pass one key from jax.random.key(seed)")
+  with pytest.raises(TypeError, match=re.escape(
+      f"rng_argnums names argument 2 ('k'), but its leaf (root) is an array of shape (16, 2) "
+      f"and dtype {np.dtype(dtype)}, not a single PRNG key. {hint}")):
+    step(w, x, keys)
+  if dtype == jnp.uint32:  # the fix the message gives: the keys are split with the batch
+    step = jaxaccum.value_and_grad(row_keyed, num_micro_batches=2, batch_argnums=(1, 2))
+    ref = jax.jit(jax.value_and_grad(row_keyed))(w, np.asarray(x), np.asarray(keys))  # unsharded
+    chex.assert_trees_all_close(jax.jit(step)(w, x, keys), ref, rtol=1e-5, atol=1e-6)
