@@ -86,10 +86,11 @@ class Collective:
       several for an op over a tuple (XLA combines reductions into one such op).
     loop_depth: how many ``while`` loops enclose the op (0: it runs once per call).
     executions: how many times the op runs per call of the program when it runs whenever
-      its computation is reached: the product of the enclosing loops' trip counts, summed
-      over the places that call its computation; ``None`` where a loop's trip count is not
-      in the text. For a ``conditional`` op it is an upper bound: the count if its branch
-      were taken every time.
+      its computation is reached: the product of the enclosing loops' trip counts (plus one
+      for a loop's condition, evaluated once more to stop), summed over the places that
+      call its computation; ``None`` where a loop's trip count is not in the text. For a
+      ``conditional`` op it is an upper bound: the count if its branch were taken every
+      time.
     conditional: whether the op sits in a branch of a ``conditional`` (:func:`jax.lax.cond`,
       :func:`jax.lax.switch`, a micro-batch loop under a traced ``active_micro_batches``),
       on some path from the program's entry: it runs only when its branch is taken, so
@@ -316,9 +317,10 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 class _Call(NamedTuple):
-  """One HLO line's calls: a loop's body and condition (``how="while"``, run ``trip``
-  times, ``None`` if unknown), a conditional's branches (``"branches"``: one of them runs),
-  or other callees (``"call"``: fusions, calls, reductions, each run once)."""
+  """One HLO line's calls: a loop's body, run ``trip`` times (``how="while"``; ``None`` if
+  unknown), and its condition, one more (evaluated before every iteration and once to
+  stop), a conditional's branches (``"branches"``: one of them runs), or other callees
+  (``"call"``: fusions, calls, reductions, each run once)."""
 
   how: str
   callees: tuple[str, ...]
@@ -330,9 +332,11 @@ def _line_calls(line: str) -> Iterator[_Call]:
   found = [(how, c) for how, c in _CALLS.findall(line)
            if not (how == "to_apply" and _OP.search(line))]  # a collective's reduction
   if _WHILE.search(line):
-    trip = _TRIP.search(line)
-    loop = tuple(c for how, c in found if how in ("body", "condition"))
-    yield _Call("while", loop, int(trip.group(1)) if trip else None)
+    match = _TRIP.search(line)
+    trip = int(match.group(1)) if match else None
+    yield _Call("while", tuple(c for how, c in found if how == "body"), trip)
+    yield _Call("while", tuple(c for how, c in found if how == "condition"),
+                None if trip is None else trip + 1)
     found = [(how, c) for how, c in found if how not in ("body", "condition")]
   branches = [n.strip().lstrip("%") for group in _BRANCHES.findall(line)
               for n in group.split(",") if n.strip()] + _TRUE_FALSE.findall(line)

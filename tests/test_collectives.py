@@ -540,3 +540,33 @@ def test_unknown_kind_and_text_without_entry():
     jaxaccum.Collectives.from_text("not HLO")
   with pytest.raises(TypeError, match="mesh must be"):
     jaxaccum.Collectives.from_text(_module("ROOT %c = f32[8] copy(%p)"), mesh=8)
+
+
+def test_a_loops_condition_runs_once_more_than_its_body():
+  # One while line calls two computations, both with an all-reduce: their runs add up, and
+  # the condition, evaluated before every iteration and once more to stop, runs trip + 1
+  # times. (XLA puts a collective in a condition when, e.g., a while_loop's predicate reads
+  # a sharded reduction.)
+  reduce = ", replica_groups={}, to_apply=%add"
+  text = "\n".join([
+      "HloModule m", "",
+      "%add (a: f32[], b: f32[]) -> f32[] {", "  ROOT %s = f32[] add(f32[] %a, f32[] %b)", "}",
+      "%body (p: f32[8]) -> f32[8] {",
+      f"  ROOT %b = f32[8]{{0}} all-reduce(f32[8]{{0}} %p){reduce}", "}",
+      "%cond (p: f32[8]) -> pred[] {",
+      f"  %r = f32[8]{{0}} all-reduce(f32[8]{{0}} %p){reduce}",
+      "  %z = f32[] constant(0)",
+      "  %m = f32[] reduce(f32[8]{0} %r, f32[] %z), dimensions={0}, to_apply=%add",
+      "  ROOT %c = pred[] compare(f32[] %m, f32[] %z), direction=GT", "}",
+      "ENTRY %main (p: f32[8]) -> f32[8] {",
+      "  ROOT %w = f32[8]{0} while(f32[8]{0} %p), condition=%cond, body=%body, "
+      'backend_config={"known_trip_count":{"n":"3"}}', "}"])
+  got = jaxaccum.Collectives.from_text(text)
+  runs = {c.line.split()[0]: (c.executions, c.loop_depth, c.conditional) for c in got}
+  assert runs == {"ROOT": (3, 1, False), "%r": (3 + 1, 1, False)}, runs
+  assert got.max_executions() == 3 + (3 + 1) and got.select(in_loop=True).count() == 2
+  assert str(got).splitlines()[2].split()[-1] == "7", str(got)
+  # Unknown trip count: unknown runs, for either op.
+  unknown = jaxaccum.Collectives.from_text(text.replace(
+      ', backend_config={"known_trip_count":{"n":"3"}}', ""))
+  assert [c.executions for c in unknown] == [None, None] and unknown.max_executions() is None
