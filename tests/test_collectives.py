@@ -545,8 +545,8 @@ def test_unknown_kind_and_text_without_entry():
 def test_a_loops_condition_runs_once_more_than_its_body():
   # One while line calls two computations, both with an all-reduce: their runs add up, and
   # the condition, evaluated before every iteration and once more to stop, runs trip + 1
-  # times. (XLA puts a collective in a condition when, e.g., a while_loop's predicate reads
-  # a sharded reduction.)
+  # times. (jax.lax.while_loop whose predicate sums a sharded array compiles to an
+  # all-reduce in the condition, but with no known trip count; hence hand-written text.)
   reduce = ", replica_groups={}, to_apply=%add"
   text = "\n".join([
       "HloModule m", "",
