@@ -158,6 +158,10 @@ def test_nan_and_single_sample_estimates_hold_k():
   # A finite step after them grows k at once (no warm-up): the held steps left no trace.
   state = update(state, info_for(2, 1.0, 1e6))
   assert int(ab.micro_batches(state)) == 4
+  # Once the averages ask for more, a NaN step still holds k (and the averages).
+  held = update(state, nan._replace(num_micro_batches=jnp.int32(4)))
+  assert int(ab.micro_batches(held)) == 4
+  chex.assert_trees_all_equal(held.noise, state.noise)
   # |G|^2 averaging to <= 0 while tr > 0: the noise dominates, k grows by the limit.
   state = update(ab.init(), info_for(2, -1.0, 10.0))
   assert int(ab.micro_batches(state)) == 4
