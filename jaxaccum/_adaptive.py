@@ -91,13 +91,14 @@ def _check_real(name: str, value: Any, what: str, example: str, *, low: float,
     raise TypeError(
         f"AdaptiveBatch: {name} must be a float ({what}), got {_split.describe(value)}. For "
         f"example {name}={example}.")
-  ok = (value > low if strict else value >= low) and math.isfinite(value)
+  number = float(value)
+  ok = (number > low if strict else number >= low) and math.isfinite(number)
   if not ok:
     bound = f"> {low}" if strict else f">= {low}"
     raise ValueError(
         f"AdaptiveBatch: {name} must be a finite float {bound} ({what}), got "
         f"{name}={value}. For example {name}={example}.")
-  return float(value)
+  return number
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -285,6 +285,9 @@ def test_one_program_while_k_changes_with_samples_and_lr_by_hand():
     tokens += float(np.sum(ran))
     chex.assert_trees_all_close(w, ref_w, rtol=1e-5, atol=1e-6)
     assert AB.sample_count(ab_state) == tokens  # the denominators: real tokens
+    # An optax schedule indexed by samples rather than steps.
+    lr = optax.linear_schedule(LR, 0.0, 1000)(AB.samples(ab_state))
+    np.testing.assert_allclose(lr, LR * (1 - tokens / 1000), rtol=1e-5)
   assert len(set(ks)) >= 3, ks  # k changed at least twice
   assert ks == sorted(ks)
   assert train_step._cache_size() == 1
