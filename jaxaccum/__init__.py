@@ -7,6 +7,8 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
+from jaxaccum._adaptive import AdaptiveBatch as AdaptiveBatch
+from jaxaccum._adaptive import AdaptiveBatchState as AdaptiveBatchState
 from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
 from jaxaccum._api import value_and_grad as value_and_grad
@@ -55,6 +57,8 @@ def __getattr__(name: str):
 
 __all__ = (
     "AccumInfo",
+    "AdaptiveBatch",
+    "AdaptiveBatchState",
     "BatchBroadcastWarning",
     "Collective",
     "Collectives",
