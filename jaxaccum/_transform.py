@@ -396,12 +396,17 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   # the others, so those may be anything (a static flag, a string) even under remat.
   role_pos = tuple(dict.fromkeys(roles.diff + roles.batch + roles.rng + roles.state))
   nd = len(roles.diff)
+  # clip_per_example(example_mask=) names a batch argument that the core reads, not fun.
+  clip = opts.per_example_transform
+  mask = clip.example_mask if isinstance(clip, _stats.ClipPerExample) else None
+  fun_kwargs = {k: v for k, v in kwargs.items() if k != mask}
 
   def inner(count, kw_batch, *role_vals):
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
-    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**kwargs, **kw_batch}))
+    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**fun_kwargs,
+                                                                       **kw_batch}))
     objectives = []
     for g in groups:
       total = 0.0
@@ -629,14 +634,14 @@ class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
     if not any(w in msg for w in ("ndim", "rank", "dimension")):
       return False
     shape, a = self.shapes[0]
-    one = shape[:a] + (1,) + shape[a:]
+    row = shape[:a] + shape[a + 1:]  # one example, as the batch holds it
     raise type(err)(
         f"per_example_transform calls fun on each example as a batch of one, so a batch leaf "
-        f"of shape {shape} reaches fun as {one}: its axis {a + 1} of size 1 looks like an "
-        "extra example axis added for a per-example vmap of one's own (as JAX's DP-SGD "
-        "example's dummy_dim). Drop it (pass the batch as "
-        f"{shape[:a + 1] + shape[a + 2:]}), or pass clip_per_example(..., "
-        f"keep_batch_dim=False) so that fun sees each row without a batch axis. The error "
+        f"whose rows have shape {row} reaches fun as {row[:a] + (1,) + row[a:]}: the axis of "
+        "size 1 after the batch axis looks like an extra example axis added for a "
+        "per-example vmap of one's own (as in JAX's DP-SGD example, dummy_dim=True). Drop it "
+        f"(rows of shape {row[:a] + row[a + 1:]}), or pass clip_per_example(..., "
+        "keep_batch_dim=False) so that fun sees each row as it is. The error "
         f"while tracing fun was: {type(err).__name__}: {msg}") from err
 
 
