@@ -32,6 +32,7 @@ from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
+from jaxaccum._stats import ClipPerExample as ClipPerExample
 from jaxaccum._stats import clip_per_example as clip_per_example
 from jaxaccum._transform import BatchBroadcastWarning as BatchBroadcastWarning
 
@@ -58,6 +59,7 @@ def __getattr__(name: str):
 __all__ = (
     "AccumInfo",
     "BatchBroadcastWarning",
+    "ClipPerExample",
     "Collective",
     "Collectives",
     "DpNoiseState",

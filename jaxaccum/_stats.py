@@ -193,7 +193,7 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       batch and not passed to ``fun``.
 
   Returns:
-    A :class:`ClipPerExample`.
+    A :class:`jaxaccum.ClipPerExample`.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
