@@ -13,6 +13,8 @@ from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
 from jaxaccum._collectives import collectives as collectives
+from jaxaccum._dp import DpNoiseState as DpNoiseState
+from jaxaccum._dp import dp_noise as dp_noise
 from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
@@ -58,6 +60,7 @@ __all__ = (
     "BatchBroadcastWarning",
     "Collective",
     "Collectives",
+    "DpNoiseState",
     "MultiSteps",
     "MultiStepsState",
     "NoiseScale",
@@ -68,6 +71,7 @@ __all__ = (
     "capture_gpu_target",
     "clip_per_example",
     "collectives",
+    "dp_noise",
     "evaluate",
     "grad",
     "local_value_and_grad",
