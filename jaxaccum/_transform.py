@@ -29,12 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _options, _reduce, _sharding, _split, _stats
-
-try:  # the ghost-norm analysis of clip_per_example(method="auto" | "ghost")
-  from jaxaccum import _ghost
-except ImportError:  # pragma: no cover
-  _ghost = None
+from jaxaccum import _ghost, _info, _options, _reduce, _sharding, _split, _stats
 from jaxaccum._options import Options
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import PyTree
@@ -700,16 +695,29 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
     c = clip.factors(norms)
     return c if mask is None else jnp.where(mask, c, 0.0)
 
-  if clip.method == "materialize" or _ghost is None:
-    if clip.method == "ghost":
-      raise NotImplementedError("clip_per_example(method='ghost') is not available yet.")
+  ghost, failed = None, None
+  # nan_safe needs per-example gradients: in the one reweighted backward pass of the ghost
+  # path a non-finite example's NaN reaches the sum even with a factor of 0.
+  if clip.method == "ghost" or (clip.method == "auto" and not clip.nan_safe):
+    try:
+      ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes,
+                                 lambda sq: factors(jnp.sqrt(sq)),
+                                 strict=clip.method == "ghost")
+    except (TypeError, ValueError, NotImplementedError) as e:
+      if clip.method == "ghost":  # "ghost" says why
+        raise
+      failed = e  # "auto": materialised below, where an error of fun's own is raised again
+  if ghost is None:
     outs, grads, norms = clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                      opts.accumulator_dtype)
   else:
-    outs, grads, sq = _ghost.clipped_sum(
-        objective, tuple(diff), xs, in_axes, lambda sq: factors(jnp.sqrt(sq)),
-        strict=clip.method == "ghost")
+    outs, grads, sq = ghost
     norms = jnp.sqrt(sq)
+  if failed is not None:
+    warnings.warn(
+        "clip_per_example(method='auto') materialises every example's gradient: the "
+        f"ghost-norm analysis failed on this program with {type(failed).__name__}: {failed}",
+        UserWarning, stacklevel=2)
   nums, dens, new_state, aux = outs
   new_state = jax.tree.map(lambda s: s[0], new_state)
   return (nums, dens, new_state, aux), grads, norms

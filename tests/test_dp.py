@@ -7,6 +7,7 @@ computed in float64 NumPy, then the sum or the mean. Each ``method`` of
 option the per-example path supports.
 """
 
+import contextlib
 import functools
 
 import chex
@@ -20,7 +21,7 @@ import jaxaccum
 
 B, D, H = 16, 3, 4
 C = 0.5
-METHODS = ("materialize", "auto")
+METHODS = ("materialize", "auto", "ghost")
 
 
 def _problem(seed=0, rows=B):
@@ -162,14 +163,21 @@ def test_weighted_divides_the_clipped_numerators_by_all_tokens(method):
   _close(value, num / den, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", METHODS)
+# Under data_axis (inside shard_map) the ghost-norm analysis re-binds a pvary of the traced
+# program on an input that already varies: "ghost" fails, "auto" materialises and warns.
+@pytest.mark.parametrize("method", [
+    *[m for m in METHODS if m != "ghost"],
+    pytest.param("ghost", marks=pytest.mark.xfail(
+        strict=True, raises=ValueError, reason="ghost-norm replay of pvary in shard_map"))])
 def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
   mesh = jax.make_mesh((8,), ("data",))
   params, batch = _problem(4, rows=32)
   step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2, data_axis="data", mesh=mesh,
                                with_info=True,
                                per_example_transform=jaxaccum.clip_per_example(C, method)))
-  with jax.set_mesh(mesh):
+  warns = (pytest.warns(UserWarning, match="ghost-norm analysis failed") if method == "auto"
+           else contextlib.nullcontext())
+  with jax.set_mesh(mesh), warns:
     grads, info = step(params, batch)
   ref, norms = _loop(mean_loss, params, batch, range(32), divisor=32)
   _close(grads, ref)
@@ -177,10 +185,9 @@ def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_linen_nnx_and_equinox_adapters(method):
+def test_linen_and_equinox_adapters(method):
   import equinox as eqx
   import flax.linen as nn
-  from flax import nnx
 
   clip = jaxaccum.clip_per_example(C, method)
   x, y = _problem(5)[1]
@@ -203,6 +210,32 @@ def test_linen_nnx_and_equinox_adapters(method):
                  range(B), divisor=B)
   _close(grads, ref)
 
+  mlp = eqx.nn.MLP(D, 1, H, 1, key=jax.random.key(1))
+
+  def eqx_loss(m, x, y):
+    return jnp.mean((jax.vmap(m)(x)[:, 0] - y) ** 2)
+
+  _, grads = jaxaccum.eqx.filter_value_and_grad(
+      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example_transform=clip)(
+          mlp, x, y)
+  arrays, static = eqx.partition(mlp, eqx.is_array)
+  ref, _ = _loop(lambda a, b: eqx_loss(eqx.combine(a, static), *b), arrays, (x, y),
+                 range(B), divisor=B)
+  _close(eqx.filter(grads, eqx.is_array), ref)
+
+
+# The NNX adapter differentiates through a custom_jvp (nnx.py's _rebase), a use that the
+# ghost-norm analysis has no rule for yet: "ghost" refuses it, "auto" materialises.
+@pytest.mark.parametrize("method", [
+    *[m for m in METHODS if m != "ghost"],
+    pytest.param("ghost", marks=pytest.mark.xfail(
+        strict=True, raises=ValueError, reason="no ghost-norm rule for custom_jvp_call"))])
+def test_nnx_adapter(method):
+  from flax import nnx
+
+  clip = jaxaccum.clip_per_example(C, method)
+  x, y = _problem(5)[1]
+
   class NnxMlp(nnx.Module):
     def __init__(self, rngs):
       self.l1, self.l2 = nnx.Linear(D, H, rngs=rngs), nnx.Linear(H, 1, rngs=rngs)
@@ -222,19 +255,6 @@ def test_linen_nnx_and_equinox_adapters(method):
                  divisor=B)
   _close(nnx.state(grads), ref)
 
-  mlp = eqx.nn.MLP(D, 1, H, 1, key=jax.random.key(1))
-
-  def eqx_loss(m, x, y):
-    return jnp.mean((jax.vmap(m)(x)[:, 0] - y) ** 2)
-
-  _, grads = jaxaccum.eqx.filter_value_and_grad(
-      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example_transform=clip)(
-          mlp, x, y)
-  arrays, static = eqx.partition(mlp, eqx.is_array)
-  ref, _ = _loop(lambda a, b: eqx_loss(eqx.combine(a, static), *b), arrays, (x, y),
-                 range(B), divisor=B)
-  _close(eqx.filter(grads, eqx.is_array), ref)
-
 
 # --- The options DP users rely on ------------------------------------------------------------
 
@@ -246,7 +266,7 @@ def _nan_safe_step(method):
       per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["materialize", "auto"])  # "ghost" refuses nan_safe
 def test_nan_safe_example_adds_zero_and_keeps_its_micro_batch(method):
   params, (x, y) = _problem(6)
   batch = (x, y.at[5].set(jnp.nan))
@@ -342,6 +362,8 @@ def test_concrete_bad_clip_norms_raise():
     jaxaccum.clip_per_example(1.0, "fast")
   with pytest.raises(TypeError, match="nan_safe must be a bool"):
     jaxaccum.clip_per_example(1.0, nan_safe=1)
+  with pytest.raises(ValueError, match="nan_safe=True needs each example's gradient"):
+    jaxaccum.clip_per_example(1.0, "ghost", nan_safe=True)
   with pytest.raises(ValueError, match=r"batch_argnames=\(\) does not name it"):
     jaxaccum.grad(mean_loss, num_micro_batches=2,
                   per_example_transform=jaxaccum.clip_per_example(1.0, example_mask="mask"))
