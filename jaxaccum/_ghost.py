@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxaccum import _stats
+from jaxaccum import _sharding, _stats
 from jaxaccum._types import PyTree
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -349,8 +349,10 @@ def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Ar
   return fn
 
 
-def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array) -> jax.Array:
-  """The squared norm of one example's gradient through ``site`` (``saved``: other operands)."""
+def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
+                  axes: tuple = ()) -> jax.Array:
+  """The squared norm of one example's gradient through ``site`` (``saved``: other operands;
+  ``axes``: the ``shard_map`` axes the leaf varies over)."""
   if site.kind == "dot":
     a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
     return _sq_outer(a, b)
@@ -359,18 +361,22 @@ def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array) -> jax.Array:
   if site.kind == "slice":
     return jnp.sum(jnp.square(_f32(g)))
   anchor = site.view.anchor
-  _, vjp = jax.vjp(_site_fn(site, saved), jnp.zeros(anchor.shape, anchor.dtype))
+  zero = _sharding._vary(jnp.zeros(anchor.shape, anchor.dtype), axes)
+  _, vjp = jax.vjp(_site_fn(site, saved), zero)
   return jnp.sum(jnp.square(_f32(vjp(g)[0])))
 
 
 def _zero_cotangent(x: Any) -> Any:
   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
-    return jnp.zeros_like(x)
+    return _sharding._vary(jnp.zeros_like(x), tuple(_sharding._varying(x)))
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _tap(site: _Site) -> Callable[..., Any]:
-  """``tap(y, saved, acc) = y``, whose backward rule adds ``site``'s norm to ``acc``'s cotangent."""
+def _tap(site: _Site, axes: tuple, leaf_axes: tuple) -> Callable[..., Any]:
+  """``tap(y, saved, acc) = y``, whose backward rule adds ``site``'s norm to ``acc``'s cotangent.
+
+  ``axes``, ``leaf_axes``: the ``shard_map`` axes ``acc`` and the leaf vary over.
+  """
 
   @jax.custom_vjp
   def tap(y, saved, acc):
@@ -382,7 +388,8 @@ def _tap(site: _Site) -> Callable[..., Any]:
     return y, saved
 
   def bwd(saved, g):
-    return g, jax.tree.map(_zero_cotangent, saved), _site_sq_norm(site, saved, g)
+    sq = _sharding._vary(_site_sq_norm(site, saved, g, leaf_axes), axes)
+    return g, jax.tree.map(_zero_cotangent, saved), sq
 
   tap.defvjp(fwd, bwd)
   return tap
@@ -504,7 +511,8 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       y = _bind(eqn, vals)
       if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
         y = y + jnp.zeros((), y.dtype) * acc.astype(y.dtype)
-      outs = [_tap(site)(y, saved, acc)]
+      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])))
+      outs = [tap(y, saved, acc)]
     elif here in plan.probes:
       site = plan.probes[here]
       acts[here] = vals[1 - site.pos]
@@ -548,25 +556,34 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 # --- the entry point --------------------------------------------------------------------------
 
 
-def _one_example(xs: PyTree, in_axes: Any) -> tuple[PyTree, int]:
-  """One example's avals (what ``jax.vmap(in_axes=)`` passes) and the number of examples."""
+def _trace(f: Callable[..., Any], leaves: list, treedef: Any, xs: PyTree,
+           in_axes: Any) -> tuple[Any, Any, int]:
+  """``(jaxpr of f on one example, its output tree, the number of examples)``.
+
+  The example is traced as ``jax.vmap`` passes it (inside the vmap, so that its type keeps
+  what the caller's context gives it, e.g. the varying axes of a ``shard_map``).
+  """
   got = {}
 
   def grab(x):
-    got["x"] = jax.tree.map(
-        lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype,
-                                       weak_type=getattr(t.aval, "weak_type", False)), x)
+    got["jaxpr"], shape = jax.make_jaxpr(
+        lambda ls, x: f(jax.tree.unflatten(treedef, ls), x), return_shape=True)(leaves, x)
+    got["tree"] = jax.tree.structure(shape)
     return jnp.zeros(())
 
   n = jax.eval_shape(jax.vmap(grab, in_axes=(in_axes,)), xs).shape[0]
-  return got["x"], n
+  return got["jaxpr"], got["tree"], n
+
+
+def _leaf_axes(xs: PyTree, in_axes: Any) -> list[int | None]:
+  """Per leaf of ``xs``: its batch axis (``in_axes`` is a prefix tree, as ``jax.vmap`` takes)."""
+  per = jax.tree.map(lambda a, sub: [a] * len(jax.tree.leaves(sub)), in_axes, xs,
+                     is_leaf=lambda a: a is None)
+  return [m for ms in jax.tree.leaves(per, is_leaf=lambda m: isinstance(m, list)) for m in ms]
 
 
 def _mapped(xs: PyTree, in_axes: Any) -> list[bool]:
-  """Per leaf of ``xs``: whether ``in_axes`` maps it (a prefix tree, as ``jax.vmap`` takes)."""
-  per = jax.tree.map(lambda a, sub: [a is not None] * len(jax.tree.leaves(sub)), in_axes, xs,
-                     is_leaf=lambda a: a is None)
-  return [m for ms in jax.tree.leaves(per, is_leaf=lambda m: isinstance(m, list)) for m in ms]
+  return [a is not None for a in _leaf_axes(xs, in_axes)]
 
 
 def _inexact(x: Any) -> bool:
@@ -617,8 +634,7 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
   """
   leaves = jax.tree.leaves(diff)
   treedef = jax.tree.structure(diff)
-  x1, _ = _one_example(xs, in_axes)
-  closed = jax.make_jaxpr(lambda ls, x: f(jax.tree.unflatten(treedef, ls), x))(leaves, x1)
+  closed, _, _ = _trace(f, leaves, treedef, xs, in_axes)
   taps, _, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
   tapped = {s.leaf for s in taps.values()}
   out = {}
@@ -631,7 +647,7 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
 
 def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple,
                 xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
-                strict: bool) -> tuple[PyTree, tuple, jax.Array]:
+                strict: bool, norms: bool = False) -> tuple[PyTree, tuple, jax.Array]:
   """Per-example clipped gradient sum without per-example gradients where possible.
 
   Args:
@@ -644,20 +660,17 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       floating leaves) ``-> (E,)`` float32 factors ``c_e``; called once.
     strict: raise a ``ValueError`` naming the primitive and the leaf for a use without a
       ghost-norm rule, instead of materialising that leaf's per-example gradients.
+    norms: pass norms rather than squared norms to ``weigh`` and return them: a norm above
+      about 1.8e19, whose square overflows float32, is then still finite.
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
-    ``sum_e c_e grad_e f(diff, x_e)`` with ``diff``'s structure and dtypes, and the ``(E,)``
-    float32 squared norms.
+    ``sum_e c_e grad_e f(diff, x_e)`` with ``diff``'s structure and dtypes (an example
+    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite), and the
+    ``(E,)`` float32 squared norms (the norms with ``norms=True``).
   """
   leaves, treedef = jax.tree.flatten(diff)
-  x1, n = _one_example(xs, in_axes)
-
-  def flat(ls, x):
-    return f(jax.tree.unflatten(treedef, ls), x)
-
-  closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(leaves, x1)
-  out_tree = jax.tree.structure(out_shape)
+  closed, out_tree, n = _trace(f, leaves, treedef, xs, in_axes)
   taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
   if strict and fallback:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
@@ -673,6 +686,10 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   probe_keys = list(probes)
   fb_keys = list(fallback)
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
+  # Under shard_map: the per-example inputs vary over the axes any input varies over.
+  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
+      (leaves, xs, closed.consts)) if _sharding._is_array(x) or isinstance(x, jax.core.Tracer))),
+      key=str))
 
   def example(ghost, fb, acc, pv, x):
     ls = list(leaves)
@@ -687,45 +704,69 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   def batched(ghost, fb, acc, pv):
     return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes))(ghost, fb, acc, pv, xs)
 
-  fb0 = [jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k]))) for k in fb_keys]
-  acc0 = jnp.zeros((n,), jnp.float32)
+  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
+                         for k in fb_keys], axes)
+  acc0 = _sharding._vary(jnp.zeros((n,), jnp.float32), axes)
   pv0 = []
   for key in probe_keys:
     aval = probes[key].eqn.outvars[0].aval
-    pv0.append(jnp.zeros((n, *aval.shape), aval.dtype))
+    pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
   objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0, acc0,
                                           pv0, has_aux=True)
-  _, fb_grads, sq, cots = vjp(jnp.ones_like(objectives))
-  sq = sq + sum((jax.vmap(_stats.sq_norm)(g) for g in fb_grads), jnp.zeros((n,), jnp.float32))
   where = {key: j for j, key in enumerate(probe_keys)}
-  for sites in multi.values():
-    js = [where[s.path] for s in sites]
-    sq = sq + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
-        [acts[j] for j in js], [cots[j] for j in js])
+
+  def squares(seed):  # the first backward pass: each example's squared norm (times seed^2)
+    _, fb_grads, sq, cots = vjp(jnp.full_like(objectives, seed))
+    sq = sq + sum((jax.vmap(_stats.sq_norm)(g) for g in fb_grads), jnp.zeros_like(sq))
+    for sites in multi.values():
+      js = [where[s.path] for s in sites]
+      sq = sq + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
+          [acts[j] for j in js], [cots[j] for j in js])
+    return sq, fb_grads
+
+  sq, fb_grads = squares(1.0)
+  if norms:
+    # A norm above ~1.8e19 overflows its square in float32: those examples' squares again
+    # with every cotangent scaled by 2^-64, only when one overflowed.
+    got = jnp.sqrt(sq)
+    if jnp.finfo(objectives.dtype).max > 1e38:
+      def rescue(_):
+        small = jnp.sqrt(squares(2.0 ** -64)[0]) * 2.0 ** 64
+        return jnp.where(jnp.isinf(sq) & jnp.isfinite(small), small, got)
+      got = jax.lax.cond(jnp.any(jnp.isinf(sq)), rescue, lambda _: got, None)
+    sq = got
   c = jnp.asarray(weigh(sq), jnp.float32)
-  ghost_grads, _, _, _ = vjp(c.astype(objectives.dtype))
+  ghost_grads = vjp(c.astype(objectives.dtype))[0]
+  # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own
+  # loss or activations are not finite (0 * NaN would poison the sum): only then, run the
+  # reweighted backward pass again with those examples' inputs replaced by a live one's.
+  dead = c == 0
+
+  def again(_):
+    src = jnp.where(dead, jnp.argmax(c), jnp.arange(n))
+    xs2 = jax.tree.unflatten(jax.tree.structure(xs), [
+        x if a is None else jnp.take(x, src, axis=a)
+        for x, a in zip(jax.tree.leaves(xs), _leaf_axes(xs, in_axes), strict=True)])
+    def plain(ghost, x):
+      ls = list(leaves)
+      for k, v in zip(ghost_keys, ghost, strict=True):
+        ls[k] = v
+      return f(jax.tree.unflatten(treedef, ls), x)[0]
+
+    _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
+                      [leaves[k] for k in ghost_keys])
+    redo = vjp2(c.astype(objectives.dtype))[0]
+    return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
+                        if _inexact(g) else g, redo)
+
+  if ghost_keys:
+    ghost_grads = jax.lax.cond(jnp.any(dead) & ~_stats.all_finite(ghost_grads), again,
+                               lambda _: ghost_grads, None)
   grads = list(leaves)
   for k, g in zip(ghost_keys, ghost_grads, strict=True):
     grads[k] = g
   for k, g in zip(fb_keys, fb_grads, strict=True):
-    grads[k] = jnp.tensordot(c, _f32(g), axes=1, precision=_HIGHEST).astype(g.dtype)
+    ce = c.reshape(c.shape + (1,) * (g.ndim - 1))
+    grads[k] = jnp.sum(_stats.scale(_f32(g), ce), axis=0).astype(g.dtype)
   return outs, jax.tree.unflatten(treedef, grads), sq
 
-
-def materialized_clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]],
-                             diff: tuple, xs: PyTree, in_axes: Any,
-                             weigh: Callable[[jax.Array], jax.Array]
-                             ) -> tuple[PyTree, tuple, jax.Array]:
-  """:func:`clipped_sum` by materialising every example's gradient (the reference)."""
-
-  def example(x):
-    objective, vjp, out = jax.vjp(lambda *d: f(d, x), *diff, has_aux=True)
-    return out, vjp(jnp.ones_like(objective))
-
-  outs, grads = jax.vmap(example, in_axes=(in_axes,))(xs)
-  sq = jax.vmap(_stats.sq_norm)(grads)
-  c = jnp.asarray(weigh(sq), jnp.float32)
-  grad_sum = jax.tree.map(
-      lambda g: (jnp.tensordot(c, _f32(g), axes=1, precision=_HIGHEST).astype(g.dtype)
-                 if _inexact(g) else g[0]), grads)
-  return outs, grad_sum, sq
