@@ -114,13 +114,6 @@ class ClipPerExample:
       if not isinstance(getattr(self, name), bool):
         raise TypeError(
             f"clip_per_example: {name} must be a bool, got {name}={getattr(self, name)!r}.")
-    if self.nan_safe and self.method == "ghost":
-      raise ValueError(
-          "clip_per_example: nan_safe=True needs each example's gradient, and "
-          "method='ghost' computes the clipped sum in one backward pass, where a non-finite "
-          "example's NaN reaches every gradient even with a clip factor of 0. Use "
-          "method='auto' (which materialises the per-example gradients under nan_safe) or "
-          "method='materialize'.")
     if self.example_mask is not None and not (isinstance(self.example_mask, str)
                                               and self.example_mask.isidentifier()):
       raise TypeError(
@@ -188,8 +181,7 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       per-example gradients for the other leaves.
     nan_safe: an example whose gradient (or norm) is not finite contributes zero to the
       gradient and to the value, instead of making its micro-batch non-finite (which
-      ``skip_nonfinite`` would drop whole). It still counts in a mean's divisor. It needs
-      the per-example gradients: ``"auto"`` materialises them, ``"ghost"`` is refused.
+      ``skip_nonfinite`` would drop whole). It still counts in a mean's divisor.
     keep_batch_dim: ``True`` (the default): ``fun`` sees each example as a batch of one
       (leading axis 1). ``False``: the batch axis is dropped, so ``fun`` sees one row
       ``x[j]``; with a batch of shape ``(users, rows_per_user, ...)`` each user is one

@@ -696,13 +696,10 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
     return c if mask is None else jnp.where(mask, c, 0.0)
 
   ghost, failed = None, None
-  # nan_safe needs per-example gradients: in the one reweighted backward pass of the ghost
-  # path a non-finite example's NaN reaches the sum even with a factor of 0.
-  if clip.method == "ghost" or (clip.method == "auto" and not clip.nan_safe):
-    try:
-      ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes,
-                                 lambda sq: factors(jnp.sqrt(sq)),
-                                 strict=clip.method == "ghost")
+  if clip.method != "materialize":
+    try:  # norms=True: the norms themselves, finite even where their squares overflow
+      ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
+                                 strict=clip.method == "ghost", norms=True)
     except (TypeError, ValueError, NotImplementedError) as e:
       if clip.method == "ghost":  # "ghost" says why
         raise
@@ -711,8 +708,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
     outs, grads, norms = clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                      opts.accumulator_dtype)
   else:
-    outs, grads, sq = ghost
-    norms = jnp.sqrt(sq)
+    outs, grads, norms = ghost
   if failed is not None:
     warnings.warn(
         "clip_per_example(method='auto') materialises every example's gradient: the "

@@ -7,7 +7,6 @@ computed in float64 NumPy, then the sum or the mean. Each ``method`` of
 option the per-example path supports.
 """
 
-import contextlib
 import functools
 
 import chex
@@ -166,21 +165,14 @@ def test_weighted_divides_the_clipped_numerators_by_all_tokens(method):
   _close(value, num / den, rtol=1e-5)
 
 
-# Under data_axis (inside shard_map) the ghost-norm analysis re-binds a pvary of the traced
-# program on an input that already varies: "ghost" fails, "auto" materialises and warns.
-@pytest.mark.parametrize("method", [
-    *[m for m in METHODS if m != "ghost"],
-    pytest.param("ghost", marks=pytest.mark.xfail(
-        strict=True, raises=ValueError, reason="ghost-norm replay of pvary in shard_map"))])
+@pytest.mark.parametrize("method", METHODS)
 def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
   mesh = jax.make_mesh((8,), ("data",))
   params, batch = _problem(4, rows=32)
   step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2, data_axis="data", mesh=mesh,
                                with_info=True,
                                per_example_transform=jaxaccum.clip_per_example(C, method)))
-  warns = (pytest.warns(UserWarning, match="ghost-norm analysis failed") if method == "auto"
-           else contextlib.nullcontext())
-  with jax.set_mesh(mesh), warns:
+  with jax.set_mesh(mesh):
     grads, info = step(params, batch)
   ref, norms = _loop(mean_loss, params, batch, range(32), divisor=32)
   _close(grads, ref)
@@ -269,7 +261,7 @@ def _nan_safe_step(method):
       per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))
 
 
-@pytest.mark.parametrize("method", ["materialize", "auto"])  # "ghost" refuses nan_safe
+@pytest.mark.parametrize("method", ALL)
 def test_nan_safe_example_adds_zero_and_keeps_its_micro_batch(method):
   params, (x, y) = _problem(6)
   batch = (x, y.at[5].set(jnp.nan))
@@ -370,8 +362,6 @@ def test_concrete_bad_clip_norms_raise():
     jaxaccum.clip_per_example(1.0, "fast")
   with pytest.raises(TypeError, match="nan_safe must be a bool"):
     jaxaccum.clip_per_example(1.0, nan_safe=1)
-  with pytest.raises(ValueError, match="nan_safe=True needs each example's gradient"):
-    jaxaccum.clip_per_example(1.0, "ghost", nan_safe=True)
   with pytest.raises(ValueError, match=r"batch_argnames=\(\) does not name it"):
     jaxaccum.grad(mean_loss, num_micro_batches=2,
                   per_example_transform=jaxaccum.clip_per_example(1.0, example_mask="mask"))
@@ -400,7 +390,8 @@ def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
 # --- Defects ---------------------------------------------------------------------------------
 
 
-def test_clip_of_a_gradient_whose_squared_norm_overflows_float32():
+@pytest.mark.parametrize("method", ALL)
+def test_clip_of_a_gradient_whose_squared_norm_overflows_float32(method):
   big = {"w": jnp.array([3e19, 4e19])}  # |g| = 5e19, |g|^2 = 2.5e39 > float32's max
   _close(jaxaccum.clip_per_example(1.0)(big)["w"], np.array([0.6, 0.8]))
   params, batch = _problem(11)
@@ -409,7 +400,7 @@ def test_clip_of_a_gradient_whose_squared_norm_overflows_float32():
     return 1e20 * mean_loss(p, batch)
 
   grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.
-                        clip_per_example(C, "materialize"))(params, batch)
+                        clip_per_example(C, method))(params, batch)
   # Every example's gradient is 1e20 times mean_loss's, far above C: clipped to C along it.
   unit = [_clip_np(_jgrad(mean_loss)(params, _rows(batch, j)), np.inf) for j in range(B)]
   ref = _total([jax.tree.map(lambda g, n=n: g * C / n, g) for g, n in unit], B)
