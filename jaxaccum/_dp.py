@@ -27,11 +27,12 @@ class DpNoiseState(NamedTuple):
 def _positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
   if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.number)):
     raise TypeError(f"dp_noise: {name} must be a number, got {name}={value!r}.")
-  if not (float(value) >= 0 if allow_zero else float(value) > 0) or not np.isfinite(value):
+  v = float(value)
+  if not (v >= 0 if allow_zero else v > 0) or not np.isfinite(v):
     raise ValueError(
         f"dp_noise: {name} must be {'non-negative' if allow_zero else 'positive'} and "
         f"finite, got {name}={value!r}.")
-  return float(value)
+  return v
 
 
 def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,

@@ -65,11 +65,11 @@ def _check_max_norm(max_norm: Any) -> Any:
     raise TypeError(
         "clip_per_example: max_norm must be a scalar (one norm for every example), got "
         f"an array of shape {tuple(np.shape(max_norm))}.")
-  if hasattr(max_norm, "dtype") and not (jnp.issubdtype(max_norm.dtype, jnp.floating)
-                                         or jnp.issubdtype(max_norm.dtype, jnp.integer)):
+  dtype = getattr(max_norm, "dtype", None)
+  if dtype is not None and not (jnp.issubdtype(dtype, jnp.floating)
+                                or jnp.issubdtype(dtype, jnp.integer)):
     raise TypeError(
-        "clip_per_example: max_norm must be a real number, got an array of dtype "
-        f"{max_norm.dtype}.")
+        f"clip_per_example: max_norm must be a real number, got an array of dtype {dtype}.")
   try:
     value = float(max_norm)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,

@@ -500,7 +500,7 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   leaf, along = next((x, a) for v, ax in batch
                      for x, a in zip(jax.tree.leaves(v), jax.tree.leaves(ax), strict=True))
   rows = leaf.shape[along]
-  if mask is not None and mask.shape != (rows,):
+  if clip is not None and mask is not None and mask.shape != (rows,):
     raise ValueError(
         f"clip_per_example(example_mask={clip.example_mask!r}): the mask must hold one bool "
         f"per example (shape (batch,)), but a micro-batch of {rows} rows gets a mask of "
@@ -547,7 +547,7 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   acc = opts.accumulator_dtype
   # An example that adds nothing: padding (the mask), or a non-finite one under nan_safe.
   keep = None if mask is None else mask
-  if clip is not None and clip.nan_safe:
+  if clip is not None and clip.nan_safe and norms is not None:
     fin = jnp.isfinite(norms)
     keep = fin if keep is None else keep & fin
 
@@ -905,7 +905,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
       stats = _sample_stats(opts, problem, out, stats, keep)
     ys = jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
     norms = carry.norms
-    if norms is not None:  # recorded whether or not skip_nonfinite keeps the micro-batch
+    if norms is not None and out.norms is not None:  # kept or skipped by skip_nonfinite
       norms = lax.dynamic_update_index_in_dim(norms, out.norms.astype(norms.dtype), i, 1)
     return Carry(num, den, grads, aux, state, stats, norms), ys
 
