@@ -276,7 +276,7 @@ def test_nan_safe_example_adds_zero_and_keeps_its_micro_batch(method):
 @pytest.mark.parametrize("method", ALL)
 def test_example_mask_removes_padding_from_sum_and_count_without_recompiling(method):
   params, (x, y) = _problem(7)
-  y = y.at[::5].set(1e3)  # padding rows hold garbage
+  y = y.at[::5].set(1e3).at[15].set(jnp.nan)  # padding rows hold garbage (row 15: in both)
   traces = []
 
   def loss(p, batch):
