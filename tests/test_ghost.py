@@ -337,3 +337,36 @@ def test_flax_and_equinox_models():
     return jnp.sum(jax.vmap(eqx.combine(d[0], static))(b) ** 2), ()
 
   check(eqx_loss, (params,), x)
+
+
+def test_an_example_with_factor_zero_adds_zero_even_where_not_finite():
+  # nan_safe and padding masks give c_e = 0; 0 * NaN in the reweighted backward pass would
+  # poison the sum, so those examples' inputs are replaced before it is run again.
+  x, y = MLP_DATA
+  y = y.at[2].set(jnp.nan)
+
+  def safe(sq):
+    return jnp.where(jnp.isfinite(sq), weigh(sq), 0.0)
+
+  _, grads, sq = jax.jit(lambda d, b: _ghost.clipped_sum(mlp, d, b, 0, safe, strict=True))(
+      (mlp_params(),), (x, y))
+  keep = np.array([0, 1, 3, 4])
+  _, ref, ref_sq = reference(mlp, (mlp_params(),), (x[keep], y[keep]))
+  assert np.isnan(sq[2])
+  chex.assert_trees_all_close(sq[keep], ref_sq, rtol=1e-5)
+  chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_norms_whose_square_overflows_float32():
+  # norms=True: weigh gets norms, which stay finite above ~1.8e19 (squares above 3.4e38).
+  def huge(d, b):
+    return 1e20 * mlp(d, b)[0], ()
+
+  _, grads, norms = jax.jit(lambda d, b: _ghost.clipped_sum(
+      huge, d, b, 0, lambda n: 1.0 / n, strict=True, norms=True))((mlp_params(),), MLP_DATA)
+  per = jax.vmap(lambda b: jax.grad(lambda d: mlp(d, b)[0])((mlp_params(),)))(MLP_DATA)
+  unit = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+                      for g in jax.tree.leaves(per)))
+  chex.assert_trees_all_close(norms, 1e20 * unit, rtol=1e-5)
+  chex.assert_trees_all_close(grads, jax.tree.map(
+      lambda g: jnp.einsum("e,e...->...", 1.0 / unit, g), per), rtol=1e-5, atol=1e-6)
