@@ -15,6 +15,8 @@ from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
 from jaxaccum._collectives import collectives as collectives
+from jaxaccum._dp import DpNoiseState as DpNoiseState
+from jaxaccum._dp import dp_noise as dp_noise
 from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
@@ -32,6 +34,7 @@ from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
+from jaxaccum._stats import ClipPerExample as ClipPerExample
 from jaxaccum._stats import clip_per_example as clip_per_example
 from jaxaccum._transform import BatchBroadcastWarning as BatchBroadcastWarning
 
@@ -60,8 +63,10 @@ __all__ = (
     "AdaptiveBatch",
     "AdaptiveBatchState",
     "BatchBroadcastWarning",
+    "ClipPerExample",
     "Collective",
     "Collectives",
+    "DpNoiseState",
     "MultiSteps",
     "MultiStepsState",
     "NoiseScale",
@@ -72,6 +77,7 @@ __all__ = (
     "capture_gpu_target",
     "clip_per_example",
     "collectives",
+    "dp_noise",
     "evaluate",
     "grad",
     "local_value_and_grad",

@@ -493,7 +493,7 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   state = jax.tree.map(lambda s: _reduce.combine_state(s, axes), carry.state)
   stats = lax.psum(carry.stats, axes)
   carry = carry._replace(num=num, den=den, grads=tuple(grads), aux=aux, state=state,
-                         stats=stats)
+                         stats=stats, norms=_transform.gather_norms(carry.norms, axes))
   return carry, stacked
 
 

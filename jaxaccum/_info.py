@@ -56,6 +56,12 @@ class AccumInfo(NamedTuple):
       ``skip_nonfinite=True`` (0 otherwise).
     terms: the value of each loss term, each normalised by its own rule, when ``reduce``
       is a dict of terms; ``None`` otherwise.
+    example_grad_norms: under ``per_example_transform=jaxaccum.clip_per_example(C)``, a
+      float32 vector of each example's gradient L2 norm before clipping, in the batch's
+      row order (all ``B`` rows, every data shard's, padding included; NaN for the rows of
+      micro-batches that did not run under ``active_micro_batches``), for monitoring and
+      adaptive clipping (e.g. the fraction clipped, ``mean(norms > C)``); ``None``
+      otherwise. Under ``keep_batch_dim=False`` one entry per unit.
   """
 
   num_micro_batches: jax.Array
@@ -66,6 +72,7 @@ class AccumInfo(NamedTuple):
   num_samples: jax.Array
   skipped: jax.Array
   terms: Any = None
+  example_grad_norms: Any = None
 
   def grad_sq_norm_estimate(self) -> jax.Array:
     """The unbiased estimate of the true gradient's squared norm ``|G|^2``."""

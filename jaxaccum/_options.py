@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum import _reduce, _sharding, _split
+from jaxaccum import _reduce, _sharding, _split, _stats
 from jaxaccum._types import AxisName
 
 
@@ -149,8 +149,8 @@ class Options:
       raw["batch_axis"], done["batch_argnums"], done["batch_argnames"], done["batch_optional"]))
   has_aux: bool = _given("has_aux", _check_bool)
   reduce: Any = option(lambda raw, done: _reduce.check_reduce(raw["reduce"]))
-  terms: tuple[_reduce.Term, ...] = option(
-      lambda raw, done: _reduce.make_terms(done["reduce"], raw["loss_weights"]))
+  terms: tuple[_reduce.Term, ...] = option(lambda raw, done: masked_terms(
+      _reduce.make_terms(done["reduce"], raw["loss_weights"]), raw["per_example_transform"]))
   aux_reduce: Any = option(lambda raw, done: _check_aux_reduce(raw["aux_reduce"],
                                                                done["has_aux"]))
   rng_argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
@@ -175,7 +175,7 @@ class Options:
   skip_nonfinite: bool = _given("skip_nonfinite", _check_bool)
   per_example_transform: Callable[[Any], Any] | None = option(
       lambda raw, done: check_per_example(raw["per_example_transform"], done["reduce"],
-                                          done["terms"]))
+                                          done["terms"], done["batch_argnames"]))
   # The last micro-batch runs after the scan (data_axis).
   overlap_grad_reduce: bool = option(
       lambda raw, done: check_overlap(raw["overlap_grad_reduce"], done["data_axis"]))
@@ -293,11 +293,34 @@ def check_overlap(overlap: Any, axes: Any) -> bool:
   return overlap
 
 
-def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...]) -> Any:
+def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_reduce.Term, ...]:
+  """Under ``clip_per_example(example_mask=)`` a mean divides by the real examples: its
+  kind becomes :data:`jaxaccum._reduce.MASKED_MEAN`."""
+  if not (isinstance(transform, _stats.ClipPerExample) and transform.example_mask):
+    return terms
+  return tuple(dataclasses.replace(t, kind=_reduce.MASKED_MEAN) if t.kind.rows_mean else t
+               for t in terms)
+
+
+def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...],
+                      batch_names: tuple[str, ...] = ()) -> Any:
   """``per_example_transform``: a callable, and a loss whose terms share one normalisation
   (the transform sees each example's whole gradient, so there is one divisor to apply)."""
   if transform is None:
     return None
+  mask = getattr(transform, "example_mask", None) if isinstance(
+      transform, _stats.ClipPerExample) else None
+  if mask is not None and mask not in batch_names:
+    raise ValueError(
+        f"clip_per_example(example_mask={mask!r}) names the keyword argument holding one "
+        f"bool per example, but batch_argnames={batch_names!r} does not name it, so it "
+        f"would not be split with the batch. Add it: batch_argnames=({mask!r},), and call "
+        f"the step with {mask}=mask.")
+  if mask is not None and not isinstance(reduce, str):
+    raise ValueError(
+        f"clip_per_example(example_mask={mask!r}) takes a single loss (reduce='mean', "
+        f"'sum' or 'weighted'), got reduce={reduce!r}: return the total of the terms as "
+        "one loss.")
   if not callable(transform):
     raise TypeError(
         "per_example_transform must be a function from one example's gradient to a gradient "

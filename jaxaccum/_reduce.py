@@ -229,13 +229,19 @@ def _concat_finalize(c: jax.Array | None, st: jax.Array | None, s: Any, d: Any,
   return _split.merge(st, axis)
 
 
+def _concat_over_rows(v: jax.Array, w: Any, acc: Any, axis: int = 0) -> jax.Array:
+  """A micro-batch's examples, each a batch of one (rows along ``axis``), as its rows."""
+  return _split.merge(v, axis)
+
+
 def _rows_along(red: Reduction, axis: int) -> Reduction:
   """A per-example reduction whose rows lie along ``axis`` of the leaf."""
   if axis == red.axis:
     return red
   if red.finalize is _concat_finalize:
     return dataclasses.replace(red, axis=axis,
-                               finalize=functools.partial(_concat_finalize, axis=axis))
+                               finalize=functools.partial(_concat_finalize, axis=axis),
+                               over_rows=functools.partial(_concat_over_rows, axis=axis))
   return dataclasses.replace(red, axis=axis)
 
 
@@ -300,7 +306,7 @@ AUX_REDUCTIONS: dict[str, Reduction] = {
         combine=lambda st, axes, is_sum: st,  # rows stay on their shard, gathered in order
         finalize=_concat_finalize,
         per_micro_batch=True, numeric_only=False, per_example=True,
-        over_rows=lambda v, w, acc: v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])),
+        over_rows=_concat_over_rows),
 }
 AUX_REDUCTIONS = {k: dataclasses.replace(r, name=repr(k)) for k, r in AUX_REDUCTIONS.items()}
 
@@ -368,7 +374,8 @@ def check_aux_reduce(spec: Any) -> None:
     _entry(x)
 
 
-def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0) -> PyTree:
+def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0,
+                       one_example: str | None = None) -> PyTree:
   """Expands ``spec`` (an entry, or a pytree prefix of aux with entries or None) to aux.
 
   An entry is a name of :data:`AUX_REDUCTIONS`, a :class:`Reduction` or an optax
@@ -377,6 +384,10 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0) 
   that every leaf can be reduced as asked; ``rows``, the rows of one micro-batch, is the
   size that a per-example (``"concat"``) leaf must have along ``axis`` (the batch axis,
   :func:`jaxaccum._split.common_axis`; negative counts from the end of the leaf).
+  ``one_example`` says that ``aux_shapes`` are one example's, under
+  ``per_example_transform``: ``"batch_of_one"`` (``rows`` is 1; a scalar leaf is that
+  example's row) or ``"row"`` (``fun`` saw the row without a batch axis: every leaf is
+  the example's row, stacked along the batch axis).
   """
   if _is_spec_leaf(spec):
     red = _entry(spec)
@@ -415,6 +426,12 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0) 
           f"aux leaf {where} has dtype {dtype}, which cannot be reduced with aux_reduce "
           f"{kind}. Mark it aux_reduce='stack' (one entry per micro-batch) or return it "
           "outside aux.")
+    if red.per_example and one_example is not None and (one_example == "row"
+                                                        or s.shape == ()):
+      a = axis % (len(s.shape) + 1) if axis and s.shape else 0
+      out.append(dataclasses.replace(
+          red, over_rows=lambda v, w, acc, a=a: jnp.moveaxis(v, 0, a)))
+      continue
     if red.per_example and s.shape == ():
       raise ValueError(
           f"aux leaf {where} is a scalar, so aux_reduce {kind} has no "
@@ -515,6 +532,11 @@ LOSS_KINDS: dict[str, LossKind] = {
     "weighted": LossKind("weighted", pair=True, returns="(numerator, denominator)",
                          divisor=DENOMINATOR, weighs=True),
 }
+# A "mean" under an example mask (clip_per_example(example_mask=)): fun returns the mean as
+# usual; the per-example path sums the real examples' values and counts them as the
+# denominator, so the mean divides by the real examples of the whole batch.
+MASKED_MEAN = dataclasses.replace(LOSS_KINDS["mean"], divisor=DENOMINATOR, weighs=True,
+                                  rows_mean=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """Statistics of gradient pytrees shared by the core and :class:`jaxaccum.MultiSteps`.
 
-One definition each of the squared norm behind :class:`jaxaccum.AccumInfo` (and behind
-:func:`clip_per_example`, the per-example norm clip) and of the test that
-``skip_nonfinite`` applies. Every leaf is tested in its own dtype: a finite
-float64 value above float32's range is finite.
+One definition each of the squared norm behind :class:`jaxaccum.AccumInfo`, of the L2 norm
+behind :func:`clip_per_example` (computed so that it does not overflow), of the clip's
+factors, and of the test that ``skip_nonfinite`` applies. Every leaf is tested in its own
+dtype: a finite float64 value above float32's range is finite.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,21 +35,165 @@ def all_finite(tree: PyTree) -> jax.Array:
   return functools.reduce(jnp.logical_and, leaves, jnp.ones((), jnp.bool_))
 
 
-def clip_per_example(max_norm: float | jax.Array) -> Callable[[PyTree], PyTree]:
+def norm(tree: PyTree) -> jax.Array:
+  """The L2 norm of the floating leaves of a pytree, in float32, without overflow.
+
+  The leaves are divided by their largest absolute entry before squaring, so a gradient
+  whose squared norm is beyond float32's range (a norm above about 1.8e19) still has a
+  finite norm. NaN if an entry is NaN, inf if one is infinite (and none is NaN).
+  """
+  leaves = [jnp.asarray(x).astype(jnp.float32) for x in _inexact(tree)]
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves])
+  scale = jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
+  total = functools.reduce(jnp.add, [jnp.sum(jnp.square(x / scale)) for x in leaves])
+  return jnp.where(jnp.isfinite(peak), scale * jnp.sqrt(total), peak)
+
+
+METHODS = ("auto", "ghost", "materialize")
+
+
+def _check_max_norm(max_norm: Any) -> Any:
+  """A concrete clip norm must be a positive scalar (inf: no clipping); a traced one is
+  checked where it is used (:meth:`ClipPerExample.factors`)."""
+  if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float, np.number))
+                                        or hasattr(max_norm, "dtype")):
+    raise TypeError(
+        f"clip_per_example: max_norm must be a positive number, got max_norm={max_norm!r}.")
+  if np.shape(max_norm) != ():
+    raise TypeError(
+        "clip_per_example: max_norm must be a scalar (one norm for every example), got "
+        f"an array of shape {tuple(np.shape(max_norm))}.")
+  dtype = getattr(max_norm, "dtype", None)
+  if dtype is not None and not (jnp.issubdtype(dtype, jnp.floating)
+                                or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(
+        f"clip_per_example: max_norm must be a real number, got an array of dtype {dtype}.")
+  try:
+    value = float(max_norm)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+          TypeError):
+    return max_norm  # traced: see ClipPerExample.factors
+  if not value > 0:
+    raise ValueError(
+        f"clip_per_example: max_norm must be positive, got max_norm={max_norm!r}; an "
+        "example's gradient is scaled to at most this L2 norm (a NaN or a norm of 0 or "
+        "less would leave it unclipped, zero it or flip it).")
+  return max_norm
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> Any:
+  if not isinstance(value, str) or value not in choices:
+    raise ValueError(
+        f"clip_per_example: {name} must be one of {', '.join(map(repr, choices))}, got "
+        f"{name}={value!r}.")
+  return value
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClipPerExample:
+  """What :func:`clip_per_example` returns: the DP-SGD clip as a ``per_example_transform``.
+
+  Called on one example's gradient it returns the gradient clipped. Passed as
+  ``per_example_transform=``, the core recognises it and takes the clip path: each
+  example's norm, then the factor :meth:`factors`, then one sum of the gradients weighted
+  by the factors (see :func:`clip_per_example` for the fields).
+  """
+
+  max_norm: Any
+  method: str = "auto"
+  nan_safe: bool = False
+  keep_batch_dim: bool = True
+  example_mask: str | None = None
+
+  def __post_init__(self):
+    _check_max_norm(self.max_norm)
+    _check_choice("method", self.method, METHODS)
+    for name in ("nan_safe", "keep_batch_dim"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(
+            f"clip_per_example: {name} must be a bool, got {name}={getattr(self, name)!r}.")
+    if self.example_mask is not None and not (isinstance(self.example_mask, str)
+                                              and self.example_mask.isidentifier()):
+      raise TypeError(
+          "clip_per_example: example_mask must be the name of a keyword batch argument "
+          f"(e.g. example_mask='mask'), got example_mask={self.example_mask!r}.")
+
+  def factors(self, norms: jax.Array) -> jax.Array:
+    """Each example's clip factor from its gradient's L2 norm (float32, any shape).
+
+    ``min(1, max_norm / norm)``, 1 for a zero gradient. A non-finite norm gives NaN (the
+    gradient stays visibly non-finite, for ``skip_nonfinite``), or 0 under ``nan_safe``
+    (the example adds nothing). A traced ``max_norm`` that is not positive (or NaN) gives
+    NaN factors: a gradient of NaN rather than a flipped or unclipped one.
+    """
+    norms = jnp.asarray(norms, jnp.float32)
+    limit = jnp.asarray(self.max_norm, jnp.float32)
+    c = jnp.where(norms > limit, limit / jnp.where(norms > limit, norms, 1.0), 1.0)
+    c = jnp.where(jnp.isfinite(norms), c, 0.0 if self.nan_safe else jnp.nan)
+    return jnp.where(limit > 0, c, jnp.nan)
+
+  def __call__(self, grads: PyTree) -> PyTree:
+    """Clips one example's gradient (a pytree) to L2 norm ``max_norm``."""
+    c = self.factors(norm(grads))
+    return jax.tree.map(lambda g: scale(g, c) if _is_inexact(g) else g, grads)
+
+
+def _is_inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+
+
+def scale(g: jax.Array, c: jax.Array) -> jax.Array:
+  """``c * g`` in ``g``'s dtype, exactly zero where ``c`` is 0 (even where ``g`` is not
+  finite: a clip factor of 0 removes an example)."""
+  g = jnp.asarray(g)
+  out = g * c.astype(g.dtype)
+  return jnp.where(c == 0, jnp.zeros_like(out), out)
+
+
+def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
+                     nan_safe: bool = False, keep_batch_dim: bool = True,
+                     example_mask: str | None = None) -> ClipPerExample:
   """A ``per_example_transform`` that clips each example's gradient to a global L2 norm.
 
-  The returned function scales a gradient pytree ``g`` by ``min(1, max_norm / |g|)``, where
-  ``|g|`` is the L2 norm over all its floating leaves (computed in float32): the per-example
-  clipping of DP-SGD (Abadi et al., 2016). Pass it as ``per_example_transform=`` to
-  :func:`jaxaccum.value_and_grad` or :func:`jaxaccum.grad`, which apply it to each
-  example's gradient before the mean. Unlike ``optax.per_example_global_norm_clip``, which
-  takes gradients with a batch axis and returns their clipped sum, it takes one example's
-  gradient and returns it clipped; a NaN norm leaves the gradient as it is (NaN), for
-  ``skip_nonfinite`` to see.
+  Each example's gradient ``g`` is scaled by ``min(1, max_norm / |g|)``, where ``|g|`` is
+  the L2 norm over all its floating leaves (in float32, computed without overflow): the
+  per-example clipping of DP-SGD (Abadi et al., 2016). Pass it as
+  ``per_example_transform=`` to :func:`jaxaccum.value_and_grad` or :func:`jaxaccum.grad`
+  (or an adapter): the gradient returned is then the mean (or sum) of the clipped
+  per-example gradients. With ``with_info=True`` the :class:`jaxaccum.AccumInfo` holds each
+  example's norm before clipping (``example_grad_norms``). Called on one example's
+  gradient, it returns that gradient clipped.
 
   Args:
-    max_norm: the largest L2 norm an example's gradient keeps; a positive number, or a
-      scalar array (e.g. a schedule's value inside a jitted step).
+    max_norm: the largest L2 norm an example's gradient keeps: a positive number (``inf``
+      clips nothing), or a scalar array (e.g. a schedule's value inside a jitted step). A
+      concrete value that is not positive raises ``ValueError``; a traced one that is not
+      positive (or NaN) makes the gradients NaN, which ``skip_nonfinite`` drops.
+    method: how the clipped sum is computed. ``"materialize"``: each example's gradient is
+      formed under ``jax.vmap``, its norm taken, and the gradients summed with their
+      factors (memory: micro-batch size x parameters). ``"ghost"``: the norms come from
+      the activations and output gradients of the layers that use each parameter (ghost
+      norms), and the clipped sum from one backward pass of the factor-weighted losses,
+      without per-example gradients; a parameter use it does not recognise raises an
+      error naming it. ``"auto"`` (the default): ghost norms where they are recognised,
+      per-example gradients for the other leaves.
+    nan_safe: an example whose gradient (or norm) is not finite contributes zero to the
+      gradient and to the value, instead of making its micro-batch non-finite (which
+      ``skip_nonfinite`` would drop whole). It still counts in a mean's divisor.
+    keep_batch_dim: ``True`` (the default): ``fun`` sees each example as a batch of one
+      (leading axis 1). ``False``: the batch axis is dropped, so ``fun`` sees one row
+      ``x[j]``; with a batch of shape ``(users, rows_per_user, ...)`` each user is one
+      unit, clipped as a whole (user-level DP).
+    example_mask: the name of a keyword batch argument (named in ``batch_argnames``)
+      holding one bool per example, ``False`` for padding: padding examples add nothing to
+      the gradient, the value and the aux means, and a mean divides by the real examples
+      only, so a batch padded to a fixed size needs no recompilation. It is split with the
+      batch and not passed to ``fun``.
+
+  Returns:
+    A :class:`jaxaccum.ClipPerExample`.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
@@ -56,21 +201,4 @@ def clip_per_example(max_norm: float | jax.Array) -> Callable[[PyTree], PyTree]:
   >>> clip({"w": jnp.array([3.0, 4.0])})["w"], clip({"w": jnp.array([0.3, 0.4])})["w"]
   (Array([0.6, 0.8], dtype=float32), Array([0.3, 0.4], dtype=float32))
   """
-  if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float, np.number))
-                                        or hasattr(max_norm, "dtype")):
-    raise TypeError(
-        f"clip_per_example: max_norm must be a positive number, got max_norm={max_norm!r}.")
-  if isinstance(max_norm, (int, float, np.number)) and not float(max_norm) > 0:
-    raise ValueError(
-        f"clip_per_example: max_norm must be positive, got max_norm={max_norm!r}; an "
-        "example's gradient is scaled to at most this L2 norm.")
-
-  def clip(grads: PyTree) -> PyTree:
-    norm = jnp.sqrt(sq_norm(grads))
-    limit = jnp.asarray(max_norm, jnp.float32)
-    scale = jnp.where(norm > limit, limit / norm, jnp.float32(1.0))
-    return jax.tree.map(
-        lambda g: (g * scale.astype(g.dtype)) if jnp.issubdtype(jnp.asarray(g).dtype,
-                                                                jnp.inexact) else g, grads)
-
-  return clip
+  return ClipPerExample(max_norm, method, nan_safe, keep_batch_dim, example_mask)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _options, _reduce, _sharding, _split, _stats
+from jaxaccum import _ghost, _info, _options, _reduce, _sharding, _split, _stats
 from jaxaccum._options import Options
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import PyTree
@@ -66,6 +66,9 @@ class Carry(NamedTuple):
   aux: PyTree  # per aux leaf: its reduction's carry (None for per-micro-batch kinds)
   state: tuple  # the threaded state arguments
   stats: Stats
+  # (rows, N): each example's gradient norm before clipping, column i for micro-batch i
+  # (clip_per_example with with_info; NaN for micro-batches not run), else None.
+  norms: jax.Array | None = None
 
 
 class Group(NamedTuple):
@@ -340,6 +343,7 @@ class Micro(NamedTuple):
   state: tuple
   aux: PyTree
   grads: tuple  # per group
+  norms: jax.Array | None = None  # (rows,): each example's gradient norm (the clip path)
 
 
 class Problem(NamedTuple):
@@ -388,12 +392,17 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   # the others, so those may be anything (a static flag, a string) even under remat.
   role_pos = tuple(dict.fromkeys(roles.diff + roles.batch + roles.rng + roles.state))
   nd = len(roles.diff)
+  # clip_per_example(example_mask=) names a batch argument that the core reads, not fun.
+  clip = opts.per_example_transform
+  mask = clip.example_mask if isinstance(clip, _stats.ClipPerExample) else None
+  fun_kwargs = {k: v for k, v in kwargs.items() if k != mask}
 
   def inner(count, kw_batch, *role_vals):
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
-    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**kwargs, **kw_batch}))
+    nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**fun_kwargs,
+                                                                       **kw_batch}))
     objectives = []
     for g in groups:
       total = 0.0
@@ -423,10 +432,11 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     vals = [call_args[j] for j in role_pos]
     diff, rest = vals[:nd], vals[nd:]
     grads = []
+    norms = None
     if opts.evaluating:  # forward only: no jax.vjp, no gradients
       _, (nums, dens, new_state, aux) = inner(count, {**kw, **kw_keys}, *vals)
     elif opts.per_example_transform is not None:
-      nums, dens, new_state, aux, example_grads = per_example(
+      nums, dens, new_state, aux, example_grads, norms = per_example(
           opts, groups, lambda kw1, d, r: inner(count, kw1, *d, *r), diff, kw, kw_keys, rest,
           tuple(role_pos[nd:]), roles, axis)
       grads = [example_grads]
@@ -440,7 +450,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
         grads.append(vjp(cot))
     if roles.state:
       state = _check_state(opts, roles.state, state, new_state)
-    return Micro(nums, dens, state, aux, tuple(grads))
+    return Micro(nums, dens, state, aux, tuple(grads), norms if opts.with_info else None)
 
   whole, own = [], []
   for key, tree in [*enumerate(args), *kwargs.items()]:
@@ -466,23 +476,41 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   """One micro-batch's contribution under ``per_example_transform``.
 
   ``jax.vmap`` over the micro-batch's rows runs ``f(kw, diff, rest)`` (``inner``) on each
-  example as a batch of one, transforms each example's gradient, and reduces the examples
-  to the micro-batch's values as the loss kind says (mean or sum; a weighted term sums
-  numerators and denominators) and each aux leaf as its reduction says. Example ``r`` gets
-  ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already folded
-  per micro-batch); state is shared by the examples and must come back the same from each.
-  ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
-  ``(nums, dens, new_state, aux, grads)``.
+  example as a batch of one (``clip_per_example(keep_batch_dim=False)``: on the row itself),
+  transforms each example's gradient, and reduces the examples to the micro-batch's values
+  as the loss kind says (mean or sum; a weighted term sums numerators and denominators) and
+  each aux leaf as its reduction says. A :class:`jaxaccum._stats.ClipPerExample` takes the
+  clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
+  gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
+  folded per micro-batch); state is shared by the examples and must come back the same from
+  each. ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
+  ``(nums, dens, new_state, aux, grads, norms)``, ``norms`` each example's gradient norm
+  before clipping (the clip path; else ``None``).
   """
   assert len(groups) == 1, "check_per_example allows one normalisation"
+  transform = opts.per_example_transform
+  assert transform is not None
+  clip = transform if isinstance(transform, _stats.ClipPerExample) else None
+  keep_dim = clip is None or clip.keep_batch_dim
+  kw = dict(kw)
+  mask = None
+  if clip is not None and clip.example_mask is not None:
+    mask = _example_mask(clip.example_mask, kw.pop(clip.example_mask), axis[clip.example_mask])
   batch = [(v, axis[j]) for v, j in zip(rest, rest_pos, strict=True) if j in roles.batch]
   batch += [(kw[k], axis[k]) for k in kw]
   leaf, along = next((x, a) for v, ax in batch
                      for x, a in zip(jax.tree.leaves(v), jax.tree.leaves(ax), strict=True))
   rows = leaf.shape[along]
+  if clip is not None and mask is not None and mask.shape != (rows,):
+    raise ValueError(
+        f"clip_per_example(example_mask={clip.example_mask!r}): the mask must hold one bool "
+        f"per example (shape (batch,)), but a micro-batch of {rows} rows gets a mask of "
+        f"shape {tuple(mask.shape)}.")
 
   def one_row(tree, axes):
     # (.., b, ..) -> (.., b, 1, ..), mapped over the batch axis: each example a batch of one.
+    if not keep_dim:
+      return tree
     return jax.tree.map(lambda x, a: jnp.expand_dims(x, a + 1), tree, axes)
 
   def keys(tree):
@@ -500,13 +528,136 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
     else:
       mapped.append(v)
       axes.append(None)
-  transform = opts.per_example_transform
-  assert transform is not None
+  xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped))
+  in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes))
 
-  def example(kw1, keys1, rest1):
-    objectives, vjp, out = jax.vjp(lambda *d: f({**kw1, **keys1}, d, rest1), *diff,
-                                   has_aux=True)
-    grads = vjp(tuple(jnp.ones_like(o) for o in objectives))
+  def objective(d, x):
+    kw1, keys1, rest1 = x
+    objectives, out = f({**kw1, **keys1}, d, rest1)
+    return objectives[0], out
+
+  norms = None
+  with _example_rank_hint(keep_dim, batch):
+    if clip is None:
+      (nums, dens, new_state, aux), grads = _transformed(opts, objective, diff, xs, in_axes,
+                                                         transform, roles)
+    else:
+      (nums, dens, new_state, aux), grads, norms = _clipped(
+          opts, objective, diff, xs, in_axes, clip, mask, roles)
+
+  acc = opts.accumulator_dtype
+  # An example that adds nothing: padding (the mask), or a non-finite one under nan_safe.
+  keep = None if mask is None else mask
+  if clip is not None and clip.nan_safe and norms is not None:
+    fin = jnp.isfinite(norms)
+    keep = fin if keep is None else keep & fin
+
+  def over_rows(x, mean):
+    y = x.astype(_reduce.accumulator_dtype_for(x.dtype, acc))
+    if keep is not None:
+      y = jnp.where(keep.reshape(keep.shape + (1,) * (y.ndim - 1)), y, jnp.zeros_like(y))
+    return (jnp.mean(y, axis=0) if mean else jnp.sum(y, axis=0)).astype(x.dtype)
+
+  if mask is not None:  # a masked mean's denominator: its real examples
+    dens = tuple(mask.astype(jnp.float32) if t.kind is _reduce.MASKED_MEAN else
+                 None if d is None else jnp.where(mask, d, jnp.zeros_like(d))
+                 for d, t in zip(dens, opts.terms, strict=True))
+  wt = aux_weight_term(opts)
+  weight = None if wt is None else dens[wt]  # each example's, before the sum
+  nums = tuple(over_rows(v, t.kind.rows_mean) for v, t in zip(nums, opts.terms, strict=True))
+  dens = tuple(None if d is None else jnp.sum(d, axis=0) for d in dens)
+  mean = opts.terms[groups[0].terms[0]].kind.rows_mean
+  if clip is None:
+    grads = jax.tree.map(lambda g: over_rows(g, mean), grads)
+  elif mean:  # the clip path's sum, as a mean over the micro-batch's examples
+    grads = jax.tree.map(lambda g: (g / rows).astype(g.dtype), grads)
+
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux)
+  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes, 1,
+                                     _split.common_axis(opts.batch_axis),
+                                     one_example="batch_of_one" if keep_dim else "row")
+
+  def aux_rows(path, red, x):
+    if red.over_rows is None:
+      raise ValueError(
+          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is reduced with {red.name}, "
+          "which has no per-example rule: per_example_transform runs fun on one example at a "
+          "time, so there is no micro-batch value to reduce. Use 'concat' for per-example "
+          "rows (a scalar per example becomes one row), or 'mean', 'sum', 'max', 'min', "
+          "'all', 'any' for values reduced over the rows, or return that value from a "
+          "separate, plain accumulation.")
+    return red.over_rows(x, weight, acc)
+
+  aux = jax.tree_util.tree_map_with_path(aux_rows, kinds, aux)
+  return nums, dens, new_state, aux, tuple(grads), norms
+
+
+def _example_mask(name: str, mask: Any, axes: Any) -> jax.Array:
+  """The micro-batch's rows of ``clip_per_example(example_mask=)``, as bools."""
+  if not hasattr(mask, "dtype") or not (jnp.issubdtype(mask.dtype, jnp.bool_)
+                                        or jnp.issubdtype(mask.dtype, jnp.number)):
+    raise TypeError(
+        f"clip_per_example(example_mask={name!r}): keyword argument {name!r} must be an "
+        f"array of one bool per example (True: a real example), got {_describe(mask)}.")
+  if axes not in (0, None) and jax.tree.leaves(axes) != [0]:
+    raise ValueError(
+        f"clip_per_example(example_mask={name!r}): the mask has one entry per example along "
+        f"axis 0, but batch_axis gives it axis {axes}. Give the mask batch axis 0.")
+  return jnp.asarray(mask) != 0
+
+
+class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
+  """Re-raises a rank error from tracing ``fun`` on one example with what to drop.
+
+  Porting code that vmaps over examples itself (JAX's DP-SGD example reshapes its images to
+  ``(B, 1, 28, 28, 1)``, a batch of one per example) gives each example a second axis of
+  one here, which a convolution reports as a raw rank error.
+  """
+
+  def __init__(self, keep_dim: bool, batch: list):
+    self.shapes = [] if not keep_dim else [
+        (tuple(x.shape), a) for v, ax in batch
+        for x, a in zip(jax.tree.leaves(v), jax.tree.leaves(ax), strict=True)
+        if x.ndim > a + 1 and x.shape[a + 1] == 1]
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, err, tb):
+    if err is None or not self.shapes or not isinstance(err, (TypeError, ValueError)):
+      return False
+    msg = str(err)
+    if not any(w in msg for w in ("ndim", "rank", "dimension")):
+      return False
+    shape, a = self.shapes[0]
+    row = shape[:a] + shape[a + 1:]  # one example, as the batch holds it
+    raise type(err)(
+        f"per_example_transform calls fun on each example as a batch of one, so a batch leaf "
+        f"whose rows have shape {row} reaches fun as {row[:a] + (1,) + row[a:]}: the axis of "
+        "size 1 after the batch axis looks like an extra example axis added for a "
+        "per-example vmap of one's own (as in JAX's DP-SGD example, dummy_dim=True). Drop it "
+        f"(rows of shape {row[:a] + row[a + 1:]}), or pass clip_per_example(..., "
+        "keep_batch_dim=False) so that fun sees each row as it is. The error "
+        f"while tracing fun was: {type(err).__name__}: {msg}") from err
+
+
+def _state_error(opts: Options) -> TypeError:
+  return TypeError(
+      f"per_example_transform runs fun on one example at a time, and the new state it "
+      f"returns for state_argnums={opts.state_argnums} depends on the example (e.g. "
+      "BatchNorm statistics of its rows): per-example state has no single value to thread "
+      "to the next micro-batch. Per-example gradients need a model without batch "
+      "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
+      "unchanged collection, a step counter) is fine.")
+
+
+def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
+                 in_axes: tuple, transform: Callable[[Any], Any], roles: _options.Roles):
+  """Any ``per_example_transform``: each example's gradient transformed, under vmap.
+  Returns ``(outs, grads)``, both with a leading axis of examples (state: shared)."""
+
+  def example(x):
+    grads, out = jax.grad(objective, has_aux=True)(tuple(diff), x)
     given = grads[0] if opts.argnums_is_int else grads
     new = transform(given)
     if jax.tree.structure(new) != jax.tree.structure(given) or any(
@@ -521,49 +672,80 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
     return out, new
 
   try:
-    (nums, dens, new_state, aux), grads = jax.vmap(
-        example, in_axes=({k: axis[k] for k in kw}, 0, tuple(axes)),
-        out_axes=((0, 0, None, 0), 0))(
-            {k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped))
+    return jax.vmap(example, in_axes=(in_axes,), out_axes=((0, 0, None, 0), 0))(xs)
   except ValueError as e:
     if not (roles.state and "out_axes" in str(e)):
       raise
-    raise TypeError(
-        f"per_example_transform runs fun on one example at a time, and the new state it "
-        f"returns for state_argnums={opts.state_argnums} depends on the example (e.g. "
-        "BatchNorm statistics of its rows): per-example state has no single value to thread "
-        "to the next micro-batch. Per-example gradients need a model without batch "
-        "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
-        "unchanged collection, a step counter) is fine.") from None
+    raise _state_error(opts) from None
 
-  acc = opts.accumulator_dtype
 
-  def over_rows(x, mean):
-    y = x.astype(_reduce.accumulator_dtype_for(x.dtype, acc))
-    return (jnp.mean(y, axis=0) if mean else jnp.sum(y, axis=0)).astype(x.dtype)
+def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
+             in_axes: tuple, clip: _stats.ClipPerExample, mask: jax.Array | None,
+             roles: _options.Roles):
+  """The clip path: ``(outs, clipped gradient sum, norms)``, by ``clip.method``."""
+  if roles.state:  # shared state: the same from every example, checked on shapes only
+    try:
+      jax.eval_shape(jax.vmap(lambda x: objective(tuple(diff), x)[1][2], in_axes=(in_axes,),
+                              out_axes=None), xs)
+    except ValueError as e:
+      if "out_axes" not in str(e):
+        raise
+      raise _state_error(opts) from None
 
-  wt = aux_weight_term(opts)
-  weight = None if wt is None else dens[wt]  # each example's, before the sum
-  nums = tuple(over_rows(v, t.kind.rows_mean) for v, t in zip(nums, opts.terms, strict=True))
-  dens = tuple(None if d is None else jnp.sum(d, axis=0) for d in dens)
-  mean = opts.terms[groups[0].terms[0]].kind.rows_mean
-  grads = jax.tree.map(lambda g: over_rows(g, mean), grads)
+  def factors(norms):
+    c = clip.factors(norms)
+    return c if mask is None else jnp.where(mask, c, 0.0)
 
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux)
-  kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes, 1)
+  ghost, failed = None, None
+  if clip.method != "materialize":
+    try:  # norms=True: the norms themselves, finite even where their squares overflow
+      ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
+                                 strict=clip.method == "ghost", norms=True)
+    except (TypeError, ValueError, NotImplementedError) as e:
+      if clip.method == "ghost":  # "ghost" says why
+        raise
+      failed = e  # "auto": materialised below, where an error of fun's own is raised again
+  if ghost is None:
+    outs, grads, norms = clipped_sum(objective, tuple(diff), xs, in_axes, factors,
+                                     opts.accumulator_dtype)
+  else:
+    outs, grads, norms = ghost
+  if failed is not None:
+    warnings.warn(
+        "clip_per_example(method='auto') materialises every example's gradient: the "
+        f"ghost-norm analysis failed on this program with {type(failed).__name__}: {failed}",
+        UserWarning, stacklevel=2)
+  nums, dens, new_state, aux = outs
+  new_state = jax.tree.map(lambda s: s[0], new_state)
+  return (nums, dens, new_state, aux), grads, norms
 
-  def aux_rows(path, red, x):
-    if red.over_rows is None:
-      raise ValueError(
-          f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is reduced with {red.name}, "
-          "which has no per-example rule: per_example_transform runs fun on one example at a "
-          "time, so there is no micro-batch value to reduce. Use 'concat' for per-example "
-          "rows, or 'mean', 'sum', 'max', 'min', 'all', 'any' for values reduced over the "
-          "rows, or return that value from a separate, plain accumulation.")
-    return red.over_rows(x, weight, acc)
 
-  aux = jax.tree_util.tree_map_with_path(aux_rows, kinds, aux)
-  return nums, dens, new_state, aux, tuple(grads)
+def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
+                weigh: Callable[[jax.Array], jax.Array], accumulator_dtype: Any = None):
+  """The clipped sum with each example's gradient materialised (``method="materialize"``).
+
+  ``f(diff, x) -> (objective, out)`` is one example's objective; ``xs`` the examples,
+  mapped as ``jax.vmap(f, in_axes=(None, in_axes))``. Each example's gradient ``g_e`` is
+  formed under vmap, its norm taken (:func:`jaxaccum._stats.norm`), ``weigh(norms)`` gives
+  the factors ``c_e``, and the result is ``sum_e c_e g_e`` (an example with ``c_e = 0``
+  adds exactly zero). Returns ``(outs, grad_sum, norms)``: the vmapped ``out``, the sum
+  with ``diff``'s structure and dtypes, and the ``(E,)`` float32 norms. The ghost-norm
+  path (``jaxaccum._ghost.clipped_sum``) computes the same without the per-example
+  gradients, from squared norms.
+  """
+  def one(x):
+    g, out = jax.grad(f, has_aux=True)(diff, x)
+    return out, g, _stats.norm(g)
+
+  outs, grads, norms = jax.vmap(one, in_axes=(in_axes,))(xs)
+  c = weigh(norms)
+
+  def total(g):
+    ce = c.reshape(c.shape + (1,) * (g.ndim - 1))
+    acc = _reduce.accumulator_dtype_for(g.dtype, accumulator_dtype)
+    return jnp.sum(_stats.scale(g, ce).astype(acc), axis=0).astype(g.dtype)
+
+  return outs, jax.tree.map(total, grads), norms
 
 
 def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
@@ -686,6 +868,8 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
       state=jax.tree.map(_sharding.conform, problem.state0, shapes.state),
       stats=jax.tree.map(lambda z: _sharding.conform(z, shapes.nums[0]),
                          Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f)),
+      norms=None if shapes.norms is None else _vary_as(
+          jnp.full((problem.rows, n), jnp.nan, jnp.float32), shapes.norms),
   )
   per_mb = jax.tree.map(lambda k, s: s if k.per_micro_batch else None, kinds, shapes.aux)
 
@@ -721,7 +905,10 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     if opts.with_info:
       stats = _sample_stats(opts, problem, out, stats, keep)
     ys = jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
-    return Carry(num, den, grads, aux, state, stats), ys
+    norms = carry.norms
+    if norms is not None and out.norms is not None:  # kept or skipped by skip_nonfinite
+      norms = lax.dynamic_update_index_in_dim(norms, out.norms.astype(norms.dtype), i, 1)
+    return Carry(num, den, grads, aux, state, stats, norms), ys
 
   # overlap_grad_reduce: the last micro-batch that runs (N - 1, or k - 1 for a count k)
   # runs after the loop, so each of its gradients is final as soon as it is added.
@@ -866,7 +1053,19 @@ def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.Acc
       batch_grad_sq_norm=_stats.sq_norm(gb),
       num_samples=samples,
       skipped=st.skipped,
+      example_grad_norms=None if carry.norms is None else carry.norms.reshape(-1),
   )
+
+
+def gather_norms(norms: jax.Array | None, axes: tuple) -> jax.Array | None:
+  """Under ``data_axis``: every shard's ``(rows, N)`` norms in one ``(D * rows, N)`` array,
+  the same on every shard (shard ``s`` holds the batch's ``s``-th block of rows)."""
+  if norms is None:
+    return None
+  shard, shards = lax.axis_index(axes), lax.psum(1, axes)
+  rows = norms.shape[0]
+  full = jnp.zeros((rows * shards,) + norms.shape[1:], norms.dtype)
+  return lax.psum(lax.dynamic_update_slice_in_dim(full, norms, shard * rows, 0), axes)
 
 
 # The names of the three steps in the compiled program's op_name metadata and in profiles.

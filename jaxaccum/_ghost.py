@@ -1,0 +1,772 @@
+"""Per-example clipped gradient sums from ghost norms: the program analysis behind them.
+
+:func:`clipped_sum` computes ``sum_e c_e grad_e`` (``c_e`` from each example's gradient norm)
+without forming the examples' gradients where it can. It traces the objective on one
+example and reads the jaxpr: each differentiated leaf is followed through layout-only
+operations (converts, reshapes, transposes, broadcasts) to its *sites*, the operations that
+use it, and a leaf whose every use has a rule below gets its per-example squared norm in
+closed form from the site's other operand and the site output's cotangent:
+
+===================================  ==========================================================
+site                                 per-example squared norm
+===================================  ==========================================================
+``dot_general`` (dense, attention,   ``sum_h |A_h^T G_h|^2`` (A: the activation's rows, G: the
+output head)                         output cotangent's, h: shared batch dims), as the Gram
+                                     form ``<A A^T, G G^T>`` or directly, whichever is cheaper
+``gather`` of rows (embeddings)      ``sum_{t,u} [i_t = i_u] <g_t, g_u>`` (or the rows'
+                                     segment sums, whichever is cheaper)
+``slice``, ``dynamic_slice``         ``|g|^2`` (one window: no two entries overlap)
+``add``/``sub``/``mul``/``div`` with  ``|vjp(g)|^2``, the leaf-sized gradient formed in the
+a broadcast leaf (biases, scales),   backward pass and reduced at once
+``conv_general_dilated`` kernels
+===================================  ==========================================================
+
+Each single-use leaf's norm is computed *inside* the backward pass: the site's output goes
+through an identity with a custom VJP whose backward rule adds the site's norm to the
+cotangent of a per-example scalar, so no cotangent is stored. A leaf used at several sites
+(tied input and output embeddings) whose sites are all row gathers and matrix products gets
+its cross terms ``2 <G_s, G_t>`` from the sites' stored activations and cotangents. Sites
+inside ``jit``, ``checkpoint`` (remat) and ``lax.scan`` bodies count (a stacked leaf entering a
+scan as ``xs`` gives each iteration its own slice, so the iterations' norms add); anything else
+(a leaf under ``sin``, entering a scan as a constant or a carry, inside a ``custom_jvp``)
+either gets its per-example gradient materialised, that leaf only, or, with ``strict=True``,
+raises an error naming the primitive and the leaf.
+
+The clipped sum is then one more backward pass over the same forward pass: the first call of
+the VJP gives the norms (the weights' cotangents it would give are dead code), the second,
+with cotangents ``c_e``, gives ``sum_e c_e grad_e``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from jaxaccum import _sharding, _stats
+from jaxaccum._types import PyTree
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# Operations that only move, relabel or recast a leaf's entries: its gradient's norm is the
+# norm of the gradient with respect to their output (``neg`` flips signs only).
+_LAYOUT = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "copy",
+                     "copy_p", "neg", "reduce_precision"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+_REMATS = frozenset({"remat2", "checkpoint", "remat"})
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "add_any"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+  """A value derived from differentiated leaf ``leaf`` by layout operations.
+
+  ``perm[d]`` is the leaf dimension of the value's dimension ``d`` while only transposes and
+  converts were applied (``None`` after a reshape); ``post`` holds the broadcasts (and what
+  followed them) after the last norm-preserving value, whose aval is ``anchor``; ``in_scan``
+  says the value is one iteration's slice of a leaf stacked along a scan's ``xs``.
+  """
+
+  leaf: int
+  perm: tuple[int, ...] | None
+  anchor: Any  # jax.core.ShapedArray of the last norm-preserving value
+  post: tuple[Any, ...] = ()  # JaxprEqns applied after the anchor (broadcast_in_dim ...)
+  in_scan: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """One use of a leaf with a norm rule: the equation at ``path`` and how it uses the leaf."""
+
+  leaf: int
+  path: tuple[int, ...]
+  kind: str  # "dot", "gather", "slice", "direct"
+  eqn: Any
+  pos: int  # which operand of eqn is the leaf's view
+  view: _View
+  batched: bool  # whether an operand other than the view depends on the example
+
+
+@dataclasses.dataclass
+class _Analysis:
+  sites: dict[int, list[_Site]] = dataclasses.field(default_factory=dict)
+  bad: dict[int, str] = dataclasses.field(default_factory=dict)  # leaf -> primitive
+
+  def use(self, site: _Site) -> None:
+    self.sites.setdefault(site.leaf, []).append(site)
+
+  def unknown(self, leaf: int, what: str) -> None:
+    self.bad.setdefault(leaf, what)
+
+
+def _read(env: dict, a: Any) -> Any:
+  return a.val if isinstance(a, jcore.Literal) else env[a]
+
+
+def _bind(eqn: Any, args: Sequence[Any]) -> Any:
+  return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def _is_row_gather(eqn: Any) -> bool:
+  """``operand[indices]`` along axis 0: the form of ``jnp.take(table, ids, axis=0)``."""
+  dn = eqn.params["dimension_numbers"]
+  op, idx = (v.aval for v in eqn.invars)
+  return (tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+          and not tuple(dn.operand_batching_dims) and idx.shape[-1:] == (1,)
+          and tuple(eqn.params["slice_sizes"]) == (1, *op.shape[1:])
+          and tuple(dn.offset_dims) == tuple(range(idx.ndim - 1, idx.ndim - 2 + op.ndim)))
+
+
+def _extend(v: _View, eqn: Any) -> _View:
+  """The view after a layout operation or a broadcast."""
+  name = eqn.primitive.name
+  if v.post or name == "broadcast_in_dim":
+    return dataclasses.replace(v, post=(*v.post, eqn))
+  perm = v.perm
+  if name == "transpose" and perm is not None:
+    perm = tuple(perm[d] for d in eqn.params["permutation"])
+  elif name not in ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision"):
+    perm = None
+  return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval)
+
+
+def _deps(jaxpr: Any, deps: Sequence[bool]) -> list[bool]:
+  """Which of ``jaxpr``'s outputs depend on an input marked in ``deps``.
+
+  Under ``jax.vmap`` over the examples these are the batched values. Where unsure (control
+  flow other than ``scan``, a carry that only the body makes example-dependent) this says
+  no: the one use of the answer (:func:`_run` making a tapped output batched) is safe then.
+  """
+  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
+  for eqn in jaxpr.eqns:
+    got = _eqn_deps(eqn, [not isinstance(a, jcore.Literal) and a in dep for a in eqn.invars])
+    dep.update(o for o, d in zip(eqn.outvars, got, strict=True) if d)
+  return [not isinstance(a, jcore.Literal) and a in dep for a in jaxpr.outvars]
+
+
+def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
+  name = eqn.primitive.name
+  if not any(deps):
+    return [False] * len(eqn.outvars)
+  if name in _CALLS:
+    return _deps(eqn.params["jaxpr"].jaxpr, deps)
+  if name in _REMATS:
+    return _deps(eqn.params["jaxpr"], deps)
+  if name == "scan":
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    out = _deps(eqn.params["jaxpr"].jaxpr, deps)
+    return [*(d and out[k] for k, d in enumerate(deps[nc:nc + nk])), *out[nk:]]
+  if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()):
+    return [False] * len(eqn.outvars)
+  return [True] * len(eqn.outvars)
+
+
+def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
+             path: tuple[int, ...], result: _Analysis) -> list[_View | None]:
+  """Finds the sites of the leaves whose views enter ``jaxpr``; returns its outputs' views.
+
+  ``deps``: which inputs depend on the example (see :func:`_deps`).
+  """
+  env: dict[Any, _View] = {}
+  for var, v in zip(jaxpr.invars, views, strict=True):
+    if v is not None:
+      env[var] = v
+  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
+
+  def view(a):
+    return None if isinstance(a, jcore.Literal) else env.get(a)
+
+  def is_dep(a):
+    return not isinstance(a, jcore.Literal) and a in dep
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    vs = [view(a) for a in eqn.invars]
+    ds = [is_dep(a) for a in eqn.invars]
+    dep.update(o for o, d in zip(eqn.outvars, _eqn_deps(eqn, ds), strict=True) if d)
+    if not any(vs):
+      continue
+    here = (*path, i)
+    name = eqn.primitive.name
+    hit = [k for k, v in enumerate(vs) if v is not None]
+    leaves = {vs[k].leaf for k in hit}  # type: ignore[union-attr]
+    first = vs[hit[0]]
+    assert first is not None
+    if name in _LAYOUT or name == "broadcast_in_dim":
+      if name == "convert_element_type" and not jnp.issubdtype(eqn.outvars[0].aval.dtype,
+                                                                jnp.inexact):
+        result.unknown(first.leaf, name)
+      elif len(eqn.invars) == 1:
+        env[eqn.outvars[0]] = _extend(first, eqn)
+      else:
+        result.unknown(first.leaf, name)
+      continue
+    if name in _CALLS or name in _REMATS:
+      sub = eqn.params["jaxpr"]
+      outs = _analyse(sub.jaxpr if name in _CALLS else sub, vs, ds, here, result)
+      env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
+      continue
+    if name == "scan":
+      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      inner: list[_View | None] = []
+      for k, v in enumerate(vs):
+        if v is None:
+          inner.append(None)
+        elif k < nc + nk or v.post:
+          result.unknown(v.leaf, "scan (as a constant)" if k < nc else
+                         "scan (as a carry)" if k < nc + nk else "scan (broadcast into xs)")
+          inner.append(None)
+        else:
+          aval = eqn.params["jaxpr"].jaxpr.invars[k].aval
+          inner.append(_View(v.leaf, None, aval, (), True))
+      outs = _analyse(eqn.params["jaxpr"].jaxpr, inner, ds, here, result)
+      for v in outs:
+        if v is not None:
+          result.unknown(v.leaf, "scan (returned from the body)")
+      continue
+    if len(leaves) == 1 and len(hit) == 1:
+      k = hit[0]
+      kind = None
+      if name == "dot_general":
+        kind = "direct" if first.post else "dot"
+      elif name == "gather" and k == 0:
+        kind = "gather" if not first.post and _is_row_gather(eqn) else "direct"
+      elif name in ("slice", "dynamic_slice") and k == 0:
+        kind = "direct" if first.post else "slice"
+      elif name == "conv_general_dilated" and k == 1:
+        kind = "direct"
+      elif name in _ELEMENTWISE and not (name == "div" and k == 1):
+        kind = "direct"
+      if kind is not None:
+        batched = any(d for j, d in enumerate(ds) if j != k)
+        result.use(_Site(first.leaf, here, kind, eqn, k, first, batched))
+        continue
+    for leaf in leaves:
+      result.unknown(leaf, name)
+  if not path:
+    for a in jaxpr.outvars:
+      v = view(a)
+      if v is not None:
+        result.unknown(v.leaf, "the function's output")
+  return [view(a) for a in jaxpr.outvars]
+
+
+# --- norms ------------------------------------------------------------------------------------
+
+
+def _f32(x: jax.Array) -> jax.Array:
+  return jnp.asarray(x).astype(jnp.float32)
+
+
+def _dot_factors(eqn: Any, pos: int, act: jax.Array,
+                 g: jax.Array) -> tuple[jax.Array, jax.Array, tuple[int, ...], tuple[int, ...]]:
+  """``(A, B, pc, pf)`` with the leaf view's gradient ``G[h] = A[h]^T B[h]``.
+
+  ``A``: ``(H, T, P)`` the activation over (shared batch dims, its free dims, the contracted
+  dims), ``B``: ``(H, T, Q)`` the cotangent over (batch, the activation's free dims, the view's
+  free dims); ``pc``/``pf``: the view's contracted and free dimensions, in ``A``'s and
+  ``B``'s order.
+  """
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  ac, pc, ab, pb = (lc, rc, lb, rb) if pos == 1 else (rc, lc, rb, lb)
+  ac, pc, ab, pb = map(tuple, (ac, pc, ab, pb))
+  a_free = tuple(d for d in range(act.ndim) if d not in ac and d not in ab)
+  p_ndim = eqn.invars[pos].aval.ndim
+  pf = tuple(d for d in range(p_ndim) if d not in pc and d not in pb)
+  nb, na, npf = len(ab), len(a_free), len(pf)
+  a = jnp.transpose(act, (*ab, *a_free, *ac))
+  h = math.prod(a.shape[:nb])
+  t = math.prod(a.shape[nb:nb + na])
+  a = a.reshape(h, t, math.prod(a.shape[nb + na:]))
+  if pos == 1:  # output: batch, activation's free dims, view's free dims
+    gperm = tuple(range(g.ndim))
+  else:  # output: batch, view's free dims, activation's free dims
+    gperm = (*range(nb), *range(nb + npf, g.ndim), *range(nb, nb + npf))
+  b = jnp.transpose(g, gperm).reshape(h, t, -1 if g.size else 0)
+  return a, b, pc, pf
+
+
+def _gram_cheaper(t: int, p: int, q: int) -> bool:
+  """Whether ``<A A^T, B B^T>`` (``T^2 (P + Q)`` products) beats ``|A^T B|^2`` (``T P Q``)."""
+  return t * (p + q) <= p * q
+
+
+def _sq_outer(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``sum_h |A_h^T B_h|^2`` in float32, by the Gram form or directly, whichever is cheaper."""
+  _, t, p = a.shape
+  q = b.shape[2]
+  a, b = _f32(a), _f32(b)
+  if _gram_cheaper(t, p, q):
+    ga = jnp.einsum("htp,hup->htu", a, a, precision=_HIGHEST)
+    gb = jnp.einsum("htq,huq->htu", b, b, precision=_HIGHEST)
+    return jnp.sum(ga * gb)
+  return jnp.sum(jnp.square(jnp.einsum("htp,htq->hpq", a, b, precision=_HIGHEST)))
+
+
+def _gather_rows(eqn: Any, idx: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(i, rows)``: the row each cotangent row ``rows[t]`` adds to (-1: dropped)."""
+  rows_of = eqn.invars[0].aval.shape[0]
+  i = idx.reshape(-1)
+  rows = _f32(g).reshape(i.shape[0], -1)
+  if eqn.params["mode"] == jax.lax.GatherScatterMode.FILL_OR_DROP:
+    i = jnp.where((i >= 0) & (i < rows_of), i, -1)
+  else:
+    i = jnp.clip(i, 0, rows_of - 1)
+  return i, rows
+
+
+def _index_gram_cheaper(t: int, d: int, rows: int) -> bool:
+  """Whether the index-equality Gram (``T^2 (D + 1)``) beats segment sums (``(V + T) D``)."""
+  return t * t * (d + 1) <= (rows + t) * d
+
+
+def _sq_gather(eqn: Any, idx: jax.Array, g: jax.Array) -> jax.Array:
+  i, rows = _gather_rows(eqn, idx, g)
+  t, d = rows.shape
+  rows_of = eqn.invars[0].aval.shape[0]
+  if _index_gram_cheaper(t, d, rows_of):
+    same = (i[:, None] == i[None, :]) & (i[:, None] >= 0)
+    gram = jnp.einsum("td,ud->tu", rows, rows, precision=_HIGHEST)
+    return jnp.sum(jnp.where(same, gram, 0.0))
+  sums = jax.ops.segment_sum(jnp.where((i >= 0)[:, None], rows, 0.0), jnp.maximum(i, 0),
+                             num_segments=rows_of)
+  return jnp.sum(jnp.square(sums))
+
+
+def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Array]:
+  """The site's output as a function of its leaf view's anchor (linear in it)."""
+  def fn(w):
+    for e in site.view.post:
+      w = _bind(e, [w])
+    args = list(others)
+    args.insert(site.pos, w)
+    return _bind(site.eqn, args)
+  return fn
+
+
+def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
+                  axes: tuple = ()) -> jax.Array:
+  """The squared norm of one example's gradient through ``site`` (``saved``: other operands;
+  ``axes``: the ``shard_map`` axes the leaf varies over)."""
+  if site.kind == "dot":
+    a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
+    return _sq_outer(a, b)
+  if site.kind == "gather":
+    return _sq_gather(site.eqn, saved[0], g)
+  if site.kind == "slice":
+    return jnp.sum(jnp.square(_f32(g)))
+  anchor = site.view.anchor
+  zero = _sharding._vary(jnp.zeros(anchor.shape, anchor.dtype), axes)
+  _, vjp = jax.vjp(_site_fn(site, saved), zero)
+  return jnp.sum(jnp.square(_f32(vjp(g)[0])))
+
+
+def _zero_cotangent(x: Any) -> Any:
+  if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
+    return _sharding._vary(jnp.zeros_like(x), tuple(_sharding._varying(x)))
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _tap(site: _Site, axes: tuple, leaf_axes: tuple) -> Callable[..., Any]:
+  """``tap(y, saved, acc) = y``, whose backward rule adds ``site``'s norm to ``acc``'s cotangent.
+
+  ``axes``, ``leaf_axes``: the ``shard_map`` axes ``acc`` and the leaf vary over.
+  """
+
+  @jax.custom_vjp
+  def tap(y, saved, acc):
+    del saved, acc
+    return y
+
+  def fwd(y, saved, acc):
+    del acc
+    return y, saved
+
+  def bwd(saved, g):
+    sq = _sharding._vary(_site_sq_norm(site, saved, g, leaf_axes), axes)
+    return g, jax.tree.map(_zero_cotangent, saved), sq
+
+  tap.defvjp(fwd, bwd)
+  return tap
+
+
+# --- a leaf used at several sites: cross terms from stored factors -----------------------------
+
+
+def _sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """The leaf dimensions on the site's two factors, or ``None`` if it has no factor form."""
+  perm = site.view.perm
+  if site.view.post or site.view.in_scan or perm is None:
+    return None
+  if site.kind == "gather":
+    return (perm[0],), tuple(sorted(perm[1:]))
+  if site.kind != "dot":
+    return None
+  (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+  pc, pb = (rc, rb) if site.pos == 1 else (lc, lb)
+  if tuple(pb):
+    return None
+  pf = [d for d in range(len(perm)) if d not in tuple(pc)]
+  return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+
+
+def _cross_ok(sites: Sequence[_Site]) -> bool:
+  sides = [_sides(s) for s in sites]
+  if any(s is None for s in sides):
+    return False
+  first = sides[0]
+  assert first is not None
+  return all(s in (first, first[::-1]) for s in sides)
+
+
+def _factor(site: _Site, other: jax.Array, g: jax.Array, flip: bool) -> tuple[Any, Any]:
+  """One example's ``(A, B)`` with the leaf's gradient through ``site`` equal to ``A^T B``.
+
+  Each side is ``("dense", M)`` (rows ``T``, the side's leaf dimensions flattened in leaf
+  order) or ``("index", i)`` (a one-hot row per entry of ``i``; ``-1``: no row).
+  """
+  perm = site.view.perm
+  assert perm is not None
+  if site.kind == "gather":
+    i, rows = _gather_rows(site.eqn, other, g)
+    rest = site.eqn.invars[0].aval.shape[1:]
+    order = np.argsort([perm[d] for d in range(1, len(perm))])
+    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + order))).reshape(rows.shape[0], -1)
+    x, y = ("index", i), ("dense", rows)
+  else:
+    a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
+    shape = site.eqn.invars[site.pos].aval.shape
+
+    def order(m, dims):
+      m = m.reshape(m.shape[1], *(shape[d] for d in dims))
+      ranks = np.argsort([perm[d] for d in dims])
+      return _f32(jnp.transpose(m, (0, *(1 + ranks))).reshape(m.shape[0], -1))
+
+    x, y = ("dense", order(a, pc)), ("dense", order(b, pf))
+  return (y, x) if flip else (x, y)
+
+
+def _gram(s: Any, t: Any) -> jax.Array:
+  """``S T^T`` of two factor sides, ``(T_s, T_t)``."""
+  (ks, ms), (kt, mt) = s, t
+  if ks == "dense" and kt == "dense":
+    return jnp.einsum("tp,up->tu", ms, mt, precision=_HIGHEST)
+  if ks == "index" and kt == "index":
+    return ((ms[:, None] == mt[None, :]) & (ms[:, None] >= 0)).astype(jnp.float32)
+  if ks == "dense":
+    return _gram(t, s).T
+  return jnp.where((ms >= 0)[:, None], mt[:, jnp.maximum(ms, 0)].T, 0.0)
+
+
+def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
+                   cots: Sequence[Any]) -> jax.Array:
+  """One example's squared norm of a leaf's gradient summed over its sites, cross terms included."""
+  first = _sides(sites[0])
+  factors = [_factor(s, o, g, _sides(s) != first) for s, o, g in zip(sites, others, cots,
+                                                                         strict=True)]
+  total = jnp.zeros((), jnp.float32)
+  for j, (aj, bj) in enumerate(factors):
+    for k in range(j, len(factors)):
+      ak, bk = factors[k]
+      term = jnp.sum(_gram(aj, ak) * _gram(bj, bk))
+      total = total + (term if j == k else 2.0 * term)
+  return total
+
+
+# --- the rewritten program --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  taps: dict[tuple[int, ...], _Site]
+  probes: dict[tuple[int, ...], _Site]
+  inside: frozenset[tuple[int, ...]]  # every proper prefix of a tap's or a probe's path
+
+  @staticmethod
+  def of(taps: dict, probes: dict) -> _Plan:
+    inside = {p[:k] for p in (*taps, *probes) for k in range(1, len(p))}
+    return _Plan(taps, probes, frozenset(inside))
+
+
+def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+         path: tuple[int, ...], acc: jax.Array, probes: dict, acts: dict) -> list[Any]:
+  """Evaluates ``jaxpr`` with each tap's output tapped and each probe's output probed."""
+  env: dict[Any, Any] = {}
+  for var, val in (*zip(jaxpr.constvars, consts, strict=True),
+                   *zip(jaxpr.invars, args, strict=True)):
+    env[var] = val
+  for i, eqn in enumerate(jaxpr.eqns):
+    here = (*path, i)
+    vals = [_read(env, a) for a in eqn.invars]
+    name = eqn.primitive.name
+    if here in plan.taps:
+      site = plan.taps[here]
+      others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
+      saved = () if site.kind == "slice" else others
+      y = _bind(eqn, vals)
+      if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
+        y = y + jnp.zeros((), y.dtype) * acc.astype(y.dtype)
+      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])))
+      outs = [tap(y, saved, acc)]
+    elif here in plan.probes:
+      site = plan.probes[here]
+      acts[here] = vals[1 - site.pos]
+      outs = [_bind(eqn, vals) + probes[here]]
+    elif here in plan.inside and name in _CALLS:
+      sub = eqn.params["jaxpr"]
+      outs = _run(plan, sub.jaxpr, sub.consts, vals, here, acc, probes, acts)
+    elif here in plan.inside and name in _REMATS:
+      keys = [k for k in plan.probes if k[:len(here)] == here]
+
+      def body(vals, acc, pv, eqn=eqn, here=here, keys=keys):
+        sub_acts: dict = {}
+        outs = _run(plan, eqn.params["jaxpr"], (), vals, here, acc,
+                    dict(zip(keys, pv, strict=True)), sub_acts)
+        return outs, [sub_acts[k] for k in keys]
+
+      outs, got = jax.checkpoint(body, policy=eqn.params["policy"],
+                                 prevent_cse=eqn.params["prevent_cse"])(
+                                     vals, acc, [probes[k] for k in keys])
+      acts.update(zip(keys, got, strict=True))
+    elif here in plan.inside and name == "scan":
+      p = eqn.params
+      nc, nk = p["num_consts"], p["num_carry"]
+
+      def step(carry, x, p=p, here=here, consts=vals[:nc], nk=nk):
+        outs = _run(plan, p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *x], here,
+                    acc, {}, {})
+        return outs[:nk], outs[nk:]
+
+      carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"],
+                               reverse=p["reverse"], unroll=p["unroll"])
+      outs = [*carry, *ys]
+    else:
+      out = _bind(eqn, vals)
+      outs = out if eqn.primitive.multiple_results else [out]
+    for var, val in zip(eqn.outvars, outs, strict=True):
+      env[var] = val
+  return [_read(env, a) for a in jaxpr.outvars]
+
+
+# --- the entry point --------------------------------------------------------------------------
+
+
+def _trace(f: Callable[..., Any], leaves: list, treedef: Any, xs: PyTree,
+           in_axes: Any) -> tuple[Any, Any, int]:
+  """``(jaxpr of f on one example, its output tree, the number of examples)``.
+
+  The example is traced as ``jax.vmap`` passes it (inside the vmap, so that its type keeps
+  what the caller's context gives it, e.g. the varying axes of a ``shard_map``).
+  """
+  got = {}
+
+  def grab(x):
+    got["jaxpr"], shape = jax.make_jaxpr(
+        lambda ls, x: f(jax.tree.unflatten(treedef, ls), x), return_shape=True)(leaves, x)
+    got["tree"] = jax.tree.structure(shape)
+    return jnp.zeros(())
+
+  n = jax.eval_shape(jax.vmap(grab, in_axes=(in_axes,)), xs).shape[0]
+  return got["jaxpr"], got["tree"], n
+
+
+def _leaf_axes(xs: PyTree, in_axes: Any) -> list[int | None]:
+  """Per leaf of ``xs``: its batch axis (``in_axes`` is a prefix tree, as ``jax.vmap`` takes)."""
+  per = jax.tree.map(lambda a, sub: [a] * len(jax.tree.leaves(sub)), in_axes, xs,
+                     is_leaf=lambda a: a is None)
+  return [m for ms in jax.tree.leaves(per, is_leaf=lambda m: isinstance(m, list)) for m in ms]
+
+
+def _mapped(xs: PyTree, in_axes: Any) -> list[bool]:
+  return [a is not None for a in _leaf_axes(xs, in_axes)]
+
+
+def _inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                        jnp.inexact)
+
+
+def _decide(closed: Any, leaves: Sequence[Any],
+            mapped: Sequence[bool]) -> tuple[dict, dict, dict, dict[int, str]]:
+  """Each floating leaf's rule: ``(taps, probes, multi, fallback)``.
+
+  ``taps``: path -> the site of a leaf used once; ``probes``: path -> each site of a leaf used
+  several times in factor forms, whose sites ``multi`` lists per leaf; ``fallback``: leaf ->
+  the use without a rule.
+  """
+  floating = [k for k, x in enumerate(leaves) if _inexact(x)]
+  views: list[_View | None] = [None] * len(closed.jaxpr.invars)
+  for k in floating:
+    aval = closed.jaxpr.invars[k].aval
+    views[k] = _View(k, tuple(range(aval.ndim)), aval)
+  found = _Analysis()
+  _analyse(closed.jaxpr, views, [False] * len(leaves) + list(mapped), (), found)
+  fallback: dict[int, str] = {}
+  taps: dict[tuple[int, ...], _Site] = {}
+  probes: dict[tuple[int, ...], _Site] = {}
+  multi: dict[int, list[_Site]] = {}
+  for k in floating:
+    sites = found.sites.get(k, [])
+    if k in found.bad:
+      fallback[k] = found.bad[k]
+    elif len(sites) == 1:
+      taps[sites[0].path] = sites[0]
+    elif sites and _cross_ok(sites):
+      multi[k] = sites
+      probes.update({s.path: s for s in sites})
+    elif sites:
+      fallback[k] = (f"{len(sites)} uses ({', '.join(s.eqn.primitive.name for s in sites)}) "
+                     "whose cross terms have no rule")
+  return taps, probes, multi, fallback
+
+
+def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, xs: PyTree,
+          in_axes: Any) -> dict[str, str]:
+  """Each floating leaf's path -> how :func:`clipped_sum` gets its norm (for tests and debugging).
+
+  ``"ghost"`` (one site with a rule), ``"cross"`` (several factor-form sites, cross terms
+  included), ``"none"`` (unused) or ``"materialize: <the use without a rule>"``.
+  """
+  leaves = jax.tree.leaves(diff)
+  treedef = jax.tree.structure(diff)
+  closed, _, _ = _trace(f, leaves, treedef, xs, in_axes)
+  taps, _, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
+  tapped = {s.leaf for s in taps.values()}
+  out = {}
+  for k, (p, x) in enumerate(jax.tree_util.tree_flatten_with_path(diff)[0]):
+    if _inexact(x):
+      out[jax.tree_util.keystr(p)] = ("ghost" if k in tapped else "cross" if k in multi else
+                                      f"materialize: {fallback[k]}" if k in fallback else "none")
+  return out
+
+
+def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple,
+                xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
+                strict: bool, norms: bool = False) -> tuple[PyTree, tuple, jax.Array]:
+  """Per-example clipped gradient sum without per-example gradients where possible.
+
+  Args:
+    f: ``f(diff, x) -> (objective, out)``: one example's scalar objective and any pytree
+      ``out``, where ``x`` is that example's inputs.
+    diff: a tuple of the differentiated pytrees (not batched).
+    xs: the examples, mapped as ``jax.vmap(f, in_axes=(None, in_axes))(diff, xs)``.
+    in_axes: ``xs``'s batch axes, as ``jax.vmap`` takes them.
+    weigh: ``(E,)`` float32 per-example squared gradient norms (over all of ``diff``'s
+      floating leaves) ``-> (E,)`` float32 factors ``c_e``; called once.
+    strict: raise a ``ValueError`` naming the primitive and the leaf for a use without a
+      ghost-norm rule, instead of materialising that leaf's per-example gradients.
+    norms: pass norms rather than squared norms to ``weigh`` and return them: a norm above
+      about 1.8e19, whose square overflows float32, is then still finite.
+
+  Returns:
+    ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
+    ``sum_e c_e grad_e f(diff, x_e)`` with ``diff``'s structure and dtypes (an example
+    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite), and the
+    ``(E,)`` float32 squared norms (the norms with ``norms=True``).
+  """
+  leaves, treedef = jax.tree.flatten(diff)
+  closed, out_tree, n = _trace(f, leaves, treedef, xs, in_axes)
+  taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
+  if strict and fallback:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
+    k, what = next(iter(fallback.items()))
+    raise ValueError(
+        f"clip_per_example(method='ghost') has no per-example norm rule for how the loss uses "
+        f"the parameter at {paths[k] or '(root)'} (shape {np.shape(leaves[k])}): it reaches "
+        f"{what}. Ghost norms cover matrix products, bias adds, elementwise scales, row "
+        "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
+        "parameter entering the scan as xs). Use method='auto' to materialise the "
+        "per-example gradient of such parameters only, or method='materialize'.")
+  plan = _Plan.of(taps, probes)
+  probe_keys = list(probes)
+  fb_keys = list(fallback)
+  ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
+  # Under shard_map: the per-example inputs vary over the axes any input varies over.
+  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
+      (leaves, xs, closed.consts)) if _sharding._is_array(x) or isinstance(x, jax.core.Tracer))),
+      key=str))
+
+  def example(ghost, fb, acc, pv, x):
+    ls = list(leaves)
+    for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
+      ls[k] = v
+    acts: dict = {}
+    outs = _run(plan, closed.jaxpr, closed.consts, [*ls, *jax.tree.leaves(x)], (), acc,
+                dict(zip(probe_keys, pv, strict=True)), acts)
+    objective, out = jax.tree.unflatten(out_tree, outs)
+    return objective, (out, [acts[k] for k in probe_keys])
+
+  def batched(ghost, fb, acc, pv):
+    return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes))(ghost, fb, acc, pv, xs)
+
+  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
+                         for k in fb_keys], axes)
+  acc0 = _sharding._vary(jnp.zeros((n,), jnp.float32), axes)
+  pv0 = []
+  for key in probe_keys:
+    aval = probes[key].eqn.outvars[0].aval
+    pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
+  objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0, acc0,
+                                          pv0, has_aux=True)
+  where = {key: j for j, key in enumerate(probe_keys)}
+
+  def squares(seed):  # the first backward pass: each example's squared norm (times seed^2)
+    _, fb_grads, sq, cots = vjp(jnp.full_like(objectives, seed))
+    sq = sq + sum((jax.vmap(_stats.sq_norm)(g) for g in fb_grads), jnp.zeros_like(sq))
+    for sites in multi.values():
+      js = [where[s.path] for s in sites]
+      sq = sq + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
+          [acts[j] for j in js], [cots[j] for j in js])
+    return sq, fb_grads
+
+  sq, fb_grads = squares(1.0)
+  if norms:
+    # A norm above ~1.8e19 overflows its square in float32: those examples' squares again
+    # with every cotangent scaled by 2^-64, only when one overflowed.
+    got = jnp.sqrt(sq)
+    if jnp.finfo(objectives.dtype).max > 1e38:
+      def rescue(_):
+        small = jnp.sqrt(squares(2.0 ** -64)[0]) * 2.0 ** 64
+        return jnp.where(jnp.isinf(sq) & jnp.isfinite(small), small, got)
+      got = jax.lax.cond(jnp.any(jnp.isinf(sq)), rescue, lambda _: got, None)
+    sq = got
+  c = jnp.asarray(weigh(sq), jnp.float32)
+  ghost_grads = vjp(c.astype(objectives.dtype))[0]
+  # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own
+  # loss or activations are not finite (0 * NaN would poison the sum): only then, run the
+  # reweighted backward pass again with those examples' inputs replaced by a live one's.
+  dead = c == 0
+
+  def again(_):
+    src = jnp.where(dead, jnp.argmax(c), jnp.arange(n))
+    xs2 = jax.tree.unflatten(jax.tree.structure(xs), [
+        x if a is None else jnp.take(x, src, axis=a)
+        for x, a in zip(jax.tree.leaves(xs), _leaf_axes(xs, in_axes), strict=True)])
+    def plain(ghost, x):
+      ls = list(leaves)
+      for k, v in zip(ghost_keys, ghost, strict=True):
+        ls[k] = v
+      return f(jax.tree.unflatten(treedef, ls), x)[0]
+
+    _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
+                      [leaves[k] for k in ghost_keys])
+    redo = vjp2(c.astype(objectives.dtype))[0]
+    return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
+                        if _inexact(g) else g, redo)
+
+  if ghost_keys:
+    ghost_grads = jax.lax.cond(jnp.any(dead) & ~_stats.all_finite(ghost_grads), again,
+                               lambda _: ghost_grads, None)
+  grads = list(leaves)
+  for k, g in zip(ghost_keys, ghost_grads, strict=True):
+    grads[k] = g
+  for k, g in zip(fb_keys, fb_grads, strict=True):
+    ce = c.reshape(c.shape + (1,) * (g.ndim - 1))
+    grads[k] = jnp.sum(_stats.scale(_f32(g), ce), axis=0).astype(g.dtype)
+  return outs, jax.tree.unflatten(treedef, grads), sq
+

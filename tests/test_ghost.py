@@ -1,0 +1,372 @@
+"""Ghost norms (``jaxaccum._ghost``): each recognised form against brute force.
+
+The reference differentiates every example on its own (``jax.vmap`` of ``jax.grad``),
+takes each example's squared norm over all leaves, weighs each example's gradient by
+``weigh(norm^2)`` and sums: what the ghost path must return without forming those
+gradients. ``weigh(s) = 1 / (1 + s)`` gives every example its own factor, so a wrong norm
+shows in the sum too. Each test also checks which rule the analysis picked, so a form that
+silently fell back to materialising would fail.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxaccum import _ghost
+
+E = 5  # examples
+
+
+def weigh(sq):
+  return 1.0 / (1.0 + sq)
+
+
+def reference(f, diff, xs, in_axes=0):
+  def one(x):
+    (_, out), g = jax.value_and_grad(lambda d: f(d, x), has_aux=True)(diff)
+    return out, g
+
+  outs, grads = jax.vmap(one, in_axes=(in_axes,))(xs)
+  sq = sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+           for g in jax.tree.leaves(grads))
+  c = weigh(sq)
+  return outs, jax.tree.map(lambda g: jnp.einsum("e,e...->...", c, g), grads), sq
+
+
+def check(f, diff, xs, in_axes=0, *, rules=(), strict=True):
+  """Ghost against brute force, both jitted; ``rules``: the expected rule per leaf path
+  (``"ghost"`` where not given)."""
+  got = _ghost.rules(f, diff, xs, in_axes)
+  expect = {k: dict(rules).get(k, "ghost") for k in got}
+  assert {k: v.split(":")[0] for k, v in got.items()} == expect, got
+  ghost = jax.jit(lambda d, x: _ghost.clipped_sum(f, d, x, in_axes, weigh, strict=strict))
+  outs, grads, sq = ghost(diff, xs)
+  ref_outs, ref_grads, ref_sq = jax.jit(lambda d, x: reference(f, d, x, in_axes))(diff, xs)
+  chex.assert_trees_all_close(sq, ref_sq, rtol=1e-5)
+  chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(outs, ref_outs, rtol=1e-6)
+  assert jax.tree.structure(grads) == jax.tree.structure(diff)
+
+
+def normal(key, shape, scale=1.0):
+  return scale * jax.random.normal(jax.random.key(key), shape)
+
+
+def mlp_params():
+  return {"w1": normal(0, (4, 6)), "b1": normal(1, (6,)), "w2": normal(2, (6, 3), 0.5),
+          "b2": normal(3, (3,)), "unused": normal(4, (2,))}
+
+
+def mlp(d, batch):
+  (p,) = d
+  x, y = batch
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2), jnp.sum(h, axis=-1)
+
+
+MLP_DATA = (normal(5, (E, 1, 4)), normal(6, (E, 1, 3)))
+
+
+def test_dense_and_bias():
+  # dot_general with the weight on the right (one row: the Gram form is |a|^2 |g|^2) and
+  # broadcast adds; an unused leaf has norm 0 and a zero gradient.
+  check(mlp, (mlp_params(),), MLP_DATA, rules={"[0]['unused']": "none"})
+
+
+@pytest.mark.parametrize("t", [2, 16])
+def test_dense_over_a_sequence(t):
+  # T(P + Q) <= PQ picks the Gram form <A A^T, G G^T> at t = 2, the direct |A^T G|^2 at 16.
+  assert _ghost._gram_cheaper(t, 4, 4) == (t == 2)
+  w = {"w": normal(0, (4, 4)), "v": normal(1, (4,))}
+
+  def f(d, x):
+    h = jnp.einsum("btd,de->bte", x, d[0]["w"])
+    return jnp.sum(jnp.sin(h) @ d[0]["v"]), ()
+
+  check(f, (w,), normal(2, (E, 1, t, 4)))
+
+
+def test_weight_on_the_left_and_shared_batch_dims():
+  # Equinox's W @ x under a vmap inside the loss (the weight is the left operand), also
+  # used transposed on the right (two sites: cross terms), and per-head weights that share
+  # a batch dimension with the activation.
+  p = {"w": normal(0, (3, 4)), "heads": normal(1, (2, 3, 5))}
+
+  def f(d, x):
+    h = jax.vmap(lambda r: d[0]["w"] @ r)(x)  # (1, 3)
+    per_head = jnp.einsum("bhtd,hde->bhte", jnp.stack([x @ d[0]["w"].T] * 2, 1)[:, :, None],
+                          d[0]["heads"])
+    return jnp.sum(jnp.tanh(h)) + jnp.sum(per_head ** 2), ()
+
+  check(f, (p,), normal(2, (E, 1, 4)), rules={"[0]['w']": "cross"})
+
+
+def test_elementwise_scale_and_layernorm():
+  # Flax's _normalize: mul = rsqrt(var + eps) * scale (a broadcast multiply), y += bias.
+  p = {"scale": 1.0 + normal(0, (4,), 0.1), "bias": normal(1, (4,), 0.1), "g": normal(2, (4,))}
+
+  def f(d, x):
+    q = d[0]
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    mul = jax.lax.rsqrt(v + 1e-6) * q["scale"].reshape(1, 1, 4)
+    y = (x - m) * mul + q["bias"].reshape(1, 1, 4)
+    return jnp.sum(jnp.tanh(y * q["g"]) ** 2), ()  # g: a scale of a 3-d activation
+
+  check(f, (p,), normal(3, (E, 1, 3, 4)))
+
+
+@pytest.mark.parametrize("rows, t, mode", [(50, 3, "fill"), (3, 8, "clip")])
+def test_embedding_gather(rows, t, mode):
+  # The gradient is a scatter-add of the cotangent's rows; its norm by the Gram of index
+  # equality (50 rows, 3 tokens) or by segment sums (3 rows, 8 tokens, repeats certain).
+  # mode="clip" with indices past the end: they read (and get gradient into) the last row.
+  assert _ghost._index_gram_cheaper(t, 2, rows) == (rows == 50)
+  p = {"emb": normal(0, (rows, 2)), "w": normal(1, (2,))}
+  top = rows + 2 if mode == "clip" else rows
+
+  def f(d, ids):
+    e = jnp.take(d[0]["emb"], ids, axis=0, mode=mode)  # (1, t, 2)
+    return jnp.sum(jnp.tanh(e @ d[0]["w"]) * jnp.arange(t)), ()
+
+  ids = jax.random.randint(jax.random.key(3), (E, 1, t), -rows if mode == "fill" else 0, top)
+  check(f, (p,), ids)
+
+
+def test_slices():
+  # dynamic_slice at an index taken from the example, and a static slice: one window each,
+  # so the norm is the window cotangent's. The static slice, and the positional table
+  # gathered at fixed indices, do not depend on the example (unbatched under vmap).
+  p = {"table": normal(0, (6, 3)), "bank": normal(1, (8,)), "pos": normal(2, (4, 3))}
+
+  def f(d, x):
+    pos, v = x
+    row = jax.lax.dynamic_slice(d[0]["table"], (pos[0], 0), (2, 3))
+    at = jnp.take(d[0]["pos"], jnp.arange(2), axis=0)
+    return jnp.sum(jnp.sin((row + at) * v[0, :3]) + d[0]["bank"][2:5] * v[0, 3:]), ()
+
+  xs = (jax.random.randint(jax.random.key(2), (E, 1), 0, 6), normal(3, (E, 1, 6)))
+  check(f, (p,), xs)
+
+
+def test_tied_embeddings():
+  # The same table is gathered (input embedding) and multiplied (output head): its norm is
+  # |G_in|^2 + |G_out|^2 + 2 <G_in, G_out>, the cross term from both sites' factors.
+  p = {"emb": normal(0, (7, 3)), "w": normal(1, (3, 3))}
+
+  def f(d, ids):
+    h = jnp.tanh(jnp.take(d[0]["emb"], ids, axis=0) @ d[0]["w"])  # (1, 4, 3)
+    logits = h @ d[0]["emb"].T
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0]), ()
+
+  ids = jax.random.randint(jax.random.key(2), (E, 1, 4), 0, 7)
+  check(f, (p,), ids, rules={"[0]['emb']": "cross"})
+
+
+def test_scan_over_stacked_layers():
+  # A stacked weight entering lax.scan as xs: each iteration uses its own slice, so the
+  # iterations' norms add. A weight entering as a constant is used by every iteration:
+  # its per-example gradient is materialised (auto) or refused (strict).
+  p = {"w": normal(0, (3, 4, 4), 0.5), "b": normal(1, (3, 4)), "shared": normal(2, (4,))}
+
+  def f(d, x):
+    def layer(h, wb):
+      w, b = wb
+      return jnp.tanh(h @ w + b) * d[0]["shared"], None
+    h, _ = jax.lax.scan(layer, x, (d[0]["w"], d[0]["b"]))
+    return jnp.sum(h ** 2), ()
+
+  xs = normal(3, (E, 1, 4))
+  check(f, (p,), xs, rules={"[0]['shared']": "materialize"}, strict=False)
+  with pytest.raises(ValueError, match=r"\[0\]\['shared'\].*scan \(as a constant\)"):
+    _ghost.clipped_sum(f, (p,), xs, 0, weigh, strict=True)
+
+
+def test_remat_and_nested_jit():
+  # Sites inside jax.checkpoint (a policy kept) and inside a nested jit.
+  p = mlp_params()
+
+  @jax.jit
+  def head(h, w, b):
+    return h @ w + b
+
+  def f(d, batch):
+    q = d[0]
+    x, y = batch
+    h = jax.checkpoint(lambda x: jnp.tanh(x @ q["w1"] + q["b1"]),
+                       policy=jax.checkpoint_policies.nothing_saveable)(x)
+    return jnp.mean((head(h, q["w2"], q["b2"]) - y) ** 2), ()
+
+  check(f, (p,), MLP_DATA, rules={"[0]['unused']": "none"})
+
+
+def test_convolution():
+  p = {"k": normal(0, (3, 3, 2, 4), 0.3), "kb": normal(1, (4,)), "w": normal(2, (36, 2), 0.1)}
+
+  def f(d, x):
+    q = d[0]
+    h = jax.lax.conv_general_dilated(x, q["k"], (1, 1), "VALID",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.nn.relu(h + q["kb"]).reshape(1, -1)
+    return jnp.sum(jax.nn.log_softmax(h @ q["w"])[:, 0]), ()
+
+  check(f, (p,), normal(3, (E, 1, 5, 5, 2)))
+
+
+def test_unrecognised_use_falls_back_for_that_leaf_only():
+  def f(d, batch):
+    p = d[0]
+    x, y = batch
+    h = jnp.tanh(x @ jnp.sin(p["w1"]) + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2), ()
+
+  check(f, (mlp_params(),), MLP_DATA, strict=False,
+        rules={"[0]['w1']": "materialize", "[0]['unused']": "none"})
+  assert _ghost.rules(f, (mlp_params(),), MLP_DATA, 0)["[0]['w1']"] == "materialize: sin"
+  with pytest.raises(ValueError, match=r"method='ghost'.*\[0\]\['w1'\].*reaches sin.*"
+                                       r"method='auto'"):
+    _ghost.clipped_sum(f, (mlp_params(),), MLP_DATA, 0, weigh, strict=True)
+
+
+def test_inside_a_jitted_micro_batch_loop():
+  # As the core calls it: inside lax.scan over micro-batches, closing over traced values.
+  p = mlp_params()
+  xs = jax.tree.map(lambda a: a.reshape(2, E, *a.shape[1:]),
+                    (normal(7, (2 * E, 1, 4)), normal(8, (2 * E, 1, 3))))
+
+  @jax.jit
+  def loop(d, xs, scale):
+    def body(acc, x):
+      f = lambda d, x: (mlp(d, x)[0] * scale, ())  # noqa: E731
+      _, g, sq = _ghost.clipped_sum(f, d, x, 0, weigh, strict=True)
+      return jax.tree.map(jnp.add, acc, g), sq
+    return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, d), xs)
+
+  grads, sq = loop((p,), xs, 2.0)
+  scaled = lambda d, x: (mlp(d, x)[0] * 2.0, ())  # noqa: E731
+  refs = [reference(scaled, (p,), (xs[0][i], xs[1][i])) for i in range(2)]
+  chex.assert_trees_all_close(grads, jax.tree.map(jnp.add, refs[0][1], refs[1][1]), rtol=1e-5)
+  chex.assert_trees_all_close(sq, jnp.stack([refs[0][2], refs[1][2]]), rtol=1e-5)
+
+
+def transformer_params(vocab=11, d=8, layers=2):
+  return {"emb": normal(0, (vocab, d)), "ln": {"scale": 1 + normal(1, (d,), 0.1),
+                                               "bias": normal(2, (d,), 0.1)},
+          "layers": {"ln": 1 + normal(3, (layers, d), 0.1),
+                     "q": normal(4, (layers, d, d), 0.3), "k": normal(5, (layers, d, d), 0.3),
+                     "v": normal(6, (layers, d, d), 0.3), "o": normal(7, (layers, d, d), 0.3),
+                     "mlp": normal(8, (layers, d, 2 * d), 0.3),
+                     "mlp_b": normal(9, (layers, 2 * d), 0.1),
+                     "out": normal(10, (layers, 2 * d, d), 0.3)}}
+
+
+def layer_norm(h, scale, bias=0.0):
+  m = h.mean(-1, keepdims=True)
+  v = ((h - m) ** 2).mean(-1, keepdims=True)
+  return (h - m) * jax.lax.rsqrt(v + 1e-5) * scale + bias
+
+
+def transformer_lm(d, tokens):
+  """A causal LM: tied embeddings, LayerNorm, its layers in one lax.scan."""
+  p = d[0]
+  t = tokens.shape[-1]
+  h = jnp.take(p["emb"], tokens, axis=0)  # (1, T, D)
+  mask = jnp.tril(jnp.ones((t, t), bool))
+
+  def block(h, w):
+    a = layer_norm(h, w["ln"])
+    q, k, v = (a @ w[n] for n in ("q", "k", "v"))
+    s = jnp.where(mask, jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(q.shape[-1]), -1e9)
+    h = h + jax.nn.softmax(s, axis=-1) @ v @ w["o"]
+    return h + jax.nn.gelu(a @ w["mlp"] + w["mlp_b"]) @ w["out"], None
+
+  h, _ = jax.lax.scan(block, h, p["layers"])
+  logits = layer_norm(h, p["ln"]["scale"], p["ln"]["bias"]) @ p["emb"].T
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1)), ()
+
+
+def test_transformer_lm():
+  tokens = jax.random.randint(jax.random.key(11), (E, 1, 6), 0, 11)
+  check(transformer_lm, (transformer_params(),), tokens, rules={"[0]['emb']": "cross"})
+
+
+def test_flax_and_equinox_models():
+  flax_nnx = pytest.importorskip("flax.nnx")
+  linen = pytest.importorskip("flax.linen")
+  eqx = pytest.importorskip("equinox")
+  x = normal(0, (E, 1, 3))
+
+  class NNX(flax_nnx.Module):
+    def __init__(self, rngs):
+      self.emb = flax_nnx.Embed(5, 3, rngs=rngs)
+      self.lin = flax_nnx.Linear(3, 4, rngs=rngs)
+      self.norm = flax_nnx.LayerNorm(4, rngs=rngs)
+
+    def __call__(self, x, ids):
+      return self.norm(self.lin(x + self.emb(ids)))
+
+  graphdef, state = flax_nnx.split(NNX(flax_nnx.Rngs(0)))
+  ids = jax.random.randint(jax.random.key(1), (E, 1), 0, 5)
+
+  def nnx_loss(d, b):
+    return jnp.sum(jnp.tanh(flax_nnx.merge(graphdef, d[0])(*b)) ** 2), ()
+
+  check(nnx_loss, (state,), (x, ids))
+
+  class Linen(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      h = linen.LayerNorm()(linen.Dense(4)(x))
+      return linen.Dense(2, use_bias=False)(jnp.tanh(h))
+
+  model = Linen()
+  variables = model.init(jax.random.key(2), x[0])
+
+  def linen_loss(d, b):
+    return jnp.sum(model.apply(d[0], b) ** 2), ()
+
+  check(linen_loss, (variables,), x)
+
+  net = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(3))
+  params, static = eqx.partition(net, eqx.is_inexact_array)
+
+  def eqx_loss(d, b):
+    return jnp.sum(jax.vmap(eqx.combine(d[0], static))(b) ** 2), ()
+
+  check(eqx_loss, (params,), x)
+
+
+def test_an_example_with_factor_zero_adds_zero_even_where_not_finite():
+  # nan_safe and padding masks give c_e = 0; 0 * NaN in the reweighted backward pass would
+  # poison the sum, so those examples' inputs are replaced before it is run again.
+  x, y = MLP_DATA
+  y = y.at[2].set(jnp.nan)
+
+  def safe(sq):
+    return jnp.where(jnp.isfinite(sq), weigh(sq), 0.0)
+
+  _, grads, sq = jax.jit(lambda d, b: _ghost.clipped_sum(mlp, d, b, 0, safe, strict=True))(
+      (mlp_params(),), (x, y))
+  keep = np.array([0, 1, 3, 4])
+  _, ref, ref_sq = reference(mlp, (mlp_params(),), (x[keep], y[keep]))
+  assert np.isnan(sq[2])
+  chex.assert_trees_all_close(sq[keep], ref_sq, rtol=1e-5)
+  chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_norms_whose_square_overflows_float32():
+  # norms=True: weigh gets norms, which stay finite above ~1.8e19 (squares above 3.4e38).
+  def huge(d, b):
+    return 1e20 * mlp(d, b)[0], ()
+
+  _, grads, norms = jax.jit(lambda d, b: _ghost.clipped_sum(
+      huge, d, b, 0, lambda n: 1.0 / n, strict=True, norms=True))((mlp_params(),), MLP_DATA)
+  per = jax.vmap(lambda b: jax.grad(lambda d: mlp(d, b)[0])((mlp_params(),)))(MLP_DATA)
+  unit = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+                      for g in jax.tree.leaves(per)))
+  chex.assert_trees_all_close(norms, 1e20 * unit, rtol=1e-5)
+  chex.assert_trees_all_close(grads, jax.tree.map(
+      lambda g: jnp.einsum("e,e...->...", 1.0 / unit, g), per), rtol=1e-5, atol=1e-6)
