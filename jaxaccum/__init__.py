@@ -30,6 +30,7 @@ from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
+from jaxaccum._ramp import batch_size_ramp_by_count as batch_size_ramp_by_count
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._stats import clip_per_example as clip_per_example
@@ -69,6 +70,7 @@ __all__ = (
     "Plan",
     "PlanCandidate",
     "batch_size_ramp",
+    "batch_size_ramp_by_count",
     "capture_gpu_target",
     "clip_per_example",
     "collectives",
