@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -372,6 +373,19 @@ class AdaptiveBatch:
   def micro_batches(self, state: AdaptiveBatchState) -> jax.Array:
     """``k``, the int32 to pass as ``active_micro_batches`` (or a MultiSteps window)."""
     return jnp.asarray(state.micro_batches, jnp.int32)
+
+  def every_k_schedule(self, state: AdaptiveBatchState) -> Callable[[Any], jax.Array]:
+    """A :class:`jaxaccum.MultiSteps` ``every_k_schedule`` that returns this state's ``k``.
+
+    Build the ``MultiSteps`` inside the jitted call, around this schedule of the
+    controller's current state (its state's structure does not depend on ``k``, so
+    :meth:`jaxaccum.MultiSteps.init` may use any schedule), then feed the call's
+    ``state.info`` to :meth:`update`. ``k`` changes only on a call that completes a
+    window (the others carry no samples), so every window runs the ``k`` chosen when it
+    opened. See the adaptive-batch guide for the whole recipe.
+    """
+    k = self.micro_batches(state)
+    return lambda gradient_step: k
 
   def update(self, state: AdaptiveBatchState, info: AccumInfo) -> AdaptiveBatchState:
     """Folds one step's statistics in, counts its samples and decides the next ``k``.
