@@ -349,17 +349,18 @@ def batch_size_ramp_by_count(
           f"{name}={size!r}.")
   checked = []
   for threshold, value in pairs:
-    if not _is_int(threshold) or not 0 <= threshold <= _COUNT_MAX:
+    if not _is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
           f"or tokens seen), got {threshold!r} in schedule {text}.")
-    if not _is_int(value) or not 1 <= value <= _INT32_MAX:
+    if not _is_int(value) or not 1 <= int(value) <= _INT32_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
           f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
           f"), got {value!r} in schedule {text}.")
-    k = int(value)
+    k = value = int(value)
     if micro_batch_size is not None:
+      micro_batch_size = int(micro_batch_size)
       if value % micro_batch_size:
         below = max(value // micro_batch_size, 1) * micro_batch_size
         above = (value // micro_batch_size + 1) * micro_batch_size
@@ -368,7 +369,7 @@ def batch_size_ramp_by_count(
             f"not a multiple of micro_batch_size={micro_batch_size}; use batch sizes that "
             f"are whole numbers of micro-batches (e.g. {below} or {above}).")
       k = value // micro_batch_size
-    if num_micro_batches is not None and k > num_micro_batches:
+    if num_micro_batches is not None and k > int(num_micro_batches):
       raise ValueError(
           f"batch_size_ramp_by_count: the value at threshold {threshold} is k={k} "
           f"micro-batches, more than num_micro_batches={num_micro_batches}; split the "
