@@ -160,15 +160,16 @@ def analyse(sw: dict[str, Any], extra: dict[str, Any], cfg: ab.Config) -> dict[s
                   if f["steps"] < ctrl["steps"] and f["tokens"] < ctrl["tokens"]]
   steps_ratio = ctrl["steps"] / fixed[efficient]["steps"]
   tokens_ratio = ctrl["tokens"] / fixed[efficient]["tokens"]
-  # B_simple growth in the controller's runs: its EMA at 5% of the budget vs the end.
+  # B_simple growth in the controller's runs: its EMA at the evaluations nearest 1% and 5%
+  # of the budget, against its median over the last 10%.
   growth = []
   for run in extra["adaptive"][str(lr0)]:
     b = np.array([np.nan if x is None else x for x in run["b_simple"]], float)
     t = np.array(run["tokens"], float)
-    early = b[(t >= 0.04 * budget) & (t <= 0.06 * budget)]
     late = b[t >= 0.9 * budget]
-    growth.append({"early": float(np.nanmedian(early)), "late": float(np.nanmedian(late)),
-                   "k_final": run["k"][-1]})
+    growth.append({"at_1pct": float(b[np.argmin(abs(t - 0.01 * budget))]),
+                   "at_5pct": float(b[np.argmin(abs(t - 0.05 * budget))]),
+                   "late": float(np.nanmedian(late)), "k_final": run["k"][-1]})
   return {
       "target": target, "margin": MARGIN, "budget_tokens": budget, "best_lr": best_lr,
       "fixed": fixed, "ramp": ramp, "ramp_all_lrs": ramps, "adaptive": adaptive,
@@ -228,8 +229,10 @@ def markdown(res: dict[str, Any]) -> str:
       f"{a['dominated_by'] or 'none'} (goal: none): "
       f"**{'met' if a['goal_not_dominated'] else 'not met'}**.",
       "",
-      "B_simple (EMA, sequences) in the controller's runs at 5% of the budget -> at the end: "
-      + ", ".join(f"{x['early']:.0f} -> {x['late']:.0f} (x{x['late'] / x['early']:.1f}; "
+      "B_simple (EMA, sequences) in the controller's runs, at 1% and 5% of the budget -> "
+      "over its last 10%: "
+      + ", ".join(f"{x['at_1pct']:.0f}, {x['at_5pct']:.0f} -> {x['late']:.0f} "
+                  f"(x{x['late'] / x['at_1pct']:.0f}, x{x['late'] / x['at_5pct']:.1f}; "
                   f"final k {x['k_final']})" for x in g) + ".",
       "",
       f"Sweep time: {sum(res['sweep_seconds'].values()):.0f} s for "
