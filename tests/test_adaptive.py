@@ -275,7 +275,8 @@ def test_one_program_while_k_changes_with_samples_and_lr_by_hand():
     # token-weighted loss over them through plain jax.grad, SGD at LR * sqrt(k / 2).
     x, y, mask = batch
     ran = mask * (np.arange(N * ROWS) % N < k)
-    g = jax.grad(lambda v, ran=ran: weighted_loss(v, (x, y, ran))[0] / np.sum(ran))(ref_w)
+    active = (x, y, ran)
+    g = jax.grad(lambda v, b=active: weighted_loss(v, b)[0] / np.sum(b[2]))(ref_w)
     ref_w = ref_w - LR * math.sqrt(k / 2) * g
     tokens += float(np.sum(ran))
     chex.assert_trees_all_close(w, ref_w, rtol=1e-5, atol=1e-6)
