@@ -118,15 +118,24 @@ def init_params(cfg: Config, seeds) -> tuple[Any, Any]:
   """``(loss_fn, params)``: ``params`` stacked over ``seeds`` (leading axis), and the mean
   token cross-entropy ``loss_fn(params, tokens)`` of one run's parameters (one function
   for every seed, so that one compiled program serves them all)."""
-  models = [char_lm.CharLM(cfg.lm(), rngs=nnx.Rngs(int(s))) for s in seeds]
-  params = jax.tree.map(lambda *xs: jnp.stack(xs),
-                        *[nnx.split(m, nnx.Param, ...)[1] for m in models])
+  # Stacked in NumPy: jnp.stack would compile a small program for every leaf's shape.
+  params = jax.tree.map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs])),
+                        *[_create(cfg.lm(), jnp.int32(s))[0] for s in seeds])
   return _loss_fn(cfg), params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _create(cfg: char_lm.Config, seed: jax.Array):
+  """A fresh model's parameters, built under jit: one compile for every seed instead of
+  one per initialiser and shape."""
+  model = char_lm.CharLM(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+  return nnx.split(model, nnx.Param, ...)[1:]
 
 
 @functools.lru_cache(maxsize=4)
 def _loss_fn(cfg: Config):
-  graphdef, _, rest = nnx.split(char_lm.CharLM(cfg.lm(), rngs=nnx.Rngs(0)), nnx.Param, ...)
+  abstract = nnx.eval_shape(lambda: char_lm.CharLM(cfg.lm(), rngs=nnx.Rngs(0)))
+  graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
 
   def loss_fn(params, tokens):
     logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1])

@@ -391,7 +391,7 @@ def test_adaptive_batch_runs_four_ways_with_the_ramp_by_tokens_and_counts_tokens
   loss_fn, params = ex.init_params(cfg, [cfg.seed])
   _, val = ex.load_data(cfg)
   p0 = jax.tree.map(lambda x: x[0], params)
-  np.testing.assert_allclose(first["small"], float(loss_fn(p0, val)), rtol=1e-5)
+  np.testing.assert_allclose(first["small"], float(jax.jit(loss_fn)(p0, val)), rtol=1e-5)
   # Steps and tokens to the target: linear interpolation between evaluations, by hand.
   evals = np.array([[0, 0, 3.0], [10, 100, 2.0], [20, 200, 1.0]])
   assert ex.to_target(evals, 1.5) == (15.0, 150.0)
