@@ -32,6 +32,9 @@ from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
 from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
+from jaxaccum._ramp import batch_size_ramp_by_count as batch_size_ramp_by_count
+from jaxaccum._rows import RowFeeder as RowFeeder
+from jaxaccum._rows import place_active_rows as place_active_rows
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._stats import ClipPerExample as ClipPerExample
@@ -73,7 +76,9 @@ __all__ = (
     "NoiseScaleState",
     "Plan",
     "PlanCandidate",
+    "RowFeeder",
     "batch_size_ramp",
+    "batch_size_ramp_by_count",
     "capture_gpu_target",
     "clip_per_example",
     "collectives",
@@ -84,6 +89,7 @@ __all__ = (
     "merge_micro_batches",
     "pipeline",
     "pipeline_schedule",
+    "place_active_rows",
     "plan",
     "plan_step",
     "split_micro_batches",

@@ -1,23 +1,32 @@
-"""``jaxaccum.batch_size_ramp``: a schedule of micro-batch counts, like an optax schedule.
+"""``jaxaccum.batch_size_ramp`` and ``batch_size_ramp_by_count``: schedules of micro-batch
+counts, like optax schedules.
 
 A ramp grows (or shrinks) the effective batch by changing how many micro-batches run per
 optimizer step, ``k = ramp(step)``, through ``active_micro_batches=k`` or
-``MultiSteps(every_k_schedule=ramp)`` (see :func:`batch_size_ramp`).
+``MultiSteps(every_k_schedule=ramp)`` (see :func:`batch_size_ramp`), or ``k =
+ramp(samples_or_tokens_seen)`` (see :func:`batch_size_ramp_by_count`).
 
-Every ramp is a table of steps at which ``k`` changes, built in Python when the ramp is
-made; calling it is one :func:`jax.numpy.searchsorted`, exact in int32 and jittable with a
-traced ``step``.
+Every ramp is a table of thresholds at which ``k`` changes, built in Python when the ramp
+is made. A step ramp is one :func:`jax.numpy.searchsorted`, exact in int32; a count ramp
+compares two int32 words (``count = high * 2**31 + low``), exact up to ``2**62`` whatever
+the count's dtype. Both are jittable with a traced argument.
 """
 
 from __future__ import annotations
 
+import bisect
+import decimal
+import math
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxaccum import _adaptive
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -171,3 +180,231 @@ def batch_size_ramp(
       f"batch_size_ramp schedule: step -> micro-batches (int32), from {values[0]} to "
       f"{values[-1]}.")
   return schedule
+
+
+# ----------------------------------------------------------------- ramps by samples or tokens
+
+_WORD = 2**31  # a count is two int32 words, high * 2**31 + low with 0 <= low < 2**31
+_COUNT_MAX = _WORD * _WORD - 1  # 2**62 - 1: the largest threshold the two words hold
+_CTRL_LO = 1 << _adaptive._LO_BITS  # the low word of AdaptiveBatchState
+_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+_THRESHOLD = re.compile(r"^([0-9]+(?:\.[0-9]*)?)([KMBT]?)$", re.IGNORECASE)
+
+
+def _parse_threshold(text: str, schedule: str) -> int:
+  match = _THRESHOLD.match(text)
+  if match is None:
+    raise ValueError(
+        f"batch_size_ramp_by_count: cannot read the threshold {text!r} in schedule "
+        f"{schedule!r}: a threshold is a non-negative number with an optional suffix K "
+        "(1e3), M (1e6), B (1e9) or T (1e12), e.g. '0:768 250B:1536 500B:3072'.")
+  value = decimal.Decimal(match.group(1)) * _SUFFIXES[match.group(2).upper()]
+  if value != value.to_integral_value():
+    raise ValueError(
+        f"batch_size_ramp_by_count: the threshold {text!r} in schedule {schedule!r} is "
+        f"{format(value.normalize(), 'f')}, not a whole number of samples or tokens.")
+  return int(value)
+
+
+def _parse_schedule(schedule: str) -> list[tuple[int, int]]:
+  pairs = []
+  for item in schedule.replace(",", " ").split():
+    threshold, sep, value = item.partition(":")
+    if not sep or not value.strip().isdigit():
+      raise ValueError(
+          f"batch_size_ramp_by_count: cannot read {item!r} in schedule {schedule!r}: each "
+          "entry is THRESHOLD:VALUE with an integer VALUE, separated by spaces, e.g. "
+          "'0:768 250B:1536 500B:3072'.")
+    pairs.append((_parse_threshold(threshold.strip(), schedule), int(value)))
+  if not pairs:
+    raise ValueError(
+        "batch_size_ramp_by_count: the schedule string is empty; write THRESHOLD:VALUE "
+        "pairs, e.g. '0:768 250B:1536 500B:3072'.")
+  return pairs
+
+
+def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
+  """A traced count as ``(high, low)`` int32 words (``high * 2**31 + low``), floored and
+  clipped to [-1, 2**62 - 1]; -1 is ``(-1, 0)``."""
+  if isinstance(count, _adaptive.AdaptiveBatchState):
+    # The controller's exact counter, samples_hi * 2**24 + samples_lo, in our two words.
+    hi = jnp.maximum(jnp.asarray(count.samples_hi, jnp.int32), 0)
+    lo = jnp.clip(jnp.asarray(count.samples_lo, jnp.int32), 0, _CTRL_LO - 1)
+    shift = 31 - _adaptive._LO_BITS  # the controller's layout, from one place
+    return hi >> shift, ((hi & ((1 << shift) - 1)) << _adaptive._LO_BITS) | lo
+  count = jnp.asarray(count)
+  if count.shape != ():
+    raise TypeError(
+        "a batch_size_ramp_by_count schedule takes a scalar count, got an array of shape "
+        f"{tuple(count.shape)}; use jax.vmap for several counts.")
+  dtype = count.dtype
+  if jnp.issubdtype(dtype, jnp.floating):
+    # Exact in the float's own dtype: dividing by a power of two, flooring, and the
+    # remainder (a multiple of the count's ulp below 2**31) are all representable.
+    if jnp.finfo(dtype).bits < 32:
+      count, dtype = count.astype(jnp.float32), jnp.dtype(jnp.float32)  # exact
+    # The largest float below 2**62, so that the high word fits in int32.
+    cap = np.nextafter(np.asarray(2.0**62, dtype), np.asarray(0, dtype))
+    count = jnp.floor(jnp.where(jnp.isnan(count), -1, count))
+    count = jnp.clip(count, -1, cap)
+    word = np.asarray(_WORD, dtype)  # 2**31, exact in every float dtype
+    high = jnp.floor(count / word)
+    low = count - high * word
+    negative = count < 0
+    return (jnp.where(negative, -1, high.astype(jnp.int32)),
+            jnp.where(negative, 0, low.astype(jnp.int32)))
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
+        f"a batch_size_ramp_by_count schedule takes an integer or float count, got dtype "
+        f"{dtype}.")
+  info = jnp.iinfo(dtype)
+  negative = count < 0 if info.min < 0 else jnp.zeros((), bool)
+  if info.bits <= 16 or (info.bits == 32 and info.min < 0):
+    high = jnp.zeros((), jnp.int32)
+    low = count.astype(jnp.int32)
+  else:  # uint32, int64, uint64: shifts in the count's own dtype
+    high = jnp.minimum(count >> 31, _WORD - 1).astype(jnp.int32)
+    low = (count & (_WORD - 1)).astype(jnp.int32)
+  return jnp.where(negative, -1, high), jnp.where(negative, 0, low)
+
+
+def batch_size_ramp_by_count(
+    schedule: str | Mapping[int, int],
+    *,
+    micro_batch_size: int | None = None,
+    num_micro_batches: int | None = None,
+) -> Callable[[Any], jax.Array]:
+  """A schedule ``samples or tokens seen -> k``, stepwise, in Megatron-LM's format.
+
+  ``schedule`` maps thresholds to values: each value holds once the count reaches its
+  threshold, until the next one. The first threshold must be 0. The thresholds are in
+  whatever unit the count you pass is: samples (rows) seen, or tokens seen (e.g. the
+  controller's sample counter under ``reduce="weighted"``, or ``samples * seq_len`` for
+  fixed-length sequences, which is how Megatron-LM reads its token thresholds).
+
+  Two forms:
+
+  * a string of ``THRESHOLD:VALUE`` pairs separated by spaces, as Megatron-LM's
+    ``--step-batch-size-schedule "0:768 250B:1536 500B:3072"``: thresholds take the
+    suffixes K (1e3), M (1e6), B (1e9) and T (1e12), decimals allowed where the result is
+    whole (``1.5M``);
+  * a mapping ``{threshold: value}`` of Python ints.
+
+  The values are micro-batch counts ``k``, or, with ``micro_batch_size``, batch sizes in
+  rows (Megatron's global batch size), each of which must be a multiple of
+  ``micro_batch_size``: ``k = value // micro_batch_size``. With ``num_micro_batches``,
+  each ``k`` is checked against the ``N`` the batch is split into.
+
+  The returned function takes the count as a Python or NumPy int of any size, a float
+  (floored: the float32 counters of optax schedules), a JAX integer or float scalar
+  (traced or not; int64 under ``jax_enable_x64``), or the
+  :class:`jaxaccum.AdaptiveBatchState` of a controller, whose exact two-word sample counter
+  it reads (rows seen, or tokens under ``reduce="weighted"``). The comparison is exact for
+  every count below ``2**62`` in each of these forms (a float is compared by its exact
+  value), never wraps, and compiles once however the count moves. Negative counts give
+  the first value.
+
+  Args:
+    schedule: ``"THRESHOLD:VALUE ..."`` or ``{threshold: value}``; thresholds are distinct
+      non-negative ints below ``2**62``, the first one 0; values positive ints.
+    micro_batch_size: rows per micro-batch, to read the values as batch sizes in rows;
+      ``None`` (the default) reads them as micro-batch counts.
+    num_micro_batches: the ``N`` the batch is split into, to check that no ``k`` exceeds
+      it (optional).
+
+  Returns:
+    A function of the count returning ``k`` as an int32 scalar array.
+
+  Raises:
+    TypeError, ValueError: a schedule that cannot be read, a threshold or value out of
+      range, a value that ``micro_batch_size`` does not divide, or a ``k`` above
+      ``num_micro_batches``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> ramp = jaxaccum.batch_size_ramp_by_count("0:768 250B:1536 500B:3072",
+  ...                                          micro_batch_size=384)
+  >>> [int(ramp(t)) for t in (0, 249_999_999_999, 250 * 10**9, 10**12)]
+  [2, 2, 4, 8]
+  >>> tokens = jnp.array([0.0, 2.6e11, 6e11])  # float32: compared by its exact value
+  >>> jax.jit(jax.vmap(ramp))(tokens)
+  Array([2, 4, 8], dtype=int32)
+  """
+  if isinstance(schedule, str):
+    text = schedule
+    pairs = _parse_schedule(schedule)
+  elif isinstance(schedule, Mapping):
+    text = repr(dict(schedule))
+    pairs = list(schedule.items())
+  else:
+    raise TypeError(
+        "batch_size_ramp_by_count: schedule must be a string of THRESHOLD:VALUE pairs "
+        "(e.g. '0:768 250B:1536') or a mapping {threshold: value}, got "
+        f"{schedule!r} of type {type(schedule).__name__}.")
+  for name, size in (("micro_batch_size", micro_batch_size),
+                     ("num_micro_batches", num_micro_batches)):
+    if size is not None and (not _is_int(size) or size < 1):
+      raise ValueError(
+          f"batch_size_ramp_by_count: {name} must be a positive int or None, got "
+          f"{name}={size!r}.")
+  checked = []
+  for threshold, value in pairs:
+    if not _is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
+      raise ValueError(
+          f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
+          f"or tokens seen), got {threshold!r} in schedule {text}.")
+    if not _is_int(value) or not 1 <= int(value) <= _INT32_MAX:
+      raise ValueError(
+          f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
+          f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
+          f"), got {value!r} in schedule {text}.")
+    k = value = int(value)
+    if micro_batch_size is not None:
+      micro_batch_size = int(micro_batch_size)
+      if value % micro_batch_size:
+        below = max(value // micro_batch_size, 1) * micro_batch_size
+        above = (value // micro_batch_size + 1) * micro_batch_size
+        raise ValueError(
+            f"batch_size_ramp_by_count: the batch size {value} at threshold {threshold} is "
+            f"not a multiple of micro_batch_size={micro_batch_size}; use batch sizes that "
+            f"are whole numbers of micro-batches (e.g. {below} or {above}).")
+      k = value // micro_batch_size
+    if num_micro_batches is not None and k > int(num_micro_batches):
+      raise ValueError(
+          f"batch_size_ramp_by_count: the value at threshold {threshold} is k={k} "
+          f"micro-batches, more than num_micro_batches={num_micro_batches}; split the "
+          f"batch into at least {k} micro-batches or lower the schedule.")
+    checked.append((int(threshold), k))
+  checked.sort()
+  thresholds = [t for t, _ in checked]
+  if len(set(thresholds)) != len(thresholds):
+    raise ValueError(
+        f"batch_size_ramp_by_count: a threshold appears twice in schedule {text}.")
+  if thresholds[0] != 0:
+    raise ValueError(
+        f"batch_size_ramp_by_count: the first threshold must be 0 (the value at the start "
+        f"of training), got {thresholds[0]} in schedule {text}; add '0:VALUE'.")
+  values = [k for _, k in checked]
+  high_np = np.asarray([t // _WORD for t in thresholds], np.int32)
+  low_np = np.asarray([t % _WORD for t in thresholds], np.int32)
+  values_np = np.asarray(values, np.int32)
+
+  def ramp(count: Any) -> jax.Array:
+    if isinstance(count, np.ndarray) and count.shape == ():
+      count = count[()]
+    if _is_int(count):  # exact in Python, whatever its size
+      return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, int(count)) - 1, 0)])
+    if isinstance(count, (float, np.floating)):
+      if math.isnan(count):
+        raise ValueError("a batch_size_ramp_by_count schedule got the count nan.")
+      count = -1 if count < 0 else min(math.floor(count), _COUNT_MAX)
+      return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, count) - 1, 0)])
+    high, low = _count_words(count)
+    reached = (high > high_np) | ((high == high_np) & (low >= low_np))
+    index = jnp.maximum(jnp.sum(reached, dtype=jnp.int32) - 1, 0)
+    return jnp.asarray(values_np)[index]
+
+  ramp.__doc__ = (
+      f"batch_size_ramp_by_count schedule: samples or tokens seen -> micro-batches (int32), "
+      f"from {values[0]} to {values[-1]}.")
+  return ramp

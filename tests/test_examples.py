@@ -352,3 +352,48 @@ def test_bench_per_example_runs_every_variant_and_writes_results(tmp_path):
     assert [r["micro_batch_size"] for r in results["problems"][name]["ratios"]] == [b] * (
         len(bench.variants()) - 1)
   assert "| 2 | 2 | ghost | " in (tmp_path / "per_example.md").read_text()
+
+
+def test_adaptive_batch_runs_four_ways_with_the_ramp_by_tokens_and_counts_tokens(tmp_path,
+                                                                                  capsys):
+  ex = _load("examples/adaptive_batch.py")
+  cfg = ex.TINY
+  out = ex.main(cfg, out_dir=tmp_path)
+  printed = capsys.readouterr().out
+  assert "target validation loss" in printed and f"plot: {tmp_path}" in printed
+  assert _is_png(out["plot"]) and set(out["summary"]) == set(ex.RUNS)
+  per_micro = cfg.micro_batch_size * cfg.seq_len  # 16 tokens
+  for lg in out["logs"].values():
+    k, tokens = lg["k"], lg["tokens"]
+    # Tokens seen after each step: the running sum of k micro-batches of 16 tokens, to the
+    # first step at or past the budget.
+    np.testing.assert_array_equal(tokens, np.cumsum(k) * per_micro)
+    assert tokens[-1] >= cfg.tokens > tokens[-2]
+    assert 1 <= k.min() and k.max() <= cfg.max_micro_batches
+    # Evaluations at step 0 and each time another eval_every_tokens were seen.
+    ev = lg["evals"]
+    assert ev[0, 0] == 0 and np.all(np.diff(ev[1:, 1] // cfg.eval_every_tokens) >= 1)
+    assert len(ev) == 1 + len(set(tokens // cfg.eval_every_tokens) - {0})
+  assert set(out["logs"]["small"]["k"]) == {cfg.small}
+  assert set(out["logs"]["large"]["k"]) == {cfg.large}
+  # The ramp "0:2 400:4 800:8" in sequences of micro-batches of 2: k = 1, 2, 4 from 0, 400
+  # and 800 tokens seen (read before each step), by hand.
+  ramp = out["logs"]["ramp"]
+  before = np.concatenate([[0], ramp["tokens"][:-1]])
+  np.testing.assert_array_equal(ramp["k"], np.where(before >= 800, 4,
+                                                    np.where(before >= 400, 2, 1)))
+  adaptive = out["logs"]["adaptive"]["k"]
+  assert adaptive[0] == 2 and np.all(np.diff(adaptive) >= 0)  # monotone from init k = 2
+  # Step 0's validation loss is the initial model's, the same for every run.
+  first = {run: lg["evals"][0, 2] for run, lg in out["logs"].items()}
+  assert len(set(np.round(list(first.values()), 5))) == 1
+  loss_fn, params = ex.init_params(cfg, [cfg.seed])
+  _, val = ex.load_data(cfg)
+  p0 = jax.tree.map(lambda x: x[0], params)
+  np.testing.assert_allclose(first["small"], float(jax.jit(loss_fn)(p0, val)), rtol=1e-5)
+  # Steps and tokens to the target: linear interpolation between evaluations, by hand.
+  evals = np.array([[0, 0, 3.0], [10, 100, 2.0], [20, 200, 1.0]])
+  assert ex.to_target(evals, 1.5) == (15.0, 150.0)
+  assert ex.to_target(evals, 3.5) == (0.0, 0.0)
+  assert all(np.isnan(ex.to_target(evals, 0.5)))
+  assert ex.loss_at_tokens(evals, 50) == 2.5
