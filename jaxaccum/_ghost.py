@@ -647,7 +647,8 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
 
 def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple,
                 xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
-                strict: bool, norms: bool = False) -> tuple[PyTree, tuple, jax.Array]:
+                strict: bool, norms: bool = False,
+                zero_safe: bool = True) -> tuple[PyTree, tuple, jax.Array]:
   """Per-example clipped gradient sum without per-example gradients where possible.
 
   Args:
@@ -662,11 +663,15 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       ghost-norm rule, instead of materialising that leaf's per-example gradients.
     norms: pass norms rather than squared norms to ``weigh`` and return them: a norm above
       about 1.8e19, whose square overflows float32, is then still finite.
+    zero_safe: whether ``weigh`` may give ``c_e = 0`` to an example whose norm is not finite
+      (``nan_safe``, a padding mask): such an example then adds exactly zero. ``False``
+      saves a parameter-sized buffer where ``weigh`` never does (it gives NaN instead).
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
     ``sum_e c_e grad_e f(diff, x_e)`` with ``diff``'s structure and dtypes (an example
-    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite), and the
+    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite, with
+    ``zero_safe``), and the
     ``(E,)`` float32 squared norms (the norms with ``norms=True``).
   """
   leaves, treedef = jax.tree.flatten(diff)
@@ -738,8 +743,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   c = jnp.asarray(weigh(sq), jnp.float32)
   ghost_grads = vjp(c.astype(objectives.dtype))[0]
   # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own
-  # loss or activations are not finite (0 * NaN would poison the sum): only then, run the
-  # reweighted backward pass again with those examples' inputs replaced by a live one's.
+  # norm is not finite (0 * NaN in the reweighted backward pass would poison the sum): only
+  # then, the forward and backward passes run again with those examples' inputs replaced by
+  # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
   dead = c == 0
 
   def again(_):
@@ -759,8 +765,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                         if _inexact(g) else g, redo)
 
-  if ghost_keys:
-    ghost_grads = jax.lax.cond(jnp.any(dead) & ~_stats.all_finite(ghost_grads), again,
+  if ghost_keys and zero_safe:
+    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.isfinite(sq)), again,
                                lambda _: ghost_grads, None)
   grads = list(leaves)
   for k, g in zip(ghost_keys, ghost_grads, strict=True):
