@@ -136,6 +136,15 @@ def _extend(v: _View, eqn: Any) -> _View:
   return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval)
 
 
+def _scan_counts(eqn: Any) -> tuple[int, int]:
+  """A ``scan`` equation's numbers of constants and carries (jax 0.10; 0.12's ``ft_in``)."""
+  params = eqn.params
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+  return len(consts), len(carry)
+
+
 def _deps(jaxpr: Any, deps: Sequence[bool]) -> list[bool]:
   """Which of ``jaxpr``'s outputs depend on an input marked in ``deps``.
 
@@ -159,7 +168,7 @@ def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
   if name in _REMATS:
     return _deps(eqn.params["jaxpr"], deps)
   if name == "scan":
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, nk = _scan_counts(eqn)
     out = _deps(eqn.params["jaxpr"].jaxpr, deps)
     return [*(d and out[k] for k, d in enumerate(deps[nc:nc + nk])), *out[nk:]]
   if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()):
@@ -212,7 +221,7 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
       env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
       continue
     if name == "scan":
-      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, nk = _scan_counts(eqn)
       inner: list[_View | None] = []
       for k, v in enumerate(vs):
         if v is None:
@@ -535,7 +544,7 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       acts.update(zip(keys, got, strict=True))
     elif here in plan.inside and name == "scan":
       p = eqn.params
-      nc, nk = p["num_consts"], p["num_carry"]
+      nc, nk = _scan_counts(eqn)
 
       def step(carry, x, p=p, here=here, consts=vals[:nc], nk=nk):
         outs = _run(plan, p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *x], here,
