@@ -444,8 +444,8 @@ def _factor(site: _Site, other: jax.Array, g: jax.Array, flip: bool) -> tuple[An
   if site.kind == "gather":
     i, rows = _gather_rows(site.eqn, other, g)
     rest = site.eqn.invars[0].aval.shape[1:]
-    order = np.argsort([perm[d] for d in range(1, len(perm))])
-    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + order))).reshape(rows.shape[0], -1)
+    ranks = np.argsort([perm[d] for d in range(1, len(perm))])
+    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
     x, y = ("index", i), ("dense", rows)
   else:
     a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
@@ -702,7 +702,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
   # Under shard_map: the per-example inputs vary over the axes any input varies over.
   axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
-      (leaves, xs, closed.consts)) if _sharding._is_array(x) or isinstance(x, jax.core.Tracer))),
+      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
       key=str))
 
   def example(ghost, fb, acc, pv, x):
