@@ -136,6 +136,15 @@ def _extend(v: _View, eqn: Any) -> _View:
   return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval)
 
 
+def _scan_counts(eqn: Any) -> tuple[int, int]:
+  """A ``scan`` equation's numbers of constants and carries (jax 0.10; 0.12's ``ft_in``)."""
+  params = eqn.params
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+  return len(consts), len(carry)
+
+
 def _deps(jaxpr: Any, deps: Sequence[bool]) -> list[bool]:
   """Which of ``jaxpr``'s outputs depend on an input marked in ``deps``.
 
@@ -159,7 +168,7 @@ def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
   if name in _REMATS:
     return _deps(eqn.params["jaxpr"], deps)
   if name == "scan":
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, nk = _scan_counts(eqn)
     out = _deps(eqn.params["jaxpr"].jaxpr, deps)
     return [*(d and out[k] for k, d in enumerate(deps[nc:nc + nk])), *out[nk:]]
   if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()):
@@ -212,7 +221,7 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
       env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
       continue
     if name == "scan":
-      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, nk = _scan_counts(eqn)
       inner: list[_View | None] = []
       for k, v in enumerate(vs):
         if v is None:
@@ -435,8 +444,8 @@ def _factor(site: _Site, other: jax.Array, g: jax.Array, flip: bool) -> tuple[An
   if site.kind == "gather":
     i, rows = _gather_rows(site.eqn, other, g)
     rest = site.eqn.invars[0].aval.shape[1:]
-    order = np.argsort([perm[d] for d in range(1, len(perm))])
-    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + order))).reshape(rows.shape[0], -1)
+    ranks = np.argsort([perm[d] for d in range(1, len(perm))])
+    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
     x, y = ("index", i), ("dense", rows)
   else:
     a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
@@ -535,7 +544,7 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       acts.update(zip(keys, got, strict=True))
     elif here in plan.inside and name == "scan":
       p = eqn.params
-      nc, nk = p["num_consts"], p["num_carry"]
+      nc, nk = _scan_counts(eqn)
 
       def step(carry, x, p=p, here=here, consts=vals[:nc], nk=nk):
         outs = _run(plan, p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *x], here,
@@ -647,7 +656,8 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
 
 def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple,
                 xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
-                strict: bool, norms: bool = False) -> tuple[PyTree, tuple, jax.Array]:
+                strict: bool, norms: bool = False,
+                zero_safe: bool = True) -> tuple[PyTree, tuple, jax.Array]:
   """Per-example clipped gradient sum without per-example gradients where possible.
 
   Args:
@@ -662,11 +672,15 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       ghost-norm rule, instead of materialising that leaf's per-example gradients.
     norms: pass norms rather than squared norms to ``weigh`` and return them: a norm above
       about 1.8e19, whose square overflows float32, is then still finite.
+    zero_safe: whether ``weigh`` may give ``c_e = 0`` to an example whose norm is not finite
+      (``nan_safe``, a padding mask): such an example then adds exactly zero. ``False``
+      saves a parameter-sized buffer where ``weigh`` never does (it gives NaN instead).
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
     ``sum_e c_e grad_e f(diff, x_e)`` with ``diff``'s structure and dtypes (an example
-    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite), and the
+    with ``c_e = 0`` adds exactly zero, even if its gradient is not finite, with
+    ``zero_safe``), and the
     ``(E,)`` float32 squared norms (the norms with ``norms=True``).
   """
   leaves, treedef = jax.tree.flatten(diff)
@@ -688,7 +702,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
   # Under shard_map: the per-example inputs vary over the axes any input varies over.
   axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
-      (leaves, xs, closed.consts)) if _sharding._is_array(x) or isinstance(x, jax.core.Tracer))),
+      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
       key=str))
 
   def example(ghost, fb, acc, pv, x):
@@ -738,8 +752,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   c = jnp.asarray(weigh(sq), jnp.float32)
   ghost_grads = vjp(c.astype(objectives.dtype))[0]
   # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own
-  # loss or activations are not finite (0 * NaN would poison the sum): only then, run the
-  # reweighted backward pass again with those examples' inputs replaced by a live one's.
+  # norm is not finite (0 * NaN in the reweighted backward pass would poison the sum): only
+  # then, the forward and backward passes run again with those examples' inputs replaced by
+  # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
   dead = c == 0
 
   def again(_):
@@ -759,8 +774,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                         if _inexact(g) else g, redo)
 
-  if ghost_keys:
-    ghost_grads = jax.lax.cond(jnp.any(dead) & ~_stats.all_finite(ghost_grads), again,
+  if ghost_keys and zero_safe:
+    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.isfinite(sq)), again,
                                lambda _: ghost_grads, None)
   grads = list(leaves)
   for k, g in zip(ghost_keys, ghost_grads, strict=True):

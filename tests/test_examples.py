@@ -337,6 +337,16 @@ def test_dp_sgd_clipped_mean_matches_the_loop_and_trains(capsys):
   assert_close(noisy, by_hand(key))
 
 
+def test_dp_sgd_transformer_case_prints_its_table_and_both_methods_agree(capsys):
+  dp = _load("examples/dp_sgd.py")
+  cfg = dp.LMConfig(batch_size=4, micro_batch_size=2, seq=6, vocab=11, d_model=8, layers=1,
+                    repeats=1)
+  out = dp.transformer_costs(cfg)
+  printed = capsys.readouterr().out
+  assert "| ghost |" in printed and "| materialize |" in printed, printed
+  assert out["diff"] < 1e-6 and set(out["table"]) == {"plain", "ghost", "materialize"}
+
+
 def test_bench_per_example_runs_every_variant_and_writes_results(tmp_path):
   bench = _load("benchmarks/bench_per_example.py")  # the LM: the MLP runs the same code
   configs = {"lm": bench.LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1)}
