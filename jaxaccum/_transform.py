@@ -698,9 +698,12 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
 
   ghost, failed = None, None
   if clip.method != "materialize":
-    try:  # norms=True: the norms themselves, finite even where their squares overflow
+    try:  # norms=True: the norms themselves, finite even where their squares overflow;
+      # only nan_safe and a mask give a factor of 0 that must stop a non-finite example
+      # (zero_safe costs a parameter-sized buffer).
       ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
-                                 strict=clip.method == "ghost", norms=True)
+                                 strict=clip.method == "ghost", norms=True,
+                                 zero_safe=clip.nan_safe or mask is not None)
     except (TypeError, ValueError, NotImplementedError) as e:
       if clip.method == "ghost":  # "ghost" says why
         raise
