@@ -139,12 +139,19 @@ def train(model, vg, batches):
   return [step(model, optimizer, b) for b in batches]
 
 
+@functools.cache
+def _jitted_value_and_grad(loss_fn, **kwargs):
+  """``nnx.jit(nnx.value_and_grad(loss_fn))``, built once per loss: the references of
+  several steps then run one compiled program (a new nnx.jit object compiles again)."""
+  return nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
+
+
 def sequential_reference(model, loss_fn, batch, num_micro_batches, **kwargs):
   """Mean loss and grads of nnx.value_and_grad on each micro-batch, in order, under nnx.jit.
 
   ``model`` is updated in place micro-batch after micro-batch (RNG streams, statistics).
   """
-  vg = nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
+  vg = _jitted_value_and_grad(loss_fn, **kwargs)
   outs = [vg(model, mb) for mb in micro_batches(batch, num_micro_batches)]
   return jax.tree.map(lambda *xs: sum(xs) / num_micro_batches, *outs), outs
 
