@@ -552,3 +552,24 @@ def test_split_and_merge_errors():
                                  batch_axis=1)
   with pytest.raises(ValueError, match=r"batch_axis=2 is out of range for batch leaf stacked"):
     jaxaccum.merge_micro_batches(jnp.zeros((2, 3, 4)), batch_axis=2)
+
+
+def test_concat_aux_with_a_tuple_of_equal_axes_comes_back_along_that_axis():
+  # batch_axis=(1, 1) names axis 1 for every batch argument: "concat" rows come back along
+  # axis 1, as with batch_axis=1 (the axis that the entries agree on, not axis 0).
+  x, y, _ = _data(9)
+
+  def loss(params, x, y):
+    pred = x @ params["w"] + params["b"]  # (T, b): rows along axis 1
+    return jnp.mean((pred - y) ** 2), {"pred": pred, "residual": pred - y}
+
+  (value, aux), grads = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=N, batch_argnums=(1, 2), batch_axis=(1, 1), has_aux=True,
+      aux_reduce="concat"))(PARAMS, x, y)
+  want = jax.jit(jax.value_and_grad(loss, has_aux=True))(PARAMS, x, y)
+  close(((value, aux), grads), want)
+  assert aux["pred"].shape == (T, B)
+  # By hand: micro-batch i holds columns i, i + N, ..., and so does its aux in the result.
+  for i in range(N):
+    (_, part), _ = jax.value_and_grad(loss, has_aux=True)(PARAMS, x[:, i::N], y[:, i::N])
+    close(jax.tree.map(lambda a, i=i: a[:, i::N], aux), part)

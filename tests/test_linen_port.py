@@ -18,6 +18,7 @@ from flax.core import FrozenDict, freeze
 from flax.training import train_state
 
 import jaxaccum
+from tests._problems import micro_batch
 from tests._util import assert_close
 
 B, N = 16, 4
@@ -38,12 +39,27 @@ def data(seed=0, b=B):
   return jax.random.normal(kx, (b, 4)), jax.random.randint(ky, (b,), 0, 3)
 
 
+# The references' glue runs in NumPy on the host and their gradients under jit: eagerly,
+# every op of every leaf's shape compiles a program of its own.
 def replicate(tree, n=2):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), tree)
+  return jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n,) + np.shape(a)), tree)
 
 
 def micro(tree, i, n=N):
-  return jax.tree.map(lambda a: a[i::n], tree)
+  """Micro-batch ``i`` of ``n``: rows ``i::n``, sliced by hand."""
+  return micro_batch(tree, i, n)
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def mean_of(trees):
+  return jax.tree.map(lambda *a: sum(np.asarray(x) for x in a) / len(a), *trees)
+
+
+def replica(tree, r):
+  return jax.tree.map(lambda a: np.asarray(a)[r], tree)
 
 
 MODEL = Net()
@@ -57,20 +73,22 @@ def loss_fn(params, batch, model_state, rngs):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
 
 
+ref_value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
 def test_frozendict_state_is_accepted_and_returned_as_frozendict():
   params = freeze(VARIABLES["params"])
   state = FrozenDict({"batch_stats": freeze(VARIABLES["batch_stats"])})
-  batch = data()
+  batch = host(data())
 
   # Reference: the micro-batches one after the other, BatchNorm statistics carried over.
   ref_state, losses, grads = state, [], []
   for i in range(N):
-    (loss, ref_state), g = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, micro(batch, i), ref_state, {})
+    (loss, ref_state), g = ref_value_and_grad(params, micro(batch, i), ref_state, {})
     losses.append(loss)
     grads.append(g)
-  ref_loss = sum(losses) / N
-  ref_grads = jax.tree.map(lambda *g: sum(g) / N, *grads)
+  ref_loss = mean_of(losses)
+  ref_grads = mean_of(grads)
 
   vg = jax.jit(jaxaccum.linen.value_and_grad(loss_fn, num_micro_batches=N))
   (loss, new_state), grads = vg(params, batch, state, {})
@@ -89,7 +107,7 @@ def test_frozendict_state_is_accepted_and_returned_as_frozendict():
   ts, loss = step(ts, batch, {})
   assert type(ts.batch_stats) is FrozenDict
   assert_close(loss, ref_loss)
-  assert_close(ts.params, jax.tree.map(lambda p, g: p - 0.1 * g, params, ref_grads))
+  assert_close(ts.params, jax.tree.map(lambda p, g: np.asarray(p) - 0.1 * g, params, ref_grads))
 
 
 class Dense(nn.Module):
@@ -124,20 +142,21 @@ def test_pmap_axis_name_combines_replicas_once_per_step_and_equals_full_batch():
     (num, den), (_, aux) = loss_fn(params, batch, {}, {})
     return num / den, aux
 
-  (ref_loss, ref_aux), ref_grads = jax.value_and_grad(full, has_aux=True)(params, batch)
-  ref_params = optax.apply_updates(params, tx.update(ref_grads, tx.init(params))[0])
+  (ref_loss, ref_aux), ref_grads = jax.jit(jax.value_and_grad(full, has_aux=True))(params, batch)
+  ref_params = jax.jit(lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p))[0]))(
+      params, ref_grads)
 
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   devices = jax.devices()[:2]
   rep = replicate(state)
-  sharded = jax.tree.map(lambda a: a.reshape((2, B // 2) + a.shape[1:]), batch)
+  sharded = jax.tree.map(lambda a: np.asarray(a).reshape((2, B // 2) + a.shape[1:]), batch)
 
   step = jaxaccum.linen.make_train_step(
       loss_fn, num_micro_batches=2, collections=(), reduce="weighted", has_aux=True,
       aux_reduce={"correct": "sum", "max_logit": "max"}, axis_name="batch")
   new, (loss, aux) = jax.pmap(step, axis_name="batch", devices=devices)(rep, sharded, {})
   for r in range(2):
-    assert_close(jax.tree.map(lambda a, r=r: a[r], new.params), ref_params)
+    assert_close(replica(new.params, r), ref_params)
     assert_close(loss[r], ref_loss)
     assert int(aux["correct"][r]) == int(ref_aux["correct"])
     assert_close(aux["max_logit"][r], ref_aux["max_logit"])
@@ -152,7 +171,7 @@ def test_pmap_axis_name_combines_replicas_once_per_step_and_equals_full_batch():
 
 def test_pmap_axis_name_mean_averages_batch_stats_like_the_imagenet_example():
   params, stats = VARIABLES["params"], VARIABLES["batch_stats"]
-  batch = data(3)
+  batch = host(data(3))
 
   class State(train_state.TrainState):
     batch_stats: dict
@@ -164,12 +183,12 @@ def test_pmap_axis_name_mean_averages_batch_stats_like_the_imagenet_example():
   for h in halves:
     s = {"batch_stats": stats}
     for i in range(2):
-      (loss, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro(h, i, 2), s, {})
+      (loss, s), g = ref_value_and_grad(params, micro(h, i, 2), s, {})
       losses.append(loss)
       grads.append(g)
     new_stats.append(s["batch_stats"])
-  ref_grads = jax.tree.map(lambda *g: sum(g) / 4, *grads)
-  ref_stats = jax.tree.map(lambda a, b: (a + b) / 2, *new_stats)
+  ref_grads = mean_of(grads)
+  ref_stats = mean_of(new_stats)
 
   state = State.create(apply_fn=MODEL.apply, params=params, tx=optax.sgd(0.1),
                        batch_stats=stats)
@@ -179,10 +198,10 @@ def test_pmap_axis_name_mean_averages_batch_stats_like_the_imagenet_example():
       replicate(state),
       jax.tree.map(lambda a: a.reshape((2, B // 2) + a.shape[1:]), batch), {})
   for r in range(2):
-    assert_close(jax.tree.map(lambda a, r=r: a[r], new.params),
-                 jax.tree.map(lambda p, g: p - 0.1 * g, params, ref_grads))
-    assert_close(jax.tree.map(lambda a, r=r: a[r], new.batch_stats), ref_stats)
-    assert_close(loss[r], sum(losses) / 4)
+    assert_close(replica(new.params, r),
+                 jax.tree.map(lambda p, g: np.asarray(p) - 0.1 * g, params, ref_grads))
+    assert_close(replica(new.batch_stats, r), ref_stats)
+    assert_close(loss[r], mean_of(losses))
 
 
 def test_axis_name_needs_a_known_reduction():
@@ -231,7 +250,7 @@ def test_batch_argnames_options_and_reserved_arguments():
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), model_state
 
   stats = {"batch_stats": VARIABLES["batch_stats"]}
-  (ref_loss, _), ref_grads = jax.value_and_grad(kw_loss, has_aux=True)(
+  (ref_loss, _), ref_grads = jax.jit(jax.value_and_grad(kw_loss, has_aux=True))(
       params, x, stats, {}, labels=y)
   vg = jaxaccum.linen.value_and_grad(kw_loss, num_micro_batches=N, batch_argnames="labels",
                                      with_info=True)

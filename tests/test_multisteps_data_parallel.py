@@ -296,3 +296,56 @@ def test_window_under_set_mesh(pass_mesh):
   for acc in jax.tree.leaves(state.acc_grads):
     assert acc.sharding.spec[0] == "data", acc.sharding
     chex.assert_trees_all_close(acc, jnp.zeros_like(acc))
+
+
+def _pieces(mesh, values, dtype):
+  """Per-device gradient pieces, shaped (D, ...) and sharded over "data"."""
+  return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, P("data")))
+
+
+def test_float16_pieces_without_accumulator_dtype_are_summed_in_float32():
+  # accumulator_dtype=None keeps float16 pieces in float16, but the window's one reduction over
+  # the shards still runs in float32: the update is the float32 sum, rounded once to float16.
+  # Both calls of the window bring the same pieces, so the float16 running mean is exact.
+  mesh = mesh_of(AxisType.Explicit)
+  pieces = jax.random.uniform(jax.random.key(3), (D, 64), minval=60.0, maxval=70.0)
+  pieces = jax.device_get(pieces.astype(jnp.float16))
+  opt = jaxaccum.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=None, data_axis="data",
+                            mesh=mesh)
+  params = jax.device_put(jnp.zeros(64, jnp.float16), NamedSharding(mesh, P()))
+  state = opt.init(params)
+  assert jax.tree.leaves(state.acc_grads)[0].dtype == jnp.float16
+  update = jax.jit(opt.update)
+  _, state = update(_pieces(mesh, pieces, jnp.float16), state, params)
+  updates, _ = update(_pieces(mesh, pieces, jnp.float16), state, params)
+  want = -(pieces.astype("float32").sum(0)).astype("float16")  # sgd(1.0): minus the gradient
+  assert updates.dtype == jnp.float16
+  chex.assert_trees_all_close(updates, want, rtol=0, atol=0)
+  # The data is such that a float16 sum would be off (spacing 0.5 between 512 and 1024).
+  assert not (pieces.sum(0, dtype="float16") == pieces.astype("float32").sum(0)
+              .astype("float16")).all()
+
+
+def test_bfloat16_params_accumulate_in_float32_by_default():
+  # bf16 parameters and pieces: the default accumulator is float32, so the window's running
+  # mean is the float32 mean of the calls' pieces, and the update its float32 sum over the
+  # shards, rounded once to bf16.
+  mesh = mesh_of(AxisType.Explicit)
+  k1, k2 = jax.random.split(jax.random.key(4))
+  calls = [jax.device_get(jax.random.normal(k, (D, 64)).astype(jnp.bfloat16)) for k in (k1, k2)]
+  calls.append(jax.device_get((1.0 + jax.random.uniform(k2, (D, 64)) / 8).astype(jnp.bfloat16)))
+  opt = jaxaccum.MultiSteps(optax.sgd(1.0), len(calls), data_axis="data", mesh=mesh)
+  params = jax.device_put(jnp.zeros(64, jnp.bfloat16), NamedSharding(mesh, P()))
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  f32 = [c.astype("float32") for c in calls]
+  for i, c in enumerate(calls[:-1]):
+    _, state = update(_pieces(mesh, c, jnp.bfloat16), state, params)
+    acc = state.acc_grads
+    assert acc.dtype == jnp.float32 and acc.shape == (D, 64)
+    chex.assert_trees_all_close(acc, sum(f32[:i + 1]) / (i + 1), rtol=1e-6, atol=1e-7)
+  updates, state = update(_pieces(mesh, calls[-1], jnp.bfloat16), state, params)
+  want = -(sum(f32) / len(f32)).sum(0)
+  assert updates.dtype == jnp.bfloat16
+  # One rounding to bf16 of the float32 result (bf16 keeps 8 significant bits).
+  chex.assert_trees_all_close(updates.astype(jnp.float32), want, rtol=2 ** -8, atol=0)

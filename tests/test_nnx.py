@@ -139,12 +139,19 @@ def train(model, vg, batches):
   return [step(model, optimizer, b) for b in batches]
 
 
+@functools.cache
+def _jitted_value_and_grad(loss_fn, **kwargs):
+  """``nnx.jit(nnx.value_and_grad(loss_fn))``, built once per loss: the references of
+  several steps then run one compiled program (a new nnx.jit object compiles again)."""
+  return nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
+
+
 def sequential_reference(model, loss_fn, batch, num_micro_batches, **kwargs):
   """Mean loss and grads of nnx.value_and_grad on each micro-batch, in order, under nnx.jit.
 
   ``model`` is updated in place micro-batch after micro-batch (RNG streams, statistics).
   """
-  vg = nnx.jit(nnx.value_and_grad(loss_fn, **kwargs))
+  vg = _jitted_value_and_grad(loss_fn, **kwargs)
   outs = [vg(model, mb) for mb in micro_batches(batch, num_micro_batches)]
   return jax.tree.map(lambda *xs: sum(xs) / num_micro_batches, *outs), outs
 
@@ -596,3 +603,45 @@ def test_nested_call_inside_another_accumulated_loss():
   chex.assert_trees_all_close((loss, grads), jax.tree.map(lambda *r: sum(r) / n, *refs),
                               rtol=1e-5, atol=1e-6)
   assert int(teacher.calls[...]) == n * m == int(ref_teacher.calls[...])
+
+
+def _dot_shapes(jaxpr):
+  """The output shapes of every dot_general in a jaxpr, inner jaxprs included."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.add(tuple(eqn.outvars[0].aval.shape))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out |= _dot_shapes(inner)
+  return out
+
+
+def test_a_teacher_passed_to_the_loss_is_not_differentiated():
+  """Only the model's (argument 0's) Params are differentiated, as nnx.value_and_grad does:
+  another NNX object (a teacher) is threaded, its gradients neither returned nor computed,
+  nor counted in with_info's norms."""
+  n = 2
+
+  def distill(model, x, teacher):
+    return jnp.mean((model(x) - teacher(x)) ** 2)
+
+  x = np.asarray(jax.random.normal(jax.random.key(6), (12, 4)))  # 6 rows per micro-batch
+  model, teacher = MLP(nnx.Rngs(0)), Teacher(nnx.Rngs(1))
+  vg = nnx.jit(jaxaccum.nnx.value_and_grad(distill, num_micro_batches=n, with_info=True))
+  loss, grads, info = vg(model, x, teacher)
+  assert int(teacher.calls[...]) == n
+  ref_vg = nnx.jit(nnx.value_and_grad(distill))  # argument 0 only
+  ref = ref_vg(MLP(nnx.Rngs(0)), x, Teacher(nnx.Rngs(1)))
+  chex.assert_trees_all_close((loss, grads), ref, rtol=1e-5, atol=1e-6)
+  micro = [ref_vg(MLP(nnx.Rngs(0)), xi, Teacher(nnx.Rngs(1)))[1] for xi in micro_batches(x, n)]
+  sq = lambda g: sum(float(jnp.sum(a ** 2)) for a in jax.tree.leaves(g))  # noqa: E731
+  chex.assert_trees_all_close(info.batch_grad_sq_norm, sq(ref[1]), rtol=1e-5)
+  chex.assert_trees_all_close(info.micro_grad_sq_norm, sum(map(sq, micro)) / n, rtol=1e-5)
+  # Nor computed: no product gives the teacher's (4, 3) kernel gradient, while the model's
+  # (4, 8) and (8, 3) kernel gradients are there (the micro-batch's 6 rows match neither).
+  shapes = _dot_shapes(jax.make_jaxpr(vg)(model, x, teacher).jaxpr)
+  assert not shapes & {(4, 3), (3, 4)}, shapes
+  assert shapes & {(4, 8), (8, 4)} and shapes & {(8, 3), (3, 8)}, shapes

@@ -452,3 +452,42 @@ def test_linen_nnx_and_equinox_adapters_forward_the_transform():
   ref = [CLIP_JIT(row_grad(mlp, *_rows((x, y), j))) for j in range(B)]
   chex.assert_trees_all_close(grads, jax.tree.map(lambda *g: sum(g) / B, *ref),
                               rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_batch_along_axis_one_matches_the_per_example_loop():
+  # The keyword batch xt is (T, B, D), split and mapped along axis 1; T equals the
+  # micro-batch's 4 rows, so mapping it along axis 0 instead would be a silent wrong answer.
+  params, (x, y) = _problem(11)
+  xt = jnp.stack([x, 0.5 * x, -x, 2.0 * x])  # (4, B, D)
+
+  def seq_loss(p, y, *, xt):
+    return jnp.mean((jnp.mean(jax.vmap(_pred, (None, 0))(p, xt), axis=0) - y) ** 2)
+
+  grads = jax.jit(jaxaccum.grad(seq_loss, num_micro_batches=4, batch_argnums=1,
+                                batch_argnames="xt", batch_axis=(0, 1),
+                                per_example_transform=CLIP))(params, y, xt=xt)
+  g = jax.jit(jax.grad(seq_loss))
+  ref = [CLIP_JIT(g(params, y[j:j + 1], xt=xt[:, j:j + 1])) for j in range(B)]
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda *a: sum(a) / B, *ref),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_an_unsplit_batch_sized_array_warns_with_one_micro_batch_too():
+  # One micro-batch holds the whole batch, but under per_example_transform fun still sees one
+  # row at a time, so y closed over whole broadcasts against each row: the warning must come,
+  # and the gradients are those of that broadcast (the per-row loop over the same function).
+  params, (x, y) = _problem(12)
+
+  def closes_over_y(p, x):
+    return jnp.mean((_pred(p, x) - y) ** 2)
+
+  step = jax.jit(jaxaccum.grad(closes_over_y, num_micro_batches=1,
+                               per_example_transform=CLIP))
+  with pytest.warns(jaxaccum.BatchBroadcastWarning,
+                    match=r"an array of shape \(16,\) that fun closes over has the batch's 16 "
+                    r"rows, but it is not split into micro-batches"):
+    grads = step(params, x)
+  g = jax.jit(jax.grad(closes_over_y))
+  ref = [CLIP_JIT(g(params, np.asarray(x)[j:j + 1])) for j in range(B)]
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda *a: sum(a) / B, *ref),
+                              rtol=1e-5, atol=1e-6)

@@ -524,3 +524,26 @@ def test_shipped_descriptions_and_the_default_budget(monkeypatch):
   assert _gpu_target.resolve("H100").device_name == "NVIDIA H100 80GB HBM3"
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")
   assert _plan._target_budget(_gpu_target.resolve("h100")) == int(84942979072 * 0.95 * 0.9)
+
+
+def test_parameters_on_an_auto_mesh_are_not_taken_for_fsdp():
+  # Parameters sharded over "data" on an Auto mesh are XLA's to place: param_gather and
+  # grad_scatter act on Explicit axes only, so the planner compares no placements, as for the
+  # same parameters replicated.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  params, batch = make_mlp(batch_size=16)
+
+  def placed(spec_of):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, spec_of(a))), params)
+
+  over_data = placed(lambda a: P("data") if a.shape[0] % 8 == 0 else P())
+  assert any(not s.sharding.is_fully_replicated for s in jax.tree.leaves(over_data))
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+  options = dict(memory_budget_bytes=HUGE, data_axis="data", mesh=mesh)
+  p = jaxaccum.plan(mlp_loss, over_data, batch, **options)
+  ref = jaxaccum.plan(mlp_loss, placed(lambda a: P()), batch, **options)
+  assert p.placement is None and [c.placement for c in p.candidates] == [None], str(p)
+  assert [c.num_micro_batches for c in p.candidates] == [
+      c.num_micro_batches for c in ref.candidates] == [1]
+  assert "gather/scatter" not in p.table()

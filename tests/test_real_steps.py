@@ -27,13 +27,20 @@ from flax.training import train_state
 from jax import lax
 
 import jaxaccum
+from tests._problems import micro_batch
 from tests._util import assert_close
 
 N = 4
 
 
 def micro(tree, i, n=N):
-  return jax.tree.map(lambda a: a[i::n], tree)
+  """Micro-batch ``i`` of ``n``, rows ``i::n`` (sliced on the host outside a trace)."""
+  return micro_batch(tree, i, n)
+
+
+def mean_of(trees):
+  """The mean of a list of pytrees, in float32 NumPy on the host (no program per leaf)."""
+  return jax.tree.map(lambda *a: sum(np.asarray(x) for x in a) / len(a), *trees)
 
 
 def unsplit(pieces):
@@ -127,8 +134,8 @@ def test_nnx_cnn_classifier_train_mode_equals_micro_batches_in_order():
   cnn_ported_train_step(model, optimizer, metrics, rngs, batch)
 
   outs = [cnn_micro_grads(rmodel, rrngs, micro(batch, i)) for i in range(N)]
-  loss = sum(o[0][0] for o in outs) / N
-  grads = jax.tree.map(lambda *g: sum(g) / N, *(o[1] for o in outs))
+  loss = mean_of([o[0][0] for o in outs])
+  grads = mean_of([o[1] for o in outs])
   logits = unsplit([o[0][1] for o in outs])
   nnx.jit(lambda m, o, g: o.update(m, g))(rmodel, roptimizer, grads)
   rmetrics.update(loss=loss, logits=jnp.asarray(logits), labels=batch["label"])
@@ -236,9 +243,12 @@ def test_linen_lm_dropout_equals_micro_batches_in_order():
 
   outs = [micro_step(state.params, micro(batch, i), jax.random.fold_in(rng, i))
           for i in range(N)]
-  ref_metrics = jax.tree.map(lambda *m: sum(m), *(o[1] for o in outs))
-  ref_grads = jax.tree.map(lambda *g: sum(g) / ref_metrics["denominator"], *(o[0] for o in outs))
-  ref_state = state.apply_gradients(grads=ref_grads)
+  # The sums on the host and the update jitted (eagerly, each op of each leaf's shape
+  # would compile a program of its own).
+  ref_metrics = jax.tree.map(lambda *m: sum(np.asarray(x) for x in m), *(o[1] for o in outs))
+  ref_grads = jax.tree.map(lambda *g: sum(np.asarray(x) for x in g) / ref_metrics["denominator"],
+                           *(o[0] for o in outs))
+  ref_state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, ref_grads)
 
   new_state, metrics = jax.jit(lm_ported_train_step)(state, batch, jax.random.key(9))
   assert_close(new_state.params, ref_state.params)
@@ -314,16 +324,18 @@ def resnet_setup(train):
 DEVICES = jax.devices()[:2]
 
 
+# The pmap glue in NumPy on the host: an eager jnp op compiles a program per leaf shape.
 def shard(tree):
-  return jax.tree.map(lambda a: a.reshape((2, a.shape[0] // 2) + a.shape[1:]), tree)
+  return jax.tree.map(lambda a: np.asarray(a).reshape((2, a.shape[0] // 2) + a.shape[1:]),
+                      tree)
 
 
 def replicate(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (2,) + jnp.shape(a)), tree)
+  return jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (2,) + np.shape(a)), tree)
 
 
 def replica(tree, r):
-  return jax.tree.map(lambda a: a[r], tree)
+  return jax.tree.map(lambda a: np.asarray(a)[r], tree)
 
 
 def run_ported(state, batch):
@@ -347,7 +359,7 @@ def test_linen_resnet_pmap_eval_mode_equals_full_batch():
 
 
 def replicate_1(tree):
-  return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
+  return jax.tree.map(lambda a: np.asarray(a)[None], tree)
 
 
 def test_linen_resnet_pmap_train_mode_equals_micro_batches_in_order():
@@ -449,9 +461,9 @@ def test_nnx_decoder_token_mean_dropout_equals_micro_batches_in_order():
 
   num_grad = nnx.jit(nnx.value_and_grad(lambda m, b: decoder_ported_loss_fn(m, b)[0]))
   outs = [num_grad(rmodel, micro(batch, i)) for i in range(N)]
-  den = jnp.sum(batch["targets"] > 0)
-  ref_loss = sum(o[0] for o in outs) / den
-  grads = jax.tree.map(lambda *g: sum(g) / den, *(o[1] for o in outs))
+  den = float(np.sum(np.asarray(batch["targets"]) > 0))
+  ref_loss = sum(np.asarray(o[0]) for o in outs) / den  # on the host, as the grads
+  grads = jax.tree.map(lambda *g: sum(np.asarray(x) for x in g) / den, *(o[1] for o in outs))
   nnx.jit(lambda m, o, g: o.update(m, g))(rmodel, roptimizer, grads)
   assert_close(loss, ref_loss)
   assert_close(nnx_arrays(*port), nnx_arrays(rmodel, roptimizer))
