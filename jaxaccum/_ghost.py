@@ -27,10 +27,14 @@ cotangent of a per-example scalar, so no cotangent is stored. A leaf used at sev
 (tied input and output embeddings) whose sites are all row gathers and matrix products gets
 its cross terms ``2 <G_s, G_t>`` from the sites' stored activations and cotangents. Sites
 inside ``jit``, ``checkpoint`` (remat) and ``lax.scan`` bodies count (a stacked leaf entering a
-scan as ``xs`` gives each iteration its own slice, so the iterations' norms add); anything else
-(a leaf under ``sin``, entering a scan as a constant or a carry, inside a ``custom_jvp``)
-either gets its per-example gradient materialised, that leaf only, or, with ``strict=True``,
-raises an error naming the primitive and the leaf.
+scan as ``xs`` gives each iteration its own slice, so the iterations' norms add). A
+``custom_jvp`` whose derivative is the identity in the leaf (its tangent rule returns the
+leaf's tangent as one output and uses it nowhere else, whatever its primal value) is seen
+through: that output is the leaf for the analysis (the Flax NNX adapter passes every
+parameter through such a call). Anything else (a leaf under ``sin``, entering a scan as a
+constant or a carry, inside another ``custom_jvp``) either gets its per-example gradient
+materialised, that leaf only, or, with ``strict=True``, raises an error naming the primitive
+and the leaf.
 
 The clipped sum is then one more backward pass over the same forward pass: the first call of
 the VJP gives the norms (the weights' cotangents it would give are dead code), the second,
@@ -176,6 +180,35 @@ def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
   return [True] * len(eqn.outvars)
 
 
+def _identity_output(eqn: Any, k: int) -> int | None:
+  """The output of the ``custom_jvp_call`` ``eqn`` whose derivative is the identity in input
+  ``k`` (and that alone depends on it), or ``None``.
+
+  Read from the call's own tangent rule, traced on ``eqn``'s avals with input ``k``'s tangent
+  alone: an output that *is* that tangent, every other output independent of it.
+  """
+  args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+
+  def tangents(args, t):
+    def one(x):
+      return _bind(eqn, [*args[:k], x, *args[k + 1:]])
+
+    return jax.jvp(one, (args[k],), (t,))[1]
+
+  try:
+    jaxpr = jax.make_jaxpr(tangents)(args, args[k]).jaxpr
+  except (TypeError, ValueError, NotImplementedError):
+    return None
+  t = jaxpr.invars[-1]
+  dep = {t}  # what depends on t, conservatively: every output of an eqn that reads it
+  for e in jaxpr.eqns:
+    if any(not isinstance(a, jcore.Literal) and a in dep for a in e.invars):
+      dep.update(e.outvars)
+  outs = [not isinstance(a, jcore.Literal) and a in dep for a in jaxpr.outvars]
+  same = [j for j, a in enumerate(jaxpr.outvars) if a is t]
+  return same[0] if len(same) == 1 and sum(outs) == 1 else None
+
+
 def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
              path: tuple[int, ...], result: _Analysis) -> list[_View | None]:
   """Finds the sites of the leaves whose views enter ``jaxpr``; returns its outputs' views.
@@ -238,6 +271,11 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
         if v is not None:
           result.unknown(v.leaf, "scan (returned from the body)")
       continue
+    if name == "custom_jvp_call" and len(hit) == 1:
+      j = _identity_output(eqn, hit[0])
+      if j is not None:
+        env[eqn.outvars[j]] = first
+        continue
     if len(leaves) == 1 and len(hit) == 1:
       k = hit[0]
       kind = None

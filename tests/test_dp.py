@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxaccum
+from jaxaccum import _ghost
 
 B, D, H = 16, 3, 4
 C = 0.5
@@ -219,15 +220,19 @@ def test_linen_and_equinox_adapters(method):
   _close(eqx.filter(grads, eqx.is_array), ref)
 
 
-# The NNX adapter differentiates through a custom_jvp (nnx.py's _rebase), a use that the
-# ghost-norm analysis has no rule for yet: "ghost" refuses it, "auto" materialises.
-@pytest.mark.parametrize("method", [
-    *[m for m in METHODS if m != "ghost"],
-    pytest.param("ghost", marks=pytest.mark.xfail(
-        strict=True, raises=ValueError, reason="no ghost-norm rule for custom_jvp_call"))])
-def test_nnx_adapter(method):
+# The NNX adapter passes every parameter through a custom_jvp (nnx.py's _rebase), which the
+# analysis sees through: each of the four leaves gets its ghost norm, none is materialised.
+@pytest.mark.parametrize("method", METHODS)
+def test_nnx_adapter(method, monkeypatch):
   from flax import nnx
 
+  decided = []
+
+  def spy(*args, decide=_ghost._decide):
+    decided.append(decide(*args))
+    return decided[-1]
+
+  monkeypatch.setattr(_ghost, "_decide", spy)
   clip = jaxaccum.clip_per_example(C, method)
   x, y = _problem(5)[1]
 
@@ -249,6 +254,9 @@ def test_nnx_adapter(method):
   ref, _ = _loop(lambda s, b: nnx_loss(nnx.merge(graphdef, s), *b), state, (x, y), range(B),
                  divisor=B)
   _close(nnx.state(grads), ref)
+  assert decided
+  for taps, _, multi, fallback in decided:
+    assert (len({s.leaf for s in taps.values()}), multi, fallback) == (4, {}, {})
 
 
 # --- The options DP users rely on ------------------------------------------------------------

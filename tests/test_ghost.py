@@ -230,6 +230,47 @@ def test_unrecognised_use_falls_back_for_that_leaf_only():
     _ghost.clipped_sum(f, (mlp_params(),), MLP_DATA, 0, weigh, strict=True)
 
 
+
+@jax.custom_jvp
+def rebase(x, at):  # at's value with x's derivative, as the NNX adapter passes parameters
+  del x
+  return at
+
+
+rebase.defjvp(lambda primals, tangents: (primals[1], tangents[0]))
+
+
+@jax.custom_jvp
+def twice(x, at):  # at's value with twice x's derivative: not an identity
+  del x
+  return at
+
+
+twice.defjvp(lambda primals, tangents: (primals[1], 2.0 * tangents[0]))
+
+
+def test_custom_jvp_identity_in_the_leaf_is_seen_through():
+  # Each leaf reaches its sites through rebase, at values other than its own (the norms are
+  # those of the gradients at `at`); relu (a custom_jvp, not an identity) and twice are not
+  # seen through.
+  at = jax.tree.map(lambda a: a + 0.5, mlp_params())
+
+  def over(wrap):
+    def f(d, x):
+      return mlp((jax.tree.map(wrap, d[0], at),), x)
+    return f
+
+  check(over(rebase), (mlp_params(),), MLP_DATA, rules={"[0]['unused']": "none"})
+  f = over(lambda w, a: jax.nn.relu(w) if w.ndim == 1 else rebase(w, a))
+  check(f, (mlp_params(),), MLP_DATA, strict=False,
+        rules={"[0]['b1']": "materialize", "[0]['b2']": "materialize",
+               "[0]['unused']": "materialize"})
+  assert _ghost.rules(f, (mlp_params(),), MLP_DATA, 0)["[0]['b1']"] == (
+      "materialize: custom_jvp_call")
+  f = over(lambda w, a: twice(w, a) if w.shape == (6, 3) else rebase(w, a))
+  check(f, (mlp_params(),), MLP_DATA, strict=False,
+        rules={"[0]['w2']": "materialize", "[0]['unused']": "none"})
+
 def test_inside_a_jitted_micro_batch_loop():
   # As the core calls it: inside lax.scan over micro-batches, closing over traced values.
   p = mlp_params()
