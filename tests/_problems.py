@@ -299,3 +299,28 @@ def micro_batch(batch: PyTree, i: int, n: int) -> PyTree:
 def micro_batches(batch: PyTree, n: int) -> list[PyTree]:
   """All ``n`` micro-batches, by explicit slicing."""
   return [micro_batch(batch, i, n) for i in range(n)]
+
+
+# A one-hidden-layer tanh regression, the per-example and DP tests' problem: its parameters
+# have a weight matrix, a bias and a weight vector (each a different ghost-norm rule).
+TANH_D, TANH_H = 3, 4
+
+
+def tanh_problem(seed: int = 0, rows: int = 16, bias_scale: float = 0.0):
+  """``(params, (x, y))`` of the tanh regression, ``rows`` rows, from ``seed``."""
+  k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
+  params = {"w1": jax.random.normal(k1, (TANH_D, TANH_H)),
+            "b1": bias_scale * jax.random.normal(k5, (TANH_H,)),
+            "w2": jax.random.normal(k2, (TANH_H,))}
+  x = jax.random.normal(k3, (rows, TANH_D))
+  y = 3.0 * jax.random.normal(k4, (rows,))
+  return params, (x, y)
+
+
+def tanh_pred(p: PyTree, x: jax.Array) -> jax.Array:
+  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def tanh_mean_loss(p: PyTree, batch: PyTree) -> jax.Array:
+  x, y = batch
+  return jnp.mean((tanh_pred(p, x) - y) ** 2)

@@ -18,8 +18,9 @@ import pytest
 
 import jaxaccum
 from jaxaccum import _ghost
+from tests import _problems
 
-B, D, H = 16, 3, 4
+B, D, H = 16, _problems.TANH_D, _problems.TANH_H
 C = 0.5
 # tests/test_per_example.py runs every per-example option with method="materialize"; here
 # the same options run with the two others, and the DP options with all three.
@@ -27,22 +28,11 @@ METHODS = ("auto", "ghost")
 ALL = ("materialize", *METHODS)
 
 
+_pred, mean_loss = _problems.tanh_pred, _problems.tanh_mean_loss
+
+
 def _problem(seed=0, rows=B):
-  k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
-  params = {"w1": jax.random.normal(k1, (D, H)), "b1": 0.1 * jax.random.normal(k5, (H,)),
-            "w2": jax.random.normal(k2, (H,))}
-  x = jax.random.normal(k3, (rows, D))
-  y = 3.0 * jax.random.normal(k4, (rows,))
-  return params, (x, y)
-
-
-def _pred(p, x):
-  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
-
-
-def mean_loss(p, batch):
-  x, y = batch
-  return jnp.mean((_pred(p, x) - y) ** 2)
+  return _problems.tanh_problem(seed, rows, bias_scale=0.1)
 
 
 @functools.cache

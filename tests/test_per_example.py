@@ -18,26 +18,16 @@ import numpy as np
 import pytest
 
 import jaxaccum
+from tests import _problems
 
-B, D, H = 16, 3, 4
+B, D, H = 16, _problems.TANH_D, _problems.TANH_H
+
+
+_pred, mean_loss = _problems.tanh_pred, _problems.tanh_mean_loss
 
 
 def _problem(seed=0):
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-  params = {"w1": jax.random.normal(k1, (D, H)), "b1": jnp.zeros(H),
-            "w2": jax.random.normal(k2, (H,))}
-  x = jax.random.normal(k3, (B, D))
-  y = 3.0 * jax.random.normal(k4, (B,))
-  return params, (x, y)
-
-
-def _pred(p, x):
-  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
-
-
-def mean_loss(p, batch):
-  x, y = batch
-  return jnp.mean((_pred(p, x) - y) ** 2)
+  return _problems.tanh_problem(seed, B)
 
 
 def sum_loss(p, batch):
