@@ -310,6 +310,45 @@ def _f32(x: jax.Array) -> jax.Array:
   return jnp.asarray(x).astype(jnp.float32)
 
 
+# A squared norm is carried *wide*: ``[q, q * 2^-128]`` in float32 (sums of squares of the
+# entries, and of the entries times 2^-64; products formed from operands divided by their
+# largest entry, then scaled back), so that the second part stays finite where ``q``
+# overflows (a norm above about 1.8e19) and the first keeps full precision below. Wide values
+# add; :func:`_wide_norm` reads the norm back: no second pass and no branch, which would hold
+# the forward pass's residuals in buffers of their own.
+_WIDE_SHIFT = 128
+
+
+def _peak(x: jax.Array) -> jax.Array:
+  """``x``'s largest absolute entry, or 1 where that is 0 or not finite."""
+  return _stats.divisor(jnp.max(jnp.abs(x), initial=0.0))
+
+
+def _wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
+  """The wide value of ``s * prod(factors)`` (``s``: computed from operands divided by the
+  ``factors``, so that it is finite)."""
+  hi, lo = s, s
+  shrink = 2.0 ** (-_WIDE_SHIFT / len(factors))
+  for f in factors:
+    hi = hi * f
+    lo = lo * (f * shrink)
+  return jnp.stack([hi, lo])
+
+
+def _wide_sum_sq(x: jax.Array) -> jax.Array:
+  """The wide squared norm of ``x``'s entries: two sums of squares (one pass, no peak)."""
+  x = _f32(x)
+  return jnp.stack([jnp.sum(jnp.square(x)),
+                    jnp.sum(jnp.square(x * 2.0 ** (-_WIDE_SHIFT // 2)))])
+
+
+def _wide_norm(w: jax.Array) -> jax.Array:
+  """The norm of wide squared norms ``w`` (``(..., 2)``): NaN or inf where the norm is."""
+  hi, lo = w[..., 0], w[..., 1]
+  return jnp.where(jnp.isfinite(hi), jnp.sqrt(hi),
+                   jnp.sqrt(lo) * 2.0 ** (_WIDE_SHIFT // 2))
+
+
 def _dot_factors(eqn: Any, pos: int, act: jax.Array,
                  g: jax.Array) -> tuple[jax.Array, jax.Array, tuple[int, ...], tuple[int, ...]]:
   """``(A, B, pc, pf)`` with the leaf view's gradient ``G[h] = A[h]^T B[h]``.
@@ -344,15 +383,18 @@ def _gram_cheaper(t: int, p: int, q: int) -> bool:
 
 
 def _sq_outer(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``sum_h |A_h^T B_h|^2`` in float32, by the Gram form or directly, whichever is cheaper."""
+  """Wide ``sum_h |A_h^T B_h|^2``, by the Gram form or directly, whichever is cheaper."""
   _, t, p = a.shape
   q = b.shape[2]
   a, b = _f32(a), _f32(b)
+  pa, pb = _peak(a), _peak(b)
+  a, b = a / pa, b / pb
   if _gram_cheaper(t, p, q):
     ga = jnp.einsum("htp,hup->htu", a, a, precision=_HIGHEST)
     gb = jnp.einsum("htq,huq->htu", b, b, precision=_HIGHEST)
-    return jnp.sum(ga * gb)
-  return jnp.sum(jnp.square(jnp.einsum("htp,htq->hpq", a, b, precision=_HIGHEST)))
+    return _wide(jnp.sum(ga * gb), pa, pa, pb, pb)
+  return _wide(jnp.sum(jnp.square(jnp.einsum("htp,htq->hpq", a, b, precision=_HIGHEST))),
+               pa, pa, pb, pb)
 
 
 def _gather_rows(eqn: Any, idx: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -373,16 +415,19 @@ def _index_gram_cheaper(t: int, d: int, rows: int) -> bool:
 
 
 def _sq_gather(eqn: Any, idx: jax.Array, g: jax.Array) -> jax.Array:
+  """Wide squared norm of a row gather's gradient (rows ``idx``, cotangent ``g``)."""
   i, rows = _gather_rows(eqn, idx, g)
+  peak = _peak(rows)
+  rows = rows / peak
   t, d = rows.shape
   rows_of = eqn.invars[0].aval.shape[0]
   if _index_gram_cheaper(t, d, rows_of):
     same = (i[:, None] == i[None, :]) & (i[:, None] >= 0)
     gram = jnp.einsum("td,ud->tu", rows, rows, precision=_HIGHEST)
-    return jnp.sum(jnp.where(same, gram, 0.0))
+    return _wide(jnp.sum(jnp.where(same, gram, 0.0)), peak, peak)
   sums = jax.ops.segment_sum(jnp.where((i >= 0)[:, None], rows, 0.0), jnp.maximum(i, 0),
                              num_segments=rows_of)
-  return jnp.sum(jnp.square(sums))
+  return _wide(jnp.sum(jnp.square(sums)), peak, peak)
 
 
 def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Array]:
@@ -398,19 +443,19 @@ def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Ar
 
 def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
                   axes: tuple = ()) -> jax.Array:
-  """The squared norm of one example's gradient through ``site`` (``saved``: other operands;
-  ``axes``: the ``shard_map`` axes the leaf varies over)."""
+  """The wide squared norm of one example's gradient through ``site`` (``saved``: other
+  operands; ``axes``: the ``shard_map`` axes the leaf varies over)."""
   if site.kind == "dot":
     a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
     return _sq_outer(a, b)
   if site.kind == "gather":
     return _sq_gather(site.eqn, saved[0], g)
   if site.kind == "slice":
-    return jnp.sum(jnp.square(_f32(g)))
+    return _wide_sum_sq(g)
   anchor = site.view.anchor
   zero = _sharding._vary(jnp.zeros(anchor.shape, anchor.dtype), axes)
   _, vjp = jax.vjp(_site_fn(site, saved), zero)
-  return jnp.sum(jnp.square(_f32(vjp(g)[0])))
+  return _wide_sum_sq(vjp(g)[0])
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -510,17 +555,27 @@ def _gram(s: Any, t: Any) -> jax.Array:
   return jnp.where((ms >= 0)[:, None], mt[:, jnp.maximum(ms, 0)].T, 0.0)
 
 
+def _unit(side: Any) -> tuple[Any, jax.Array]:
+  """A factor side divided by its largest entry, and that entry (1 for an index side)."""
+  kind, m = side
+  if kind == "index":
+    return side, jnp.ones((), jnp.float32)
+  peak = _peak(m)
+  return (kind, m / peak), peak
+
+
 def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
                    cots: Sequence[Any]) -> jax.Array:
-  """One example's squared norm of a leaf's gradient summed over its sites, cross terms included."""
+  """One example's wide squared norm of a leaf's gradient summed over its sites, cross
+  terms included."""
   first = _sides(sites[0])
-  factors = [_factor(s, o, g, _sides(s) != first) for s, o, g in zip(sites, others, cots,
-                                                                         strict=True)]
-  total = jnp.zeros((), jnp.float32)
-  for j, (aj, bj) in enumerate(factors):
+  factors = [tuple(map(_unit, _factor(s, o, g, _sides(s) != first)))
+             for s, o, g in zip(sites, others, cots, strict=True)]
+  total = jnp.zeros((2,), jnp.float32)
+  for j, ((aj, paj), (bj, pbj)) in enumerate(factors):
     for k in range(j, len(factors)):
-      ak, bk = factors[k]
-      term = jnp.sum(_gram(aj, ak) * _gram(bj, bk))
+      (ak, pak), (bk, pbk) = factors[k]
+      term = _wide(jnp.sum(_gram(aj, ak) * _gram(bj, bk)), paj, pak, pbj, pbk)
       total = total + (term if j == k else 2.0 * term)
   return total
 
@@ -557,7 +612,7 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       saved = () if site.kind == "slice" else others
       y = _bind(eqn, vals)
       if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
-        y = y + jnp.zeros((), y.dtype) * acc.astype(y.dtype)
+        y = y + jnp.zeros((), y.dtype) * acc[0].astype(y.dtype)
       tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])))
       outs = [tap(y, saved, acc)]
     elif here in plan.probes:
@@ -758,7 +813,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
 
   fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
                          for k in fb_keys], axes)
-  acc0 = _sharding._vary(jnp.zeros((n,), jnp.float32), axes)
+  acc0 = _sharding._vary(jnp.zeros((n, 2), jnp.float32), axes)  # wide squared norms
   pv0 = []
   for key in probe_keys:
     aval = probes[key].eqn.outvars[0].aval
@@ -766,27 +821,18 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0, acc0,
                                           pv0, has_aux=True)
   where = {key: j for j, key in enumerate(probe_keys)}
-
-  def squares(seed):  # the first backward pass: each example's squared norm (times seed^2)
-    _, fb_grads, sq, cots = vjp(jnp.full_like(objectives, seed))
-    sq = sq + sum((jax.vmap(_stats.sq_norm)(g) for g in fb_grads), jnp.zeros_like(sq))
-    for sites in multi.values():
-      js = [where[s.path] for s in sites]
-      sq = sq + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
-          [acts[j] for j in js], [cots[j] for j in js])
-    return sq, fb_grads
-
-  sq, fb_grads = squares(1.0)
-  if norms:
-    # A norm above ~1.8e19 overflows its square in float32: those examples' squares again
-    # with every cotangent scaled by 2^-64, only when one overflowed.
-    got = jnp.sqrt(sq)
-    if jnp.finfo(objectives.dtype).max > 1e38:
-      def rescue(_):
-        small = jnp.sqrt(squares(2.0 ** -64)[0]) * 2.0 ** 64
-        return jnp.where(jnp.isinf(sq) & jnp.isfinite(small), small, got)
-      got = jax.lax.cond(jnp.any(jnp.isinf(sq)), rescue, lambda _: got, None)
-    sq = got
+  # The first backward pass: each example's wide squared norm (the weights' cotangents it
+  # would give are dead code).
+  _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
+  for g in fb_grads:
+    wide = wide + jax.vmap(_wide_sum_sq)(g)
+  for sites in multi.values():
+    js = [where[s.path] for s in sites]
+    wide = wide + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
+        [acts[j] for j in js], [cots[j] for j in js])
+  # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
+  # still gives it.
+  sq = _wide_norm(wide) if norms else wide[:, 0]
   c = jnp.asarray(weigh(sq), jnp.float32)
   ghost_grads = vjp(c.astype(objectives.dtype))[0]
   # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own

@@ -35,6 +35,12 @@ def all_finite(tree: PyTree) -> jax.Array:
   return functools.reduce(jnp.logical_and, leaves, jnp.ones((), jnp.bool_))
 
 
+def divisor(peak: jax.Array) -> jax.Array:
+  """What to divide entries by before squaring them: their largest absolute value ``peak``,
+  or 1 where that is 0 or not finite (then the result is 0, or not finite, as it should)."""
+  return jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
+
+
 def norm(tree: PyTree) -> jax.Array:
   """The L2 norm of the floating leaves of a pytree, in float32, without overflow.
 
@@ -46,7 +52,7 @@ def norm(tree: PyTree) -> jax.Array:
   if not leaves:
     return jnp.zeros((), jnp.float32)
   peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves])
-  scale = jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
+  scale = divisor(peak)
   total = functools.reduce(jnp.add, [jnp.sum(jnp.square(x / scale)) for x in leaves])
   return jnp.where(jnp.isfinite(peak), scale * jnp.sqrt(total), peak)
 

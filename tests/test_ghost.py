@@ -398,16 +398,47 @@ def test_an_example_with_factor_zero_adds_zero_even_where_not_finite():
   chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_norms_whose_square_overflows_float32():
-  # norms=True: weigh gets norms, which stay finite above ~1.8e19 (squares above 3.4e38).
+def _segment_gather(d, ids):  # 3 rows, 8 tokens: the segment-sum form of a gather's norm
+  e = jnp.take(d[0]["emb"], ids, axis=0)
+  return jnp.sum(jnp.tanh(e @ d[0]["w"]) * jnp.arange(8)), ()
+
+
+def _fallback_and_slice(d, batch):  # a leaf under sin (materialised) and a static slice
+  x, y = batch
+  h = jnp.tanh(x @ jnp.sin(d[0]["w1"]) + d[0]["b1"][:6])
+  return jnp.mean((h @ d[0]["w2"] - y) ** 2), ()
+
+
+_HUGE_CASES = {
+    "mlp": (lambda d, b: (mlp(d, b)[0], ()), lambda: (mlp_params(),), lambda: MLP_DATA),
+    "lm": (transformer_lm, lambda: (transformer_params(),),
+           lambda: jax.random.randint(jax.random.key(11), (E, 1, 6), 0, 11)),
+    "segment_gather": (_segment_gather,
+                       lambda: ({"emb": normal(0, (3, 2)), "w": normal(1, (2,))},),
+                       lambda: jax.random.randint(jax.random.key(3), (E, 1, 8), 0, 3)),
+    "fallback_and_slice": (_fallback_and_slice,
+                           lambda: ({"w1": normal(0, (4, 6)), "b1": normal(1, (9,)),
+                                     "w2": normal(2, (6, 3))},), lambda: MLP_DATA),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HUGE_CASES))
+def test_norms_whose_square_overflows_float32(case):
+  # norms=True: weigh gets norms, which stay finite above ~1.8e19 (squares above 3.4e38),
+  # for every rule: dense (Gram and direct), bias, scale, gathers (index Gram and segment
+  # sums), tied cross terms, slices and a materialised leaf.
+  f, diff, xs = _HUGE_CASES[case]
+  diff, xs = diff(), xs()
+
   def huge(d, b):
-    return 1e20 * mlp(d, b)[0], ()
+    return 1e20 * f(d, b)[0], ()
 
   _, grads, norms = jax.jit(lambda d, b: _ghost.clipped_sum(
-      huge, d, b, 0, lambda n: 1.0 / n, strict=True, norms=True))((mlp_params(),), MLP_DATA)
-  per = jax.vmap(lambda b: jax.grad(lambda d: mlp(d, b)[0])((mlp_params(),)))(MLP_DATA)
+      huge, d, b, 0, lambda n: 1.0 / n, strict=False, norms=True))(diff, xs)
+  per = jax.vmap(lambda b: jax.grad(lambda d: f(d, b)[0])(diff))(xs)
   unit = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
                       for g in jax.tree.leaves(per)))
+  assert bool(jnp.all(unit > 0))
   chex.assert_trees_all_close(norms, 1e20 * unit, rtol=1e-5)
   chex.assert_trees_all_close(grads, jax.tree.map(
       lambda g: jnp.einsum("e,e...->...", 1.0 / unit, g), per), rtol=1e-5, atol=1e-6)
