@@ -184,6 +184,24 @@ def test_scan_over_stacked_layers():
     _ghost.clipped_sum(f, (p,), xs, 0, weigh, strict=True)
 
 
+def test_a_stacked_weight_used_twice_in_a_scan_body_falls_back_for_that_leaf():
+  # Cross terms are formed outside scan bodies only: a slice used twice in one iteration
+  # (tied within the layer) materialises that leaf (auto) and is named (strict).
+  p = {"w": normal(0, (3, 4, 4), 0.5), "b": normal(1, (3, 4))}
+
+  def f(d, x):
+    def layer(h, wb):
+      w, b = wb
+      return jnp.tanh(jnp.tanh(h @ w + b) @ w.T), None
+    h, _ = jax.lax.scan(layer, x, (d[0]["w"], d[0]["b"]))
+    return jnp.sum(h ** 2), ()
+
+  xs = normal(3, (E, 1, 4))
+  check(f, (p,), xs, rules={"[0]['w']": "materialize"}, strict=False)
+  with pytest.raises(ValueError, match=r"\[0\]\['w'\].*2 uses .*cross terms have no rule"):
+    _ghost.clipped_sum(f, (p,), xs, 0, weigh, strict=True)
+
+
 def test_remat_and_nested_jit():
   # Sites inside jax.checkpoint (a policy kept) and inside a nested jit.
   p = mlp_params()
