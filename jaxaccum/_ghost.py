@@ -338,8 +338,8 @@ def _wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
 def _wide_sum_sq(x: jax.Array) -> jax.Array:
   """The wide squared norm of ``x``'s entries: two sums of squares (one pass, no peak)."""
   x = _f32(x)
-  return jnp.stack([jnp.sum(jnp.square(x)),
-                    jnp.sum(jnp.square(x * 2.0 ** (-_WIDE_SHIFT // 2)))])
+  shrink = jax.lax.optimization_barrier(jnp.float32(2.0 ** (-_WIDE_SHIFT // 2)))
+  return jnp.stack([jnp.sum(jnp.square(x)), jnp.sum(jnp.square(x * shrink))])
 
 
 def _wide_norm(w: jax.Array) -> jax.Array:

@@ -471,12 +471,14 @@ def _deep_tanh_loss(params, batch):
   return jnp.mean((x @ w + b - y) ** 2)
 
 
-def test_plan_knows_the_ghost_step_memory_and_picks_plain_accumulations_count():
+def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_count():
   # An MLP of six tanh layers over 256 rows, where the per-example gradients (256 x 21k
   # parameters) dwarf the activations. Under a budget between plain accumulation's programs
-  # at 2 and 4 micro-batches, plain picks 4; the ghost step's program (compiled by the
-  # planner, checked against an independent compile) fits at 4 too, while materialising
-  # needs micro-batches of a few rows.
+  # at 2 and 4 micro-batches, plain picks 4. The planner compiles the ghost step's own
+  # program (checked against an independent compile) and picks the fewest micro-batches
+  # whose program fits: at most one halving of plain's micro-batch (the ghost step holds
+  # activation-sized residuals for its second backward pass; how many depends on XLA's
+  # version), while materialising needs micro-batches of a few rows.
   sizes = (8, *(64,) * 6, 1)
   keys = jax.random.split(jax.random.key(0), len(sizes) + 1)
   params = [(jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b))
@@ -503,5 +505,8 @@ def test_plan_knows_the_ghost_step_memory_and_picks_plain_accumulations_count():
       for c in plan.candidates:
         if c.num_micro_batches in (2, 4):
           assert c.peak_bytes == peak(c.num_micro_batches, **extra)
-  assert chosen[None] == chosen["ghost"] == chosen["auto"] == 4, chosen
+      n = plan.num_micro_batches
+      assert peak(n, **extra) <= budget < peak(n // 2, **extra), (n, budget)
+  assert chosen[None] == 4, chosen
+  assert chosen["ghost"] == chosen["auto"] in (4, 8), chosen
   assert chosen["materialize"] >= 64, chosen  # micro-batches of at most 4 rows
