@@ -65,6 +65,19 @@ _LAYOUT = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", 
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 _REMATS = frozenset({"remat2", "checkpoint", "remat"})
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "add_any"})
+# Cheap elementwise results that a backward pass reads (tanh's ``1 - y^2``, a LayerNorm's
+# normalised rows, a residual stream's sums). Inside a scan body with sites, the policy
+# :func:`_saved` recomputes them in each iteration's backward pass rather than stacking them
+# over the iterations for the two backward passes to read.
+_RECOMPUTED = frozenset({
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "square",
+    "integer_pow", "one_minus_square", "select_n", "convert_element_type", "broadcast_in_dim",
+    "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p"})
+
+
+def _saved(prim: Any, *_: Any, **__: Any) -> bool:
+  """The ``jax.checkpoint`` policy of a scan body with sites (see ``_RECOMPUTED``)."""
+  return prim.name not in _RECOMPUTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,8 +657,9 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
                     acc, {}, {})
         return outs[:nk], outs[nk:]
 
-      carry, ys = jax.lax.scan(step, vals[nc:nc + nk], vals[nc + nk:], length=p["length"],
-                               reverse=p["reverse"], unroll=p["unroll"])
+      carry, ys = jax.lax.scan(jax.checkpoint(step, policy=_saved), vals[nc:nc + nk],
+                               vals[nc + nk:], length=p["length"], reverse=p["reverse"],
+                               unroll=p["unroll"])
       outs = [*carry, *ys]
     else:
       out = _bind(eqn, vals)
