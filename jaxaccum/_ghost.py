@@ -15,7 +15,8 @@ output head)                         output cotangent's, h: shared batch dims), 
                                      form ``<A A^T, G G^T>`` or directly, whichever is cheaper
 ``gather`` of rows (embeddings)      ``sum_{t,u} [i_t = i_u] <g_t, g_u>`` (or the rows'
                                      segment sums, whichever is cheaper)
-``slice``, ``dynamic_slice``         ``|g|^2`` (one window: no two entries overlap)
+``dynamic_slice`` (and a ``slice``     ``|g|^2`` (one window: no two entries overlap)
+after a reshape)
 ``add``/``sub``/``mul``/``div`` with  ``|vjp(g)|^2``, the leaf-sized gradient formed in the
 a broadcast leaf (biases, scales),   backward pass and reduced at once
 ``conv_general_dilated`` kernels
@@ -25,7 +26,10 @@ Each single-use leaf's norm is computed *inside* the backward pass: the site's o
 through an identity with a custom VJP whose backward rule adds the site's norm to the
 cotangent of a per-example scalar, so no cotangent is stored. A leaf used at several sites
 (tied input and output embeddings) whose sites are all row gathers and matrix products gets
-its cross terms ``2 <G_s, G_t>`` from the sites' stored activations and cotangents. Sites
+its cross terms ``2 <G_s, G_t>`` from the sites' stored activations and cotangents. A static
+``slice`` is followed like a layout operation, keeping the region of the leaf it holds: a leaf
+whose sites use pairwise disjoint regions (a stacked weight indexed in a Python loop, a matrix
+split into halves) needs no cross terms, as the sites' gradients have disjoint supports. Sites
 inside ``jit``, ``checkpoint`` (remat) and ``lax.scan`` bodies count (a stacked leaf entering a
 scan as ``xs`` gives each iteration its own slice, so the iterations' norms add). A
 ``custom_jvp`` whose derivative is the identity in the leaf (its tangent rule returns the
@@ -38,7 +42,9 @@ and the leaf.
 
 The clipped sum is then one more backward pass over the same forward pass: the first call of
 the VJP gives the norms (the weights' cotangents it would give are dead code), the second,
-with cotangents ``c_e``, gives ``sum_e c_e grad_e``.
+with cotangents ``c_e``, gives ``sum_e c_e grad_e``. Both passes read the forward pass's
+residuals; inside a scan body with sites, cheap elementwise values among them are recomputed
+per iteration (a ``jax.checkpoint`` policy) rather than stacked over the iterations.
 """
 
 from __future__ import annotations
@@ -87,7 +93,10 @@ class _View:
   ``perm[d]`` is the leaf dimension of the value's dimension ``d`` while only transposes and
   converts were applied (``None`` after a reshape); ``post`` holds the broadcasts (and what
   followed them) after the last norm-preserving value, whose aval is ``anchor``; ``in_scan``
-  says the value is one iteration's slice of a leaf stacked along a scan's ``xs``.
+  says the value is one iteration's slice of a leaf stacked along a scan's ``xs`` (the scan
+  at path ``base``). ``region``: after static slices, the entries of the base (the leaf, or
+  the iteration's slice) the value holds, ``(start, limit, stride)`` per base dimension; two
+  sites whose regions are disjoint have gradients with disjoint supports, so their norms add.
   """
 
   leaf: int
@@ -95,6 +104,8 @@ class _View:
   anchor: Any  # jax.core.ShapedArray of the last norm-preserving value
   post: tuple[Any, ...] = ()  # JaxprEqns applied after the anchor (broadcast_in_dim ...)
   in_scan: bool = False
+  base: tuple[int, ...] = ()
+  region: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +162,34 @@ def _extend(v: _View, eqn: Any) -> _View:
   elif name not in ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision"):
     perm = None
   return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval)
+
+
+def _sliced(v: _View, eqn: Any) -> _View | None:
+  """The view after a static ``slice``, with its region (``None`` where the slice's dims do
+  not map to the base's: after a reshape)."""
+  perm = v.perm
+  if perm is None or v.post:
+    return None
+  ndim = len(perm)
+  if v.region is None:  # the whole base (its dims permuted by perm)
+    region = [(0, 0, 1)] * ndim
+    for d, b in enumerate(perm):
+      region[b] = (0, v.anchor.shape[d], 1)
+  else:
+    region = list(v.region)
+  strides = eqn.params["strides"] or (1,) * ndim
+  for d, (lo, hi, st) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"],
+                                       strides, strict=True)):
+    b = perm[d]
+    s0, _, t0 = region[b]
+    region[b] = (s0 + lo * t0, s0 + hi * t0, t0 * st)
+  return dataclasses.replace(v, anchor=eqn.outvars[0].aval, region=tuple(region))
+
+
+def _disjoint(a: tuple, b: tuple) -> bool:
+  """Whether two regions share no entry: along some dimension, no index."""
+  return any(np.intersect1d(np.arange(*x), np.arange(*y)).size == 0
+             for x, y in zip(a, b, strict=True))
 
 
 def _scan_counts(eqn: Any) -> tuple[int, int]:
@@ -278,7 +317,7 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
           inner.append(None)
         else:
           aval = eqn.params["jaxpr"].jaxpr.invars[k].aval
-          inner.append(_View(v.leaf, None, aval, (), True))
+          inner.append(_View(v.leaf, tuple(range(aval.ndim)), aval, (), True, here))
       outs = _analyse(eqn.params["jaxpr"].jaxpr, inner, ds, here, result)
       for v in outs:
         if v is not None:
@@ -288,6 +327,11 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
       j = _identity_output(eqn, hit[0])
       if j is not None:
         env[eqn.outvars[j]] = first
+        continue
+    if name == "slice" and hit == [0]:
+      sliced = _sliced(first, eqn)
+      if sliced is not None:
+        env[eqn.outvars[0]] = sliced
         continue
     if len(leaves) == 1 and len(hit) == 1:
       k = hit[0]
@@ -506,7 +550,7 @@ def _tap(site: _Site, axes: tuple, leaf_axes: tuple) -> Callable[..., Any]:
 def _sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """The leaf dimensions on the site's two factors, or ``None`` if it has no factor form."""
   perm = site.view.perm
-  if site.view.post or site.view.in_scan or perm is None:
+  if site.view.post or site.view.in_scan or site.view.region is not None or perm is None:
     return None
   if site.kind == "gather":
     return (perm[0],), tuple(sorted(perm[1:]))
@@ -518,6 +562,14 @@ def _sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return None
   pf = [d for d in range(len(perm)) if d not in tuple(pc)]
   return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+
+
+def _apart(sites: Sequence[_Site]) -> bool:
+  """Whether the sites use pairwise disjoint static slices of one base: no cross terms."""
+  views = [s.view for s in sites]
+  return (all(v.region is not None and v.base == views[0].base for v in views)
+          and all(_disjoint(a.region, b.region)  # type: ignore[arg-type]
+                  for i, a in enumerate(views) for b in views[i + 1:]))
 
 
 def _cross_ok(sites: Sequence[_Site]) -> bool:
@@ -730,8 +782,8 @@ def _decide(closed: Any, leaves: Sequence[Any],
     sites = found.sites.get(k, [])
     if k in found.bad:
       fallback[k] = found.bad[k]
-    elif len(sites) == 1:
-      taps[sites[0].path] = sites[0]
+    elif len(sites) == 1 or _apart(sites):
+      taps.update({s.path: s for s in sites})
     elif sites and _cross_ok(sites):
       multi[k] = sites
       probes.update({s.path: s for s in sites})

@@ -203,6 +203,34 @@ def test_a_stacked_weight_used_twice_in_a_scan_body_falls_back_for_that_leaf():
     _ghost.clipped_sum(f, (p,), xs, 0, weigh, strict=True)
 
 
+def test_disjoint_static_slices_of_one_leaf_add_their_norms():
+  # A stacked weight indexed in a Python loop (w[i]), a matrix split into column halves, and
+  # halves of each scanned layer's weight: the slices' gradients have disjoint supports, so
+  # the sites are tapped one by one with no cross terms. Overlapping slices have cross terms
+  # without a rule: that leaf alone is materialised.
+  p = {"w": normal(0, (3, 4, 4), 0.5), "split": normal(1, (4, 6), 0.5),
+       "stack": normal(2, (2, 4, 4), 0.5), "overlap": normal(3, (3, 4), 0.5)}
+
+  def f(d, x):
+    q = d[0]
+    h = x
+    for i in range(3):
+      h = jnp.tanh(h @ q["w"][i])
+    h = jnp.concatenate([h @ q["split"][:, :3], jnp.sin(h @ q["split"][:, 3:])], -1)[..., :4]
+
+    def layer(h, w):
+      return jnp.tanh(h[..., :2] @ w[:2] + h[..., 2:] @ w[2:].T.T), None
+
+    h, _ = jax.lax.scan(layer, h, q["stack"])
+    h = h @ q["overlap"][:2].T + h @ q["overlap"][1:].T
+    return jnp.sum(h ** 2), ()
+
+  xs = normal(4, (E, 1, 4))
+  check(f, (p,), xs, rules={"[0]['overlap']": "materialize"}, strict=False)
+  with pytest.raises(ValueError, match=r"\[0\]\['overlap'\].*2 uses"):
+    _ghost.clipped_sum(f, (p,), xs, 0, weigh, strict=True)
+
+
 def test_remat_and_nested_jit():
   # Sites inside jax.checkpoint (a policy kept) and inside a nested jit.
   p = mlp_params()
