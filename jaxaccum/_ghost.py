@@ -92,9 +92,9 @@ class _View:
 
   ``perm[d]`` is the leaf dimension of the value's dimension ``d`` while only transposes and
   converts were applied (``None`` after a reshape); ``post`` holds the broadcasts (and what
-  followed them) after the last norm-preserving value, whose aval is ``anchor``; ``in_scan``
-  says the value is one iteration's slice of a leaf stacked along a scan's ``xs`` (the scan
-  at path ``base``). ``region``: after static slices, the entries of the base (the leaf, or
+  followed them) after the last norm-preserving value, whose aval is ``anchor``; ``base``,
+  where not empty, is the path of the scan of whose ``xs`` the value is one iteration's
+  slice (see ``in_scan``). ``region``: after static slices, the entries of the base (the leaf, or
   the iteration's slice) the value holds, ``(start, limit, stride)`` per base dimension; two
   sites whose regions are disjoint have gradients with disjoint supports, so their norms add.
   """
@@ -103,9 +103,13 @@ class _View:
   perm: tuple[int, ...] | None
   anchor: Any  # jax.core.ShapedArray of the last norm-preserving value
   post: tuple[Any, ...] = ()  # JaxprEqns applied after the anchor (broadcast_in_dim ...)
-  in_scan: bool = False
   base: tuple[int, ...] = ()
   region: tuple[tuple[int, int, int], ...] | None = None
+
+  @property
+  def in_scan(self) -> bool:
+    """Whether the value is one iteration's slice of a leaf stacked along a scan's ``xs``."""
+    return bool(self.base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +170,7 @@ def _extend(v: _View, eqn: Any) -> _View:
 
 def _sliced(v: _View, eqn: Any) -> _View | None:
   """The view after a static ``slice``, with its region (``None`` where the slice's dims do
-  not map to the base's: after a reshape)."""
+  not map to the base's: after a reshape or a broadcast)."""
   perm = v.perm
   if perm is None or v.post:
     return None
@@ -317,7 +321,7 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
           inner.append(None)
         else:
           aval = eqn.params["jaxpr"].jaxpr.invars[k].aval
-          inner.append(_View(v.leaf, tuple(range(aval.ndim)), aval, (), True, here))
+          inner.append(_View(v.leaf, tuple(range(aval.ndim)), aval, (), here))
       outs = _analyse(eqn.params["jaxpr"].jaxpr, inner, ds, here, result)
       for v in outs:
         if v is not None:

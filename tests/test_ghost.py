@@ -204,12 +204,14 @@ def test_a_stacked_weight_used_twice_in_a_scan_body_falls_back_for_that_leaf():
 
 
 def test_disjoint_static_slices_of_one_leaf_add_their_norms():
-  # A stacked weight indexed in a Python loop (w[i]), a matrix split into column halves, and
-  # halves of each scanned layer's weight: the slices' gradients have disjoint supports, so
+  # A stacked weight indexed in a Python loop (w[i]), a matrix split into column halves, its
+  # even and odd rows (strided), and halves of each scanned layer's weight (one through two
+  # transposes): the slices' gradients have disjoint supports, so
   # the sites are tapped one by one with no cross terms. Overlapping slices have cross terms
   # without a rule: that leaf alone is materialised.
   p = {"w": normal(0, (3, 4, 4), 0.5), "split": normal(1, (4, 6), 0.5),
-       "stack": normal(2, (2, 4, 4), 0.5), "overlap": normal(3, (3, 4), 0.5)}
+       "stack": normal(2, (2, 4, 4), 0.5), "overlap": normal(3, (3, 4), 0.5),
+       "strided": normal(5, (4, 4), 0.5)}
 
   def f(d, x):
     q = d[0]
@@ -217,6 +219,7 @@ def test_disjoint_static_slices_of_one_leaf_add_their_norms():
     for i in range(3):
       h = jnp.tanh(h @ q["w"][i])
     h = jnp.concatenate([h @ q["split"][:, :3], jnp.sin(h @ q["split"][:, 3:])], -1)[..., :4]
+    h = jnp.tanh(jnp.concatenate([h @ q["strided"][::2].T, h @ q["strided"][1::2].T], -1))
 
     def layer(h, w):
       return jnp.tanh(h[..., :2] @ w[:2] + h[..., 2:] @ w[2:].T.T), None
