@@ -22,11 +22,17 @@ a broadcast leaf (biases, scales),   backward pass and reduced at once
 ``conv_general_dilated`` kernels
 ===================================  ==========================================================
 
-Each single-use leaf's norm is computed *inside* the backward pass: the site's output goes
-through an identity with a custom VJP whose backward rule adds the site's norm to the
-cotangent of a per-example scalar, so no cotangent is stored. A leaf used at several sites
-(tied input and output embeddings) whose sites are all row gathers and matrix products gets
-its cross terms ``2 <G_s, G_t>`` from the sites' stored activations and cotangents. A static
+Where no site sits in a ``lax.scan`` body, the clipped sum is formed by book-keeping (Bu et
+al. 2023): one backward pass gives every site's output cotangent (a zero added to the site's
+output is differentiated), the norms follow from the cotangents and the sites' other
+operands, and each leaf's ``sum_e c_e grad_e`` is its sites' transposes at the cotangents
+times ``c_e`` over the whole batch (``A^T diag(c) G`` for a dense layer), with no second
+backward pass through the model. Inside a scan body, each single-use leaf's norm is computed
+*inside* the backward pass instead: the site's output goes through an identity with a custom
+VJP whose backward rule adds the site's norm to the cotangent of a per-example scalar, so no
+cotangent is stacked over the iterations. A leaf used at several sites (tied input and
+output embeddings) whose sites are all row gathers and matrix products gets its cross terms
+``2 <G_s, G_t>`` from the sites' stored activations and cotangents. A static
 ``slice`` is followed like a layout operation, keeping the region of the leaf it holds: a leaf
 whose sites use pairwise disjoint regions (a stacked weight indexed in a Python loop, a matrix
 split into halves) needs no cross terms, as the sites' gradients have disjoint supports. Sites
@@ -40,11 +46,12 @@ constant or a carry, inside another ``custom_jvp``) either gets its per-example 
 materialised, that leaf only, or, with ``strict=True``, raises an error naming the primitive
 and the leaf.
 
-The clipped sum is then one more backward pass over the same forward pass: the first call of
-the VJP gives the norms (the weights' cotangents it would give are dead code), the second,
-with cotangents ``c_e``, gives ``sum_e c_e grad_e``. Both passes read the forward pass's
-residuals; inside a scan body with sites, cheap elementwise values among them are recomputed
-per iteration (a ``jax.checkpoint`` policy) rather than stacked over the iterations.
+With sites in a scan body, the clipped sum is one more backward pass over the same forward
+pass: the first call of the VJP gives the norms (the weights' cotangents it would give are
+dead code), the second, with cotangents ``c_e``, gives ``sum_e c_e grad_e``. Both passes read
+the forward pass's residuals; inside the scan body, cheap elementwise values among them are
+recomputed per iteration (a ``jax.checkpoint`` policy) rather than stacked over the
+iterations.
 """
 
 from __future__ import annotations
@@ -686,7 +693,7 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       outs = [tap(y, saved, acc)]
     elif here in plan.probes:
       site = plan.probes[here]
-      acts[here] = vals[1 - site.pos]
+      acts[here] = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
       outs = [_bind(eqn, vals) + probes[here]]
     elif here in plan.inside and name in _CALLS:
       sub = eqn.params["jaxpr"]
@@ -723,6 +730,81 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for var, val in zip(eqn.outvars, outs, strict=True):
       env[var] = val
   return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...],
+              out: dict) -> list[Any]:
+  """Each probe's leaf operand (into ``out``, by path), evaluated from the leaves alone.
+
+  ``args``: ``jaxpr``'s inputs where they are leaves' views (``None`` elsewhere). Only the
+  operations the analysis follows from a leaf to its sites run (layout operations,
+  broadcasts, static slices, the calls holding sites); a ``custom_jvp`` that is the identity
+  in the leaf passes it on as is, which is what the gradient needs (every site is linear in
+  its leaf operand, so its transpose does not read that operand's value).
+  """
+  env: dict[Any, Any] = {v: a for v, a in zip(jaxpr.invars, args, strict=True) if a is not None}
+  for i, eqn in enumerate(jaxpr.eqns):
+    here = (*path, i)
+    vals = [None if isinstance(a, jcore.Literal) else env.get(a) for a in eqn.invars]
+    if here in plan.probes:
+      out[here] = vals[plan.probes[here].pos]
+      continue
+    hit = [k for k, v in enumerate(vals) if v is not None]
+    if not hit:
+      continue
+    name = eqn.primitive.name
+    outs: list[Any] = [None] * len(eqn.outvars)
+    if here in plan.inside and (name in _CALLS or name in _REMATS):
+      sub = eqn.params["jaxpr"]
+      outs = _operands(plan, sub.jaxpr if name in _CALLS else sub, vals, here, out)
+    elif (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
+      outs = [_bind(eqn, vals)]
+    elif name == "custom_jvp_call" and len(hit) == 1:
+      j = _identity_output(eqn, hit[0])
+      if j is not None:
+        outs[j] = vals[hit[0]]
+    env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
+  return [None if isinstance(a, jcore.Literal) else env.get(a) for a in jaxpr.outvars]
+
+
+def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequence[int],
+              acts: Sequence[tuple], cots: Sequence[jax.Array], c: jax.Array,
+              zero_safe: bool) -> list[Any]:
+  """``sum_e c_e grad_e`` of the leaves ``ghost`` (``ghost_keys``: their indices in ``jaxpr``'s
+  inputs) from every probed site's kept other operands ``acts`` and output cotangents ``cots``.
+
+  Each site is linear in its leaf operand, so the sum through it is the site's transpose at
+  the cotangents times ``c``, over the whole batch at once (a dense layer's
+  ``A^T diag(c) G``); a leaf's sites' sums add. With ``zero_safe``, an example with ``c_e = 0``
+  has its kept operands zeroed too: it adds ``0 * 0`` even where its activations are not
+  finite.
+  """
+  used = {s.leaf for s in plan.probes.values()}
+  if zero_safe:
+    dead = c == 0
+    acts = [tuple(jnp.where(dead.reshape(dead.shape + (1,) * (o.ndim - 1)), jnp.zeros_like(o), o)
+                  if _inexact(o) else o for o in others) for others in acts]
+
+  def lin(ghost):
+    ls: list[Any] = [None] * len(jaxpr.invars)
+    for k, v in zip(ghost_keys, ghost, strict=True):
+      if k in used:
+        ls[k] = v
+    ops: dict = {}
+    _operands(plan, jaxpr, ls, (), ops)
+    ys = []
+    for (key, site), others in zip(plan.probes.items(), acts, strict=True):
+      def one(o, w=ops[key], site=site):
+        args = list(o)
+        args.insert(site.pos, w)
+        return _bind(site.eqn, args)
+
+      ys.append(jax.vmap(one)(others))
+    return ys
+
+  _, transpose = jax.vjp(lin, list(ghost))
+  return transpose([_stats.scale(g, c.reshape(c.shape + (1,) * (g.ndim - 1))).astype(g.dtype)
+                    for g in cots])[0]
 
 
 # --- the entry point --------------------------------------------------------------------------
@@ -837,7 +919,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       about 1.8e19, whose square overflows float32, is then still finite.
     zero_safe: whether ``weigh`` may give ``c_e = 0`` to an example whose norm is not finite
       (``nan_safe``, a padding mask): such an example then adds exactly zero. ``False``
-      saves a parameter-sized buffer where ``weigh`` never does (it gives NaN instead).
+      saves a parameter-sized buffer (with sites in a scan body) where ``weigh`` never does
+      (it gives NaN instead).
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
@@ -859,8 +942,18 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
         "parameter entering the scan as xs). Use method='auto' to materialise the "
         "per-example gradient of such parameters only, or method='materialize'.")
-  plan = _Plan.of(taps, probes)
-  probe_keys = list(probes)
+  # Book-keeping (no site inside a scan body): every site is probed, its output cotangent
+  # and other operands kept; the norms follow from them and the clipped sum of each leaf's
+  # gradient is formed from them directly (the sites' transposes at the cotangents times
+  # c), with no second backward pass through the model. A scan body's sites are tapped
+  # instead (their norms computed inside the backward pass, no cotangent kept across the
+  # iterations) and the clipped sum is a second, reweighted backward pass.
+  book = not any(s.view.in_scan for s in (*taps.values(), *probes.values()))
+  if book:
+    plan = _Plan.of({}, {**taps, **probes})
+  else:
+    plan = _Plan.of(taps, probes)
+  probe_keys = list(plan.probes)
   fb_keys = list(fallback)
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
   # Under shard_map: the per-example inputs vary over the axes any input varies over.
@@ -886,7 +979,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   acc0 = _sharding._vary(jnp.zeros((n, 2), jnp.float32), axes)  # wide squared norms
   pv0 = []
   for key in probe_keys:
-    aval = probes[key].eqn.outvars[0].aval
+    aval = plan.probes[key].eqn.outvars[0].aval
     pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
   objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0, acc0,
                                           pv0, has_aux=True)
@@ -896,18 +989,29 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
   for g in fb_grads:
     wide = wide + jax.vmap(_wide_sum_sq)(g)
+  if book:
+    for key in taps:
+      site, j = taps[key], where[key]
+      leaf_axes = tuple(_sharding._varying(leaves[site.leaf]))
+      wide = wide + _sharding._vary(jax.vmap(
+          lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax))(
+              acts[j], cots[j]), axes)
   for sites in multi.values():
     js = [where[s.path] for s in sites]
     wide = wide + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
-        [acts[j] for j in js], [cots[j] for j in js])
+        [acts[j][0] for j in js], [cots[j] for j in js])
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
   # still gives it.
   sq = _wide_norm(wide) if norms else wide[:, 0]
   c = jnp.asarray(weigh(sq), jnp.float32)
-  ghost_grads = vjp(c.astype(objectives.dtype))[0]
-  # An example with c = 0 (nan_safe, a padding row) adds exactly zero, even where its own
-  # norm is not finite (0 * NaN in the reweighted backward pass would poison the sum): only
-  # then, the forward and backward passes run again with those examples' inputs replaced by
+  if book:
+    ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
+                            acts, cots, c, zero_safe)
+  else:
+    ghost_grads = vjp(c.astype(objectives.dtype))[0]
+  # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
+  # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
+  # the forward and backward passes run again with those examples' inputs replaced by
   # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
   dead = c == 0
 
@@ -928,7 +1032,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                         if _inexact(g) else g, redo)
 
-  if ghost_keys and zero_safe:
+  if ghost_keys and zero_safe and not book:
     ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.isfinite(sq)), again,
                                lambda _: ghost_grads, None)
   grads = list(leaves)

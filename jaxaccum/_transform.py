@@ -700,7 +700,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
   if clip.method != "materialize":
     try:  # norms=True: the norms themselves, finite even where their squares overflow;
       # only nan_safe and a mask give a factor of 0 that must stop a non-finite example
-      # (zero_safe costs a parameter-sized buffer).
+      # (zero_safe costs a parameter-sized buffer when sites sit in a scan body).
       ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                  strict=clip.method == "ghost", norms=True,
                                  zero_safe=clip.nan_safe or mask is not None)
