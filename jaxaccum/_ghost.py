@@ -785,26 +785,38 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
     acts = [tuple(jnp.where(dead.reshape(dead.shape + (1,) * (o.ndim - 1)), jnp.zeros_like(o), o)
                   if _inexact(o) else o for o in others) for others in acts]
 
-  def lin(ghost):
+  def chain(ghost):  # the sites' leaf operands from the leaves (layout ops, slices)
     ls: list[Any] = [None] * len(jaxpr.invars)
     for k, v in zip(ghost_keys, ghost, strict=True):
       if k in used:
         ls[k] = v
     ops: dict = {}
     _operands(plan, jaxpr, ls, (), ops)
-    ys = []
-    for (key, site), others in zip(plan.probes.items(), acts, strict=True):
-      def one(o, w=ops[key], site=site):
-        args = list(o)
-        args.insert(site.pos, w)
-        return _bind(site.eqn, args)
+    return [ops[key] for key in plan.probes]
 
-      ys.append(jax.vmap(one)(others))
-    return ys
+  ops, chain_t = jax.vjp(chain, list(ghost))
+  # One site at a time, the last first (as a backward pass would): each site's sum waits for
+  # the previous one's, so XLA holds one weight-sized sum at a time, not all of them.
+  sums: list[Any] = [None] * len(ops)
+  prev = None
+  for j in reversed(range(len(ops))):
+    site = list(plan.probes.values())[j]
+    others, g = acts[j], cots[j]
+    if prev is not None:
+      prev, (others, g) = jax.lax.optimization_barrier((prev, (others, g)))
+      sums[j + 1] = prev
 
-  _, transpose = jax.vjp(lin, list(ghost))
-  return transpose([_stats.scale(g, c.reshape(c.shape + (1,) * (g.ndim - 1))).astype(g.dtype)
-                    for g in cots])[0]
+    def one(w, o, site=site):
+      args = list(o)
+      args.insert(site.pos, w)
+      return _bind(site.eqn, args)
+
+    _, t = jax.vjp(lambda w, one=one, others=others: jax.vmap(one, in_axes=(None, 0))(w, others),
+                   ops[j])
+    prev = t(_stats.scale(g, c.reshape(c.shape + (1,) * (g.ndim - 1))).astype(g.dtype))[0]
+  if prev is not None:
+    sums[0] = prev
+  return chain_t(sums)[0]
 
 
 # --- the entry point --------------------------------------------------------------------------
@@ -899,10 +911,22 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
   return out
 
 
+def _aval_bytes(aval: Any) -> int:
+  return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+
+
+def _held_bytes(vjp: Any, n: int) -> int:
+  """Bytes of a VJP's residuals that have a leading axis of ``n`` (the examples')."""
+  seen = {id(x): x for x in jax.tree.leaves(vjp)}.values()
+  return sum(_aval_bytes(x.aval) for x in seen
+             if hasattr(x, "aval") and x.aval.shape[:1] == (n,) and _inexact(x))
+
+
 def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple,
                 xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
                 strict: bool, norms: bool = False,
-                zero_safe: bool = True) -> tuple[PyTree, tuple, jax.Array]:
+                zero_safe: bool = True,
+                program: str | None = None) -> tuple[PyTree, tuple, jax.Array]:
   """Per-example clipped gradient sum without per-example gradients where possible.
 
   Args:
@@ -921,6 +945,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       (``nan_safe``, a padding mask): such an example then adds exactly zero. ``False``
       saves a parameter-sized buffer (with sites in a scan body) where ``weigh`` never does
       (it gives NaN instead).
+    program: where no site sits in a scan body, ``"book"`` (book-keeping) or ``"second"``
+      (a second backward pass) instead of the one that holds less (for tests).
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
@@ -942,47 +968,67 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
         "parameter entering the scan as xs). Use method='auto' to materialise the "
         "per-example gradient of such parameters only, or method='materialize'.")
-  # Book-keeping (no site inside a scan body): every site is probed, its output cotangent
-  # and other operands kept; the norms follow from them and the clipped sum of each leaf's
-  # gradient is formed from them directly (the sites' transposes at the cotangents times
-  # c), with no second backward pass through the model. A scan body's sites are tapped
-  # instead (their norms computed inside the backward pass, no cotangent kept across the
-  # iterations) and the clipped sum is a second, reweighted backward pass.
-  book = not any(s.view.in_scan for s in (*taps.values(), *probes.values()))
-  if book:
-    plan = _Plan.of({}, {**taps, **probes})
-  else:
-    plan = _Plan.of(taps, probes)
-  probe_keys = list(plan.probes)
   fb_keys = list(fallback)
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
   # Under shard_map: the per-example inputs vary over the axes any input varies over.
   axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
       (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
       key=str))
-
-  def example(ghost, fb, acc, pv, x):
-    ls = list(leaves)
-    for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
-      ls[k] = v
-    acts: dict = {}
-    outs = _run(plan, closed.jaxpr, closed.consts, [*ls, *jax.tree.leaves(x)], (), acc,
-                dict(zip(probe_keys, pv, strict=True)), acts)
-    objective, out = jax.tree.unflatten(out_tree, outs)
-    return objective, (out, [acts[k] for k in probe_keys])
-
-  def batched(ghost, fb, acc, pv):
-    return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes))(ghost, fb, acc, pv, xs)
-
   fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
                          for k in fb_keys], axes)
   acc0 = _sharding._vary(jnp.zeros((n, 2), jnp.float32), axes)  # wide squared norms
-  pv0 = []
-  for key in probe_keys:
-    aval = plan.probes[key].eqn.outvars[0].aval
-    pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
-  objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0, acc0,
-                                          pv0, has_aux=True)
+
+  def forward(plan):
+    """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
+    keys = list(plan.probes)
+
+    def example(ghost, fb, acc, pv, x):
+      ls = list(leaves)
+      for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
+        ls[k] = v
+      acts: dict = {}
+      outs = _run(plan, closed.jaxpr, closed.consts, [*ls, *jax.tree.leaves(x)], (), acc,
+                  dict(zip(keys, pv, strict=True)), acts)
+      objective, out = jax.tree.unflatten(out_tree, outs)
+      return objective, (out, [acts[k] for k in keys])
+
+    def batched(ghost, fb, acc, pv):
+      return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes))(ghost, fb, acc, pv, xs)
+
+    pv0 = []
+    for key in keys:
+      aval = plan.probes[key].eqn.outvars[0].aval
+      pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
+    objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0,
+                                            acc0, pv0, has_aux=True)
+    return objectives, vjp, outs, acts
+
+  # Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
+  # holds less for it (bytes per micro-batch, read from the traced program):
+  # - book-keeping: every site is probed, its output cotangent and other operands kept; the
+  #   norms follow from them and each leaf's clipped sum is formed from them (the sites'
+  #   transposes at c times the cotangents), with no second backward pass. It holds every
+  #   site's operands and cotangents at once: a gelu MLP's pick, whose residuals (three per
+  #   layer) outweigh them;
+  # - a second, reweighted backward pass over the same forward pass, which holds the forward
+  #   pass's residuals for it: a tanh MLP's pick, whose residuals are the sites' inputs alone.
+  # A scan body's sites are tapped (norms computed inside the backward pass, no cotangent
+  # kept across the iterations), with a second backward pass; the scan body recomputes its
+  # cheap elementwise residuals (the policy ``_saved``).
+  sites = {**taps, **probes}
+  book = False
+  plan = _Plan.of(taps, probes)
+  objectives, vjp, outs, acts = forward(plan)
+  if sites and not any(s.view.in_scan for s in sites.values()):
+    kept = sum(n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
+        _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
+        for s in sites.values())
+    held = _held_bytes(vjp, n)
+    if program == "book" or (program is None and kept <= held):
+      book = True
+      plan = _Plan.of({}, sites)
+      objectives, vjp, outs, acts = forward(plan)
+  probe_keys = list(plan.probes)
   where = {key: j for j, key in enumerate(probe_keys)}
   # The first backward pass: each example's wide squared norm (the weights' cotangents it
   # would give are dead code).

@@ -476,9 +476,10 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
   # parameters) dwarf the activations. Under a budget between plain accumulation's programs
   # at 2 and 4 micro-batches, plain picks 4. The planner compiles the ghost step's own
   # program (checked against an independent compile) and picks the fewest micro-batches
-  # whose program fits: at most one halving of plain's micro-batch (the ghost step holds
-  # activation-sized residuals for its second backward pass; how many depends on XLA's
-  # version), while materialising does not fit even with micro-batches of 8 rows.
+  # whose program fits: plain's count with jax 0.10, at most one halving of plain's
+  # micro-batch otherwise (the ghost step holds activation-sized residuals for its second
+  # backward pass, and jax 0.12 adds tanh's 1 - y^2 to them), while materialising does not
+  # fit even with micro-batches of 8 rows.
   sizes = (8, *(64,) * 6, 1)
   keys = jax.random.split(jax.random.key(0), len(sizes) + 1)
   params = [(jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b))

@@ -37,19 +37,31 @@ def reference(f, diff, xs, in_axes=0):
   return outs, jax.tree.map(lambda g: jnp.einsum("e,e...->...", c, g), grads), sq
 
 
+def in_scan(f, diff, xs, in_axes=0):
+  """Whether a site of ``f``'s leaves sits in a scan body (then the clipped sum is always a
+  second backward pass)."""
+  leaves, treedef = jax.tree.flatten(diff)
+  closed, _, _ = _ghost._trace(f, leaves, treedef, xs, in_axes)
+  taps, probes, _, _ = _ghost._decide(closed, leaves, _ghost._mapped(xs, in_axes))
+  return any(s.view.in_scan for s in (*taps.values(), *probes.values()))
+
+
 def check(f, diff, xs, in_axes=0, *, rules=(), strict=True):
   """Ghost against brute force, both jitted; ``rules``: the expected rule per leaf path
-  (``"ghost"`` where not given)."""
+  (``"ghost"`` where not given). Where no site sits in a scan body, both programs are
+  checked: book-keeping and a second backward pass."""
   got = _ghost.rules(f, diff, xs, in_axes)
   expect = {k: dict(rules).get(k, "ghost") for k in got}
   assert {k: v.split(":")[0] for k, v in got.items()} == expect, got
-  ghost = jax.jit(lambda d, x: _ghost.clipped_sum(f, d, x, in_axes, weigh, strict=strict))
-  outs, grads, sq = ghost(diff, xs)
   ref_outs, ref_grads, ref_sq = jax.jit(lambda d, x: reference(f, d, x, in_axes))(diff, xs)
-  chex.assert_trees_all_close(sq, ref_sq, rtol=1e-5)
-  chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(outs, ref_outs, rtol=1e-6)
-  assert jax.tree.structure(grads) == jax.tree.structure(diff)
+  for program in ("second",) if in_scan(f, diff, xs, in_axes) else ("book", "second"):
+    ghost = jax.jit(lambda d, x, program=program: _ghost.clipped_sum(
+        f, d, x, in_axes, weigh, strict=strict, program=program))
+    outs, grads, sq = ghost(diff, xs)
+    chex.assert_trees_all_close(sq, ref_sq, rtol=1e-5)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(outs, ref_outs, rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(diff)
 
 
 def normal(key, shape, scale=1.0):
@@ -485,21 +497,19 @@ def _scanned_mlp(d, batch):  # its sites sit in a scan body: norms tapped, two b
   return jnp.mean((h - y) ** 2), jnp.sum(h, axis=-1)
 
 
-_FACTOR_ZERO_MODELS = {
-    "mlp": (mlp, mlp_params, 3),
-    "scanned": (_scanned_mlp, lambda: {"w": normal(0, (2, 4, 4), 0.5), "b": normal(1, (2, 4))},
-                4),
-}
-
-
 @pytest.mark.parametrize("where", ["input", "target"])
-@pytest.mark.parametrize("model", sorted(_FACTOR_ZERO_MODELS))
-def test_an_example_with_factor_zero_adds_zero_even_where_not_finite(model, where):
+@pytest.mark.parametrize("model,program", [("mlp", "book"), ("mlp", "second"),
+                                           ("scanned", None)])
+def test_an_example_with_factor_zero_adds_zero_even_where_not_finite(model, program, where):
   # nan_safe and padding masks give c_e = 0. A NaN input makes that example's activations
   # NaN, a NaN target its output gradients: 0 * NaN must not poison the sum, whether the
-  # clipped sum is formed from kept activations and gradients (the MLP) or by a reweighted
-  # backward pass (the scanned model's).
-  f, params, d_out = _FACTOR_ZERO_MODELS[model]
+  # clipped sum is formed from kept activations and gradients (book-keeping) or by a
+  # reweighted backward pass (the only program for sites in a scan body).
+  if model == "mlp":
+    f, params, d_out = mlp, mlp_params, 3
+  else:
+    f, d_out = _scanned_mlp, 4
+    params = lambda: {"w": normal(0, (2, 4, 4), 0.5), "b": normal(1, (2, 4))}  # noqa: E731
   x, y = MLP_DATA[0], normal(6, (E, 1, d_out))
   if where == "input":
     x = x.at[2, 0, 1].set(jnp.nan)
@@ -509,13 +519,35 @@ def test_an_example_with_factor_zero_adds_zero_even_where_not_finite(model, wher
   def safe(sq):
     return jnp.where(jnp.isfinite(sq), weigh(sq), 0.0)
 
-  _, grads, sq = jax.jit(lambda d, b: _ghost.clipped_sum(f, d, b, 0, safe, strict=True))(
-      (params(),), (x, y))
+  _, grads, sq = jax.jit(lambda d, b: _ghost.clipped_sum(
+      f, d, b, 0, safe, strict=True, program=program))((params(),), (x, y))
   keep = np.array([0, 1, 3, 4])
   _, ref, ref_sq = reference(f, (params(),), (x[keep], y[keep]))
   assert np.isnan(sq[2])
   chex.assert_trees_all_close(sq[keep], ref_sq, rtol=1e-5)
   chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-6)
+
+
+def _gelu_mlp(d, batch):
+  (p,) = d
+  x, y = batch
+  h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2), jnp.sum(h, axis=-1)
+
+
+@pytest.mark.parametrize("f,book", [(mlp, False), (_gelu_mlp, True)])
+def test_the_program_that_holds_less_is_picked(monkeypatch, f, book):
+  # Book-keeping holds every site's operands and output gradients; a second backward pass
+  # holds the forward pass's residuals. A tanh MLP's residuals are its sites' inputs (the
+  # second pass holds less), gelu keeps more per layer (book-keeping holds less).
+  calls = []
+  kept_sum = _ghost._kept_sum
+  monkeypatch.setattr(_ghost, "_kept_sum", lambda *a: calls.append(1) or kept_sum(*a))
+  check(f, (mlp_params(),), MLP_DATA, rules={"[0]['unused']": "none"})
+  calls.clear()  # check() ran both programs against brute force; which one is the default?
+  jax.jit(lambda d, b: _ghost.clipped_sum(f, d, b, 0, weigh, strict=True))(
+      (mlp_params(),), MLP_DATA)
+  assert bool(calls) == book
 
 
 def _segment_gather(d, ids):  # 3 rows, 8 tokens: the segment-sum form of a gather's norm
