@@ -12,7 +12,8 @@ Variants, each over the whole batch in micro-batches of ``b`` rows:
 * ``plain``: ``jaxaccum.value_and_grad(loss, micro_batch_size=b)``, no clipping;
 * ``ghost``: the same with ``per_example_transform=jaxaccum.clip_per_example(1.0,
   method="ghost")``: each example's norm from the activations and output gradients of the
-  layers that use each parameter, then one reweighted backward pass;
+  layers that use each parameter, then the clipped sum from them (the MLP) or by one
+  reweighted backward pass (the LM, whose layers sit in a scan);
 * ``materialize``: ``clip_per_example(1.0, method="materialize")``: each example's gradient
   formed under ``jax.vmap`` (``b`` times the parameters);
 * ``optax.micro_grad``: ``optax.microbatching.micro_grad(loss, microbatch_size=b,

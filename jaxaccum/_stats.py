@@ -181,7 +181,9 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       formed under ``jax.vmap``, its norm taken, and the gradients summed with their
       factors (memory: micro-batch size x parameters). ``"ghost"``: the norms come from
       the activations and output gradients of the layers that use each parameter (ghost
-      norms), and the clipped sum from one backward pass of the factor-weighted losses,
+      norms), and the clipped sum from those layers' activations and the factor-weighted
+      output gradients, or from a second backward pass of the factor-weighted losses
+      (whichever holds less memory; always the latter inside a ``lax.scan`` body),
       without per-example gradients; a parameter use it does not recognise raises an
       error naming it. ``"auto"`` (the default): ghost norms where they are recognised,
       per-example gradients for the other leaves.
