@@ -738,9 +738,9 @@ def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...
 
   ``args``: ``jaxpr``'s inputs where they are leaves' views (``None`` elsewhere). Only the
   operations the analysis follows from a leaf to its sites run (layout operations,
-  broadcasts, static slices, the calls holding sites); a ``custom_jvp`` that is the identity
-  in the leaf passes it on as is, which is what the gradient needs (every site is linear in
-  its leaf operand, so its transpose does not read that operand's value).
+  broadcasts, static slices, the calls they pass through); a ``custom_jvp`` that is the
+  identity in the leaf passes it on as is, which is what the gradient needs (every site is
+  linear in its leaf operand, so its transpose does not read that operand's value).
   """
   env: dict[Any, Any] = {v: a for v, a in zip(jaxpr.invars, args, strict=True) if a is not None}
   for i, eqn in enumerate(jaxpr.eqns):
@@ -754,7 +754,7 @@ def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...
       continue
     name = eqn.primitive.name
     outs: list[Any] = [None] * len(eqn.outvars)
-    if here in plan.inside and (name in _CALLS or name in _REMATS):
+    if name in _CALLS or name in _REMATS:  # sites inside, or views that leave it
       sub = eqn.params["jaxpr"]
       outs = _operands(plan, sub.jaxpr if name in _CALLS else sub, vals, here, out)
     elif (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:

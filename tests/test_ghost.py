@@ -264,6 +264,16 @@ def test_remat_and_nested_jit():
 
   check(f, (p,), MLP_DATA, rules={"[0]['unused']": "none"})
 
+  # A leaf's layout changed inside a jit that holds no site: the site is outside it.
+  def g(d, batch):
+    q = d[0]
+    x, y = batch
+    w1 = jax.jit(jnp.transpose)(q["w1"])
+    h = jnp.tanh(x @ w1.T + q["b1"])
+    return jnp.mean((h @ q["w2"] + q["b2"] - y) ** 2), ()
+
+  check(g, (p,), MLP_DATA, rules={"[0]['unused']": "none"})
+
 
 def test_convolution():
   p = {"k": normal(0, (3, 3, 2, 4), 0.3), "kb": normal(1, (4,)), "w": normal(2, (36, 2), 0.1)}
