@@ -797,10 +797,11 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
   ops, chain_t = jax.vjp(chain, list(ghost))
   # One site at a time, the last first (as a backward pass would): each site's sum waits for
   # the previous one's, so XLA holds one weight-sized sum at a time, not all of them.
+  sites = list(plan.probes.values())
   sums: list[Any] = [None] * len(ops)
   prev = None
   for j in reversed(range(len(ops))):
-    site = list(plan.probes.values())[j]
+    site = sites[j]
     others, g = acts[j], cots[j]
     if prev is not None:
       prev, (others, g) = jax.lax.optimization_barrier((prev, (others, g)))
@@ -813,7 +814,7 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
 
     _, t = jax.vjp(lambda w, one=one, others=others: jax.vmap(one, in_axes=(None, 0))(w, others),
                    ops[j])
-    prev = t(_stats.scale(g, c.reshape(c.shape + (1,) * (g.ndim - 1))).astype(g.dtype))[0]
+    prev = t(_stats.scale_rows(g, c).astype(g.dtype))[0]
   if prev is not None:
     sums[0] = prev
   return chain_t(sums)[0]
@@ -1042,9 +1043,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       wide = wide + _sharding._vary(jax.vmap(
           lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax))(
               acts[j], cots[j]), axes)
-  for sites in multi.values():
-    js = [where[s.path] for s in sites]
-    wide = wide + jax.vmap(lambda o, g, sites=sites: _multi_sq_norm(sites, o, g))(
+  for uses in multi.values():
+    js = [where[s.path] for s in uses]
+    wide = wide + jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g))(
         [acts[j][0] for j in js], [cots[j] for j in js])
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
   # still gives it.
@@ -1085,7 +1086,6 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   for k, g in zip(ghost_keys, ghost_grads, strict=True):
     grads[k] = g
   for k, g in zip(fb_keys, fb_grads, strict=True):
-    ce = c.reshape(c.shape + (1,) * (g.ndim - 1))
-    grads[k] = jnp.sum(_stats.scale(_f32(g), ce), axis=0).astype(g.dtype)
+    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c), axis=0).astype(g.dtype)
   return outs, jax.tree.unflatten(treedef, grads), sq
 

@@ -158,6 +158,11 @@ def scale(g: jax.Array, c: jax.Array) -> jax.Array:
   return jnp.where(c == 0, jnp.zeros_like(out), out)
 
 
+def scale_rows(g: jax.Array, c: jax.Array) -> jax.Array:
+  """:func:`scale` with one factor per leading row: ``c`` is ``(E,)``, ``g`` is ``(E, ...)``."""
+  return scale(g, c.reshape(c.shape + (1,) * (jnp.ndim(g) - 1)))
+
+
 def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
                      nan_safe: bool = False, keep_batch_dim: bool = True,
                      example_mask: str | None = None) -> ClipPerExample:

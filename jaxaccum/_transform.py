@@ -744,9 +744,8 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
   c = weigh(norms)
 
   def total(g):
-    ce = c.reshape(c.shape + (1,) * (g.ndim - 1))
     acc = _reduce.accumulator_dtype_for(g.dtype, accumulator_dtype)
-    return jnp.sum(_stats.scale(g, ce).astype(acc), axis=0).astype(g.dtype)
+    return jnp.sum(_stats.scale_rows(g, c).astype(acc), axis=0).astype(g.dtype)
 
   return outs, jax.tree.map(total, grads), norms
 
