@@ -605,6 +605,7 @@ def test_norms_whose_square_overflows_float32(case):
   chex.assert_trees_all_close(grads, jax.tree.map(
       lambda g: jnp.einsum("e,e...->...", 1.0 / unit, g), per), rtol=1e-5, atol=1e-6)
 
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_forward_pass_tanh_has_tanhs_derivatives(dtype):
   # The ghost step's tanh reads its derivative as (1 - y)(1 + y): the same values and first
