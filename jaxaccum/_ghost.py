@@ -57,6 +57,7 @@ iterations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,10 +72,18 @@ from jaxaccum._types import PyTree
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-# Operations that only move, relabel or recast a leaf's entries: its gradient's norm is the
-# norm of the gradient with respect to their output (``neg`` flips signs only).
+# Operations that only move or relabel a leaf's entries, or flip their signs: the leaf's
+# gradient through them is the gradient with respect to their output, moved back (and its
+# signs flipped back: ``neg``, which a view carries as its ``sign``, so that two uses' cross
+# term keeps its sign). ``convert_element_type`` is one of them only where the cotangent's
+# conversion back is exact (:func:`_exact_convert`); a rounding (``reduce_precision``, a
+# widening convert, whose transpose rounds the cotangent) is not, and falls back.
 _LAYOUT = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "copy",
-                     "copy_p", "neg", "reduce_precision"})
+                     "copy_p", "neg"})
+# The gather modes whose transpose :func:`_gather_rows` follows (any other: the site's own
+# transpose, ``"direct"``).
+_ROW_GATHER_MODES = (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.FILL_OR_DROP,
+                     jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 _REMATS = frozenset({"remat2", "checkpoint", "remat"})
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "add_any"})
@@ -112,6 +121,7 @@ class _View:
   post: tuple[Any, ...] = ()  # JaxprEqns applied after the anchor (broadcast_in_dim ...)
   base: tuple[int, ...] = ()
   region: tuple[tuple[int, int, int], ...] | None = None
+  sign: int = 1  # -1 after an odd number of ``neg``: the leaf's gradient is minus the view's
 
   @property
   def in_scan(self) -> bool:
@@ -190,14 +200,35 @@ def _is_row_gather(eqn: Any) -> bool:
 def _extend(v: _View, eqn: Any) -> _View:
   """The view after a layout operation or a broadcast."""
   name = eqn.primitive.name
+  sign = -v.sign if name == "neg" else v.sign
   if v.post or name == "broadcast_in_dim":
-    return dataclasses.replace(v, post=(*v.post, eqn))
+    return dataclasses.replace(v, post=(*v.post, eqn), sign=sign)
   perm = v.perm
   if name == "transpose" and perm is not None:
     perm = tuple(perm[d] for d in eqn.params["permutation"])
-  elif name not in ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision"):
+  elif name not in ("convert_element_type", "copy", "copy_p", "neg"):
     perm = None
-  return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval)
+  return dataclasses.replace(v, perm=perm, anchor=eqn.outvars[0].aval, sign=sign)
+
+
+def _exact_convert(eqn: Any) -> bool:
+  """Whether a ``convert_element_type``'s transpose (the cotangent converted back to the
+  input's dtype) is exact: both real floating, every value of the output's dtype one of the
+  input's (a narrowing convert, float32 -> bfloat16; not a widening one, whose transpose
+  rounds the cotangent, nor one to or from a complex or integer dtype)."""
+  src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+  if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+    return False
+  a, b = jnp.finfo(src), jnp.finfo(dst)
+  return a.nmant >= b.nmant and a.maxexp >= b.maxexp and a.minexp <= b.minexp
+
+
+def _complex(eqn: Any) -> bool:
+  """Whether an equation reads or makes a complex value: the rules here are for real
+  values (a real weight times complex activations has a gradient of the real part of a
+  complex product, which a norm of the real parts alone reads too small)."""
+  return any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating)
+             for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype"))
 
 
 def _sliced(v: _View, eqn: Any) -> _View | None:
@@ -327,10 +358,15 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
     leaves = {vs[k].leaf for k in hit}  # type: ignore[union-attr]
     first = vs[hit[0]]
     assert first is not None
+    if _complex(eqn) and name not in _CALLS and name not in _REMATS and name != "scan":
+      for leaf in leaves:
+        result.unknown(leaf, f"{name} (complex values)")
+      continue
     if name in _LAYOUT or name == "broadcast_in_dim":
-      if name == "convert_element_type" and not jnp.issubdtype(eqn.outvars[0].aval.dtype,
-                                                                jnp.inexact):
-        result.unknown(first.leaf, name)
+      if name == "convert_element_type" and not _exact_convert(eqn):
+        result.unknown(first.leaf, f"{name} ({eqn.invars[0].aval.dtype} -> "
+                       f"{eqn.outvars[0].aval.dtype}, whose transpose rounds or drops part "
+                       "of the cotangent)")
       elif len(eqn.invars) == 1:
         env[eqn.outvars[0]] = _extend(first, eqn)
       else:
@@ -375,7 +411,8 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
       if name == "dot_general":
         kind = "direct" if first.post else "dot"
       elif name == "gather" and k == 0:
-        kind = "gather" if not first.post and _is_row_gather(eqn) else "direct"
+        kind = ("gather" if not first.post and _is_row_gather(eqn)
+                and eqn.params["mode"] in _ROW_GATHER_MODES else "direct")
       elif name in ("slice", "dynamic_slice") and k == 0:
         kind = "direct" if first.post else "slice"
       elif name == "conv_general_dilated" and k == 1:
@@ -400,16 +437,24 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
 
 
 def _f32(x: jax.Array) -> jax.Array:
-  return jnp.asarray(x).astype(jnp.float32)
+  """``x`` in float32 (complex64 where complex: a cast to float32 would drop the imaginary
+  part)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
 
 
-# A squared norm is carried *wide*: ``[q, q * 2^-128]`` in float32 (sums of squares of the
-# entries, and of the entries times 2^-64; products formed from operands divided by their
-# largest entry, then scaled back), so that the second part stays finite where ``q``
-# overflows (a norm above about 1.8e19) and the first keeps full precision below. Wide values
-# add; :func:`_wide_norm` reads the norm back: no second pass and no branch, which would hold
-# the forward pass's residuals in buffers of their own.
+# A squared norm is carried *wide*: ``[q, q * 2^-128, q * 2^128]`` in float32 (sums of
+# squares of the entries, and of the entries times 2^-64 and 2^64; products formed from
+# operands divided by their largest entry, then scaled back by exact powers of two), so that
+# the second part stays finite where ``q`` overflows (a norm above about 1.8e19), the third
+# keeps full precision where ``q`` underflows or is subnormal (a norm below about 1e-19),
+# and the first keeps full precision between. Wide values add; :func:`_wide_norm` reads the
+# norm back: no second pass and no branch, which would hold the forward pass's residuals in
+# buffers of their own.
 _WIDE_SHIFT = 128
+_WIDE_PARTS = 3
+# The parts' shifts, as powers of two: q = part_k * 2^-shift_k.
+_WIDE_SHIFTS = (0, -_WIDE_SHIFT, _WIDE_SHIFT)
 
 
 def _peak(x: jax.Array) -> jax.Array:
@@ -417,29 +462,65 @@ def _peak(x: jax.Array) -> jax.Array:
   return _stats.divisor(jnp.max(jnp.abs(x), initial=0.0))
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+  """``2^k`` in float32, exactly, for integers ``-126 <= k <= 127``."""
+  return jax.lax.bitcast_convert_type((k + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+def _ldexp(m: jax.Array, e: jax.Array) -> jax.Array:
+  """``m * 2^e`` in float32 with ``e`` any int32 (a few hundred at most): applied in steps
+  of at most 2^120 towards ``e``, so that no step under- or overflows before the result
+  does (a product of several factors in another order can underflow to 0 where the result
+  is of order 1)."""
+  for _ in range(7):  # |e| <= 840: four peaks' exponents and a shift
+    step = jnp.clip(e, -120, 120)
+    m = m * _pow2(step)
+    e = e - step
+  return m
+
+
+def _split(*factors: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m, e)`` with ``prod(factors) = m * 2^e``, ``m`` in [2^-k, 1) for ``k`` factors: the
+  factors' mantissas multiplied, their exponents added (no product of them formed)."""
+  m, e = jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32)
+  for f in factors:
+    mf, ef = jnp.frexp(jnp.asarray(f, jnp.float32))
+    m, e = m * mf, e + ef.astype(jnp.int32)
+  return m, e
+
+
+def _wide_exp(s: jax.Array, e: jax.Array) -> jax.Array:
+  """The wide value of ``s * 2^e`` (``e``: an int32 exponent)."""
+  return jnp.stack([_ldexp(s, e + k) for k in _WIDE_SHIFTS])
+
+
 def _wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
   """The wide value of ``s * prod(factors)`` (``s``: computed from operands divided by the
-  ``factors``, so that it is finite)."""
-  hi, lo = s, s
-  shrink = 2.0 ** (-_WIDE_SHIFT / len(factors))
-  for f in factors:
-    hi = hi * f
-    lo = lo * (f * shrink)
-  return jnp.stack([hi, lo])
+  ``factors``, so that it is finite). The factors' mantissas multiply ``s`` (each in
+  [0.5, 1)) and their exponents add, so the scaling cannot underflow or overflow before the
+  value itself does."""
+  m, e = _split(*factors)
+  return _wide_exp(s * m, e)
 
 
 def _wide_sum_sq(x: jax.Array) -> jax.Array:
-  """The wide squared norm of ``x``'s entries: two sums of squares (one pass, no peak)."""
-  x = _f32(x)
-  shrink = jax.lax.optimization_barrier(jnp.float32(2.0 ** (-_WIDE_SHIFT // 2)))
-  return jnp.stack([jnp.sum(jnp.square(x)), jnp.sum(jnp.square(x * shrink))])
+  """The wide squared norm of ``x``'s entries: three sums of squares (one pass, no peak)."""
+  x = _stats.magnitude(x)  # a complex entry adds |x|^2 = re^2 + im^2
+  parts = []
+  for k in _WIDE_SHIFTS:
+    # behind a barrier: XLA would otherwise form the scaled copies broadcast, in memory
+    scale = jax.lax.optimization_barrier(jnp.float32(2.0 ** (k // 2)))
+    parts.append(jnp.sum(jnp.square(x * scale)) if k else jnp.sum(jnp.square(x)))
+  return jnp.stack(parts)
 
 
 def _wide_norm(w: jax.Array) -> jax.Array:
-  """The norm of wide squared norms ``w`` (``(..., 2)``): NaN or inf where the norm is."""
-  hi, lo = w[..., 0], w[..., 1]
-  return jnp.where(jnp.isfinite(hi), jnp.sqrt(hi),
-                   jnp.sqrt(lo) * 2.0 ** (_WIDE_SHIFT // 2))
+  """The norm of wide squared norms ``w`` (``(..., 3)``): NaN or inf where the norm is."""
+  q, lo, up = w[..., 0], w[..., 1], w[..., 2]
+  half = _WIDE_SHIFT // 2
+  return jnp.where(jnp.isfinite(q),
+                   jnp.where(q < 2.0 ** -half, jnp.sqrt(up) * 2.0 ** -half, jnp.sqrt(q)),
+                   jnp.sqrt(lo) * 2.0 ** half)
 
 
 def _dot_factors(eqn: Any, pos: int, act: jax.Array,
@@ -475,9 +556,66 @@ def _gram_cheaper(t: int, p: int, q: int) -> bool:
   return t * (p + q) <= p * q
 
 
+# The Gram forms below sum products that can cancel: ``sum_{t,u} (a_t . a_u)(b_t . b_u)`` is
+# ``|A^T B|^2`` as a difference of terms up to ``S = (sum_t |a_t| |b_t|)^2``, so float32
+# rounding costs it about ``S * 2^-24`` (``|A^T B|^2`` read as 0.79 where it is 9, or as a
+# negative number). Where ``S`` exceeds ``|A^T B|^2`` (as read) by more than this factor, the
+# Gram form's value is not trusted: the micro-batch's norms through that site are formed
+# directly instead (``|A^T B|^2`` entry by entry, whose rounding is about ``sqrt(S) * 2^-24``
+# in the norm), in chunks so that they hold no more than the Gram form's operands. At this
+# factor the Gram form's rounding stays below about 1e-4 of the norm.
+_GRAM_TRUST = 1e3
+# The ``jax.vmap`` axis of the examples, which the guard's decision is taken over (one
+# branch for the whole micro-batch, so that the direct form runs only where it is needed).
+_EXAMPLES = "_jaxaccum_ghost_examples"
+
+
+def _any_example(flag: jax.Array) -> jax.Array:
+  """Whether ``flag`` holds for any example of the micro-batch (over the vmap axis
+  ``_EXAMPLES`` where it is bound; else ``flag`` itself)."""
+  try:
+    return jax.lax.psum(flag.astype(jnp.int32), _EXAMPLES) > 0
+  except NameError:
+    return flag
+
+
+def _untrusted(s: jax.Array, q: jax.Array) -> jax.Array:
+  """Whether a Gram sum ``q`` whose terms' magnitudes add up to ``s`` may have lost its
+  digits (also where it reads negative or not finite, so the direct form shows that)."""
+  return ~(s <= _GRAM_TRUST * q) & jnp.isfinite(s)
+
+
+def _chunked_sq(pairs: Sequence[tuple[str, jax.Array, jax.Array]], m: int,
+                budget: int) -> jax.Array:
+  """``sum_h |sum_j X_jh^T Y_jh|^2`` formed directly, over chunks of ``X``'s ``m`` columns.
+
+  ``pairs``: ``("dense", X (H, T, m), Y (H, T, n))`` or ``("index", i (H, T), Y)`` (``X``'s
+  row ``t`` is one-hot at ``i_t``; ``-1``: none). A chunk holds about ``budget`` entries.
+  """
+  h, n = pairs[0][2].shape[0], pairs[0][2].shape[2]
+  k = max(1, min(m, budget // max(1, h * n)))
+  chunks = -(-m // k)
+  padded = [(kind, jnp.pad(x, ((0, 0), (0, 0), (0, chunks * k - m))) if kind == "dense" else x,
+             y) for kind, x, y in pairs]
+
+  def body(c, total):
+    start = c * k
+    block = jnp.zeros((h, k, n), jnp.float32)
+    for kind, x, y in padded:
+      if kind == "dense":
+        xc = jax.lax.dynamic_slice_in_dim(x, start, k, axis=2)
+      else:
+        xc = (x[..., None] == start + jnp.arange(k)).astype(jnp.float32)
+      block = block + jnp.einsum("htk,htn->hkn", xc, y, precision=_HIGHEST)
+    return total + jnp.sum(jnp.square(block))
+
+  return jax.lax.fori_loop(0, chunks, body, jnp.zeros((), jnp.float32))
+
+
 def _sq_outer(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Wide ``sum_h |A_h^T B_h|^2``, by the Gram form or directly, whichever is cheaper."""
-  _, t, p = a.shape
+  """Wide ``sum_h |A_h^T B_h|^2``, by the Gram form or directly, whichever is cheaper (the
+  Gram form guarded: see ``_GRAM_TRUST``)."""
+  h, t, p = a.shape
   q = b.shape[2]
   a, b = _f32(a), _f32(b)
   pa, pb = _peak(a), _peak(b)
@@ -485,7 +623,13 @@ def _sq_outer(a: jax.Array, b: jax.Array) -> jax.Array:
   if _gram_cheaper(t, p, q):
     ga = jnp.einsum("htp,hup->htu", a, a, precision=_HIGHEST)
     gb = jnp.einsum("htq,huq->htu", b, b, precision=_HIGHEST)
-    return _wide(jnp.sum(ga * gb), pa, pa, pb, pb)
+    gram = jnp.sum(ga * gb)
+    terms = jnp.sum(jnp.square(jnp.sum(jnp.sqrt(jnp.sum(jnp.square(a), -1)
+                                                 * jnp.sum(jnp.square(b), -1)), -1)))
+    s = jax.lax.cond(_any_example(_untrusted(terms, gram)),
+                     lambda a, b: _chunked_sq([("dense", a, b)], p, h * t * (p + q)),
+                     lambda a, b: gram, a, b)
+    return _wide(s, pa, pa, pb, pb)
   return _wide(jnp.sum(jnp.square(jnp.einsum("htp,htq->hpq", a, b, precision=_HIGHEST))),
                pa, pa, pb, pb)
 
@@ -495,10 +639,11 @@ def _gather_rows(eqn: Any, idx: jax.Array, g: jax.Array) -> tuple[jax.Array, jax
   rows_of = eqn.invars[0].aval.shape[0]
   i = idx.reshape(-1)
   rows = _f32(g).reshape(i.shape[0], -1)
-  if eqn.params["mode"] == jax.lax.GatherScatterMode.FILL_OR_DROP:
-    i = jnp.where((i >= 0) & (i < rows_of), i, -1)
-  else:
+  if eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP:
     i = jnp.clip(i, 0, rows_of - 1)
+  else:  # FILL_OR_DROP, and PROMISE_IN_BOUNDS (jnp's default): the forward pass clamps an
+    # index out of range, but the transpose (a scatter-add) drops its row
+    i = jnp.where((i >= 0) & (i < rows_of), i, -1)
   return i, rows
 
 
@@ -508,16 +653,24 @@ def _index_gram_cheaper(t: int, d: int, rows: int) -> bool:
 
 
 def _sq_gather(eqn: Any, idx: jax.Array, g: jax.Array) -> jax.Array:
-  """Wide squared norm of a row gather's gradient (rows ``idx``, cotangent ``g``)."""
+  """Wide squared norm of a row gather's gradient (rows ``idx``, cotangent ``g``).
+
+  The gradient's row ``r`` is ``S_r``, the sum of the cotangent rows ``g_t`` with
+  ``i_t = r``. Where the table has many rows, each position's ``s_t = S_{i_t}`` is formed
+  from the index-equality matrix (``T^2 D`` products) and ``sum_r |S_r|^2`` is
+  ``sum_t |s_t|^2 / n_t`` (``n_t``: how many positions share ``i_t``), a sum of positive
+  terms; else the rows' segment sums.
+  """
   i, rows = _gather_rows(eqn, idx, g)
   peak = _peak(rows)
   rows = rows / peak
   t, d = rows.shape
   rows_of = eqn.invars[0].aval.shape[0]
   if _index_gram_cheaper(t, d, rows_of):
-    same = (i[:, None] == i[None, :]) & (i[:, None] >= 0)
-    gram = jnp.einsum("td,ud->tu", rows, rows, precision=_HIGHEST)
-    return _wide(jnp.sum(jnp.where(same, gram, 0.0)), peak, peak)
+    same = ((i[:, None] == i[None, :]) & (i[:, None] >= 0)).astype(jnp.float32)
+    sums = jnp.einsum("tu,ud->td", same, rows, precision=_HIGHEST)
+    counts = jnp.maximum(jnp.sum(same, axis=1), 1.0)
+    return _wide(jnp.sum(jnp.sum(jnp.square(sums), axis=1) / counts), peak, peak)
   sums = jax.ops.segment_sum(jnp.where((i >= 0)[:, None], rows, 0.0), jnp.maximum(i, 0),
                              num_segments=rows_of)
   return _wide(jnp.sum(jnp.square(sums)), peak, peak)
@@ -665,20 +818,56 @@ def _unit(side: Any) -> tuple[Any, jax.Array]:
   return (kind, m / peak), peak
 
 
+def _side_norms(side: Any) -> jax.Array:
+  """Each row's L2 norm of a factor side (1 for an index side's rows that hold one)."""
+  kind, m = side
+  if kind == "index":
+    return (m >= 0).astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(jnp.square(m), axis=-1))
+
+
 def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
                    cots: Sequence[Any]) -> jax.Array:
   """One example's wide squared norm of a leaf's gradient summed over its sites, cross
-  terms included."""
+  terms included.
+
+  The sites' terms are brought to one scale (each site's factors' peaks, relative to the
+  largest product of them, as exact powers of two) and summed in Gram form, with the
+  guard of ``_GRAM_TRUST``: where the terms cancel, the leaf's gradient is formed directly
+  in chunks (its rows from the first factor side).
+  """
   first = _sides(sites[0])
   factors = [tuple(map(_unit, _factor(s, o, g, _sides(s) != first)))
              for s, o, g in zip(sites, others, cots, strict=True)]
-  total = jnp.zeros((2,), jnp.float32)
-  for j, ((aj, paj), (bj, pbj)) in enumerate(factors):
+  split = [_split(pa, pb) for (_, pa), (_, pb) in factors]
+  top = functools.reduce(jnp.maximum, [e for _, e in split])
+  rel = [_ldexp(m, e - top) for m, e in split]  # each site's scale over 2^top, at most 1
+  weights = [r * s.view.sign for r, s in zip(rel, sites, strict=True)]
+  total = jnp.zeros((), jnp.float32)
+  for j, ((aj, _), (bj, _)) in enumerate(factors):
     for k in range(j, len(factors)):
-      (ak, pak), (bk, pbk) = factors[k]
-      term = _wide(jnp.sum(_gram(aj, ak) * _gram(bj, bk)), paj, pak, pbj, pbk)
+      (ak, _), (bk, _) = factors[k]
+      term = weights[j] * weights[k] * jnp.sum(_gram(aj, ak) * _gram(bj, bk))
       total = total + (term if j == k else 2.0 * term)
-  return total
+  terms = jnp.square(sum(r * jnp.sum(_side_norms(a) * _side_norms(b))
+                         for r, ((a, _), (b, _)) in zip(rel, factors, strict=True)))
+  # the direct form, over chunks of the rows of a side; the other side is dense at every
+  # site (an index side is a gathered table's rows), and carries the site's weight
+  pairs = [(a, b, w) for ((a, _), (b, _)), w in zip(factors, weights, strict=True)]
+  if any(b[0] == "index" for _, b, _ in pairs):
+    pairs = [(b, a, w) for a, b, w in pairs]
+  m = next((x[1].shape[-1] for x, _, _ in pairs if x[0] == "dense"), None)
+  if m is None:
+    m = next(s.eqn.invars[0].aval.shape[0] for s in sites if s.kind == "gather")
+  kinds = [x[0] for x, _, _ in pairs]
+  arrays = [(x[1][None], (y[1] * w)[None]) for x, y, w in pairs]
+  budget = sum(y[1].shape[0] * (m + y[1].shape[-1]) for _, y, _ in pairs)
+
+  def direct(arrays):
+    return _chunked_sq([(k, x, y) for k, (x, y) in zip(kinds, arrays, strict=True)], m, budget)
+
+  s = jax.lax.cond(_any_example(_untrusted(terms, total)), direct, lambda _: total, arrays)
+  return _wide_exp(s, 2 * top)
 
 
 # --- the rewritten program --------------------------------------------------------------------
@@ -759,6 +948,28 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
   return [_read(env, a) for a in jaxpr.outvars]
 
 
+def _widened(x: Any) -> Any:
+  """``x`` in float32 where it is a real floating value of fewer bits (else as is)."""
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+    return x.astype(jnp.float32)
+  return x
+
+
+def _bind_wide(eqn: Any, args: Sequence[Any]) -> Any:
+  """``eqn`` on its operands widened to float32 (:func:`_widened`), its result in float32: a
+  floating ``convert_element_type`` passes its operand on, a product its result type."""
+  args = [_widened(a) for a in args]
+  if eqn.primitive.name == "convert_element_type" and jnp.issubdtype(
+      eqn.outvars[0].aval.dtype, jnp.floating):
+    return args[0]
+  params = dict(eqn.params)
+  if params.get("preferred_element_type") is not None:
+    params["preferred_element_type"] = _widened(
+        jnp.zeros((), params["preferred_element_type"])).dtype
+  return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+
+
 def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...],
               out: dict) -> list[Any]:
   """Each probe's leaf operand (into ``out``, by path), evaluated from the leaves alone.
@@ -785,7 +996,7 @@ def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...
       sub = eqn.params["jaxpr"]
       outs = _operands(plan, sub.jaxpr if name in _CALLS else sub, vals, here, out)
     elif (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
-      outs = [_bind(eqn, vals)]
+      outs = [_bind_wide(eqn, vals)]
     elif name == "custom_jvp_call" and len(hit) == 1:
       j = _identity_output(eqn, hit[0])
       if j is not None:
@@ -821,7 +1032,11 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
     _operands(plan, jaxpr, ls, (), ops)
     return [ops[key] for key in plan.probes]
 
-  ops, chain_t = jax.vjp(chain, list(ghost))
+  # In float32 (or wider) throughout: the leaves, the layout operations to the sites (a
+  # narrowing convert's transpose is exact, so it is left out), the sites' transposes and
+  # the factors. In the model's own narrower dtype, the product with c_e would be rounded
+  # after the clip: a clipped example could add more than C.
+  ops, chain_t = jax.vjp(chain, [_widened(v) for v in ghost])
   # One site at a time, the last first (as a backward pass would): each site's sum waits for
   # the previous one's, so XLA holds one weight-sized sum at a time, not all of them.
   sites = list(plan.probes.values())
@@ -837,14 +1052,15 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
     def one(w, o, site=site):
       args = list(o)
       args.insert(site.pos, w)
-      return _bind(site.eqn, args)
+      return _bind_wide(site.eqn, args)
 
     _, t = jax.vjp(lambda w, one=one, others=others: jax.vmap(one, in_axes=(None, 0))(w, others),
                    ops[j])
+    g = _widened(g)
     prev = t(_stats.scale_rows(g, c).astype(g.dtype))[0]
   if prev is not None:
     sums[0] = prev
-  return chain_t(sums)[0]
+  return [s.astype(v.dtype) for s, v in zip(chain_t(sums)[0], ghost, strict=True)]
 
 
 # --- the entry point --------------------------------------------------------------------------
@@ -906,7 +1122,9 @@ def _decide(closed: Any, leaves: Sequence[Any],
   multi: dict[int, list[_Site]] = {}
   for k in floating:
     sites = found.sites.get(k, [])
-    if k in found.bad:
+    if jnp.issubdtype(jnp.asarray(leaves[k]).dtype, jnp.complexfloating):
+      fallback[k] = "a complex parameter (the rules are for real values)"
+    elif k in found.bad:
       fallback[k] = found.bad[k]
     elif len(sites) == 1 or _apart(sites):
       taps.update({s.path: s for s in sites})
@@ -937,6 +1155,24 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
       out[jax.tree_util.keystr(p)] = ("ghost" if k in tapped else "cross" if k in multi else
                                       f"materialize: {fallback[k]}" if k in fallback else "none")
   return out
+
+
+# A second backward pass in a floating dtype narrower than float32 rounds after the clip
+# factor is applied (the factor itself, and every cotangent after it): its clipped examples
+# were measured at up to 1.0067 C in bfloat16 without a margin. Its factors are divided by
+# 1 + this many units of the narrowest dtype's rounding (bfloat16: 2^-8 each, 1.6% in all);
+# book-keeping, which forms the sum in float32, needs none. See docs/dp-sgd.md, "What the
+# sensitivity bound rests on".
+_NARROW_MARGIN_UNITS = 4
+
+
+def _margin(sites: Any) -> float:
+  """The relative margin of a second pass through ``sites``: 0 where every site computes in
+  float32 or wider, else ``_NARROW_MARGIN_UNITS`` roundings of the narrowest dtype."""
+  narrow = [jnp.finfo(v.aval.dtype) for s in sites for v in (*s.eqn.invars, *s.eqn.outvars)
+            if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
+            and jnp.finfo(v.aval.dtype).bits < 32]
+  return _NARROW_MARGIN_UNITS * max((float(f.eps) / 2 for f in narrow), default=0.0)
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -1004,7 +1240,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       key=str))
   fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
                          for k in fb_keys], axes)
-  acc0 = _sharding._vary(jnp.zeros((n, 2), jnp.float32), axes)  # wide squared norms
+  acc0 = _sharding._vary(jnp.zeros((n, _WIDE_PARTS), jnp.float32), axes)  # wide squared norms
 
   def forward(plan):
     """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
@@ -1052,7 +1288,10 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
         for s in sites.values())
     held = _held_bytes(vjp, n)
-    if program == "book" or (program is None and kept <= held):
+    # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
+    # runs in the model's own dtypes, which round after the clip factor is applied: in a
+    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
+    if program == "book" or (program is None and (kept <= held or _margin(sites.values()) > 0)):
       book = True
       plan = _Plan.of({}, sites)
       objectives, vjp, outs, acts = forward(plan)
@@ -1061,6 +1300,12 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   # The first backward pass: each example's wide squared norm (the weights' cotangents it
   # would give are dead code).
   _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
+  if book:
+    # The norms and the clipped sum read the same kept values: XLA may otherwise give one
+    # of them a narrow value's excess precision (a bfloat16 product read before rounding)
+    # and the other the rounded value, and the clipped example's norm is then not the one
+    # its factor was computed from.
+    acts, cots = jax.lax.optimization_barrier((acts, cots))
   for g in fb_grads:
     wide = wide + jax.vmap(_wide_sum_sq)(g)
   if book:
@@ -1082,7 +1327,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
                             acts, cots, c, zero_safe)
   else:
-    ghost_grads = vjp(c.astype(objectives.dtype))[0]
+    c2 = c / (1.0 + _margin(sites.values()))
+    ghost_grads = vjp(c2.astype(objectives.dtype))[0]
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
   # the forward and backward passes run again with those examples' inputs replaced by
@@ -1102,7 +1348,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
 
     _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
                       [leaves[k] for k in ghost_keys])
-    redo = vjp2(c.astype(objectives.dtype))[0]
+    redo = vjp2(c2.astype(objectives.dtype))[0]
     return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                         if _inexact(g) else g, redo)
 

@@ -23,9 +23,17 @@ def _inexact(tree: PyTree) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
 
 
+def magnitude(x: Any) -> jax.Array:
+  """``|x|`` entrywise in float32 where ``x`` is complex, else ``x`` in float32: what an L2
+  norm squares (a cast of a complex value to float32 would keep its real part only)."""
+  x = jnp.asarray(x)
+  return (jnp.abs(x) if jnp.iscomplexobj(x) else x).astype(jnp.float32)
+
+
 def sq_norm(tree: PyTree) -> jax.Array:
-  """The squared L2 norm of the floating leaves of a pytree, in float32 (NaN if one is)."""
-  leaves = [jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))) for x in _inexact(tree)]
+  """The squared L2 norm of the inexact leaves of a pytree, in float32 (NaN if one is);
+  a complex entry adds ``|x|^2``."""
+  leaves = [jnp.sum(jnp.square(magnitude(x))) for x in _inexact(tree)]
   return functools.reduce(jnp.add, leaves, jnp.zeros((), jnp.float32))
 
 
@@ -42,13 +50,14 @@ def divisor(peak: jax.Array) -> jax.Array:
 
 
 def norm(tree: PyTree) -> jax.Array:
-  """The L2 norm of the floating leaves of a pytree, in float32, without overflow.
+  """The L2 norm of the inexact leaves of a pytree, in float32, without overflow (a complex
+  entry counts its modulus).
 
   The leaves are divided by their largest absolute entry before squaring, so a gradient
   whose squared norm is beyond float32's range (a norm above about 1.8e19) still has a
   finite norm. NaN if an entry is NaN, inf if one is infinite (and none is NaN).
   """
-  leaves = [jnp.asarray(x).astype(jnp.float32) for x in _inexact(tree)]
+  leaves = [magnitude(x) for x in _inexact(tree)]
   if not leaves:
     return jnp.zeros((), jnp.float32)
   peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves])
