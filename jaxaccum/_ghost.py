@@ -677,13 +677,14 @@ def _sq_gather(eqn: Any, idx: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Array]:
-  """The site's output as a function of its leaf view's anchor (linear in it)."""
+  """The site's output as a function of its leaf view's anchor (linear in it), in float32
+  or wider (:func:`_bind_wide`), as book-keeping forms the clipped sum through it."""
   def fn(w):
     for e in site.view.post:
-      w = _bind(e, [w])
+      w = _bind_wide(e, [w])
     args = list(others)
     args.insert(site.pos, w)
-    return _bind(site.eqn, args)
+    return _bind_wide(site.eqn, args)
   return fn
 
 
@@ -699,9 +700,9 @@ def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
   if site.kind == "slice":
     return _wide_sum_sq(g)
   anchor = site.view.anchor
-  zero = _sharding._vary(jnp.zeros(anchor.shape, anchor.dtype), axes)
+  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
   _, vjp = jax.vjp(_site_fn(site, saved), zero)
-  return _wide_sum_sq(vjp(g)[0])
+  return _wide_sum_sq(vjp(_widened(g))[0])
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -1166,10 +1167,24 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
 _NARROW_MARGIN_UNITS = 4
 
 
-def _margin(sites: Any) -> float:
-  """The relative margin of a second pass through ``sites``: 0 where every site computes in
-  float32 or wider, else ``_NARROW_MARGIN_UNITS`` roundings of the narrowest dtype."""
-  narrow = [jnp.finfo(v.aval.dtype) for s in sites for v in (*s.eqn.invars, *s.eqn.outvars)
+def _eqns(jaxpr: Any) -> Any:
+  """Every equation of ``jaxpr`` and of the programs its equations hold (jit, remat, scan
+  and cond bodies, custom rules' primal programs), depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jcore.ClosedJaxpr):
+          yield from _eqns(sub.jaxpr)
+        elif isinstance(sub, jcore.Jaxpr):
+          yield from _eqns(sub)
+
+
+def _margin(jaxpr: Any) -> float:
+  """The relative margin of a second pass over ``jaxpr``: 0 where every floating value is
+  float32 or wider, else ``_NARROW_MARGIN_UNITS`` roundings of the narrowest dtype (a
+  cotangent rounds wherever the backward pass computes in it, not only at the sites)."""
+  narrow = [jnp.finfo(v.aval.dtype) for e in _eqns(jaxpr) for v in (*e.invars, *e.outvars)
             if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
             and jnp.finfo(v.aval.dtype).bits < 32]
   return _NARROW_MARGIN_UNITS * max((float(f.eps) / 2 for f in narrow), default=0.0)
@@ -1280,6 +1295,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   # kept across the iterations), with a second backward pass; the scan body recomputes its
   # cheap elementwise residuals (the policy ``_saved``).
   sites = {**taps, **probes}
+  margin = _margin(closed.jaxpr)
   book = False
   plan = _Plan.of(taps, probes)
   objectives, vjp, outs, acts = forward(plan)
@@ -1291,7 +1307,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
     # runs in the model's own dtypes, which round after the clip factor is applied: in a
     # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
-    if program == "book" or (program is None and (kept <= held or _margin(sites.values()) > 0)):
+    if program == "book" or (program is None and (kept <= held or margin > 0)):
       book = True
       plan = _Plan.of({}, sites)
       objectives, vjp, outs, acts = forward(plan)
@@ -1323,11 +1339,11 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   # still gives it.
   sq = _wide_norm(wide) if norms else wide[:, 0]
   c = jnp.asarray(weigh(sq), jnp.float32)
+  c2 = c / (1.0 + margin)  # a second pass's factors (see _NARROW_MARGIN_UNITS)
   if book:
     ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
                             acts, cots, c, zero_safe)
   else:
-    c2 = c / (1.0 + _margin(sites.values()))
     ghost_grads = vjp(c2.astype(objectives.dtype))[0]
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
