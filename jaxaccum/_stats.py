@@ -66,12 +66,48 @@ def norm(tree: PyTree) -> jax.Array:
   return jnp.where(jnp.isfinite(peak), scale * jnp.sqrt(total), peak)
 
 
+def combine(norms: jax.Array) -> jax.Array:
+  """The L2 norm over the last axis of ``norms`` (each a norm of one part of a gradient),
+  without overflow: the whole gradient's norm from its groups'."""
+  peak = jnp.max(norms, axis=-1)
+  scale = divisor(peak)
+  total = scale * jnp.sqrt(jnp.sum(jnp.square(norms / scale[..., None]), axis=-1))
+  return jnp.where(jnp.isfinite(peak), total, peak)
+
+
+def group_norms(leaves: list[Any], groups: list[int], count: int) -> jax.Array:
+  """``(count,)``: the L2 norm (:func:`norm`) of each group's leaves (``groups``: each leaf's
+  group)."""
+  return jnp.stack([norm([x for x, g in zip(leaves, groups, strict=True) if g == k])
+                    for k in range(count)])
+
+
 METHODS = ("auto", "ghost", "materialize")
 
 
+def _is_norm_tree(max_norm: Any) -> bool:
+  """Whether ``max_norm`` is a pytree of clip norms rather than one (a number or an array)."""
+  if isinstance(max_norm, (dict, list, tuple)):
+    return True
+  if isinstance(max_norm, (bool, int, float, np.number)) or hasattr(max_norm, "dtype"):
+    return False
+  return jax.tree.leaves(max_norm) != [max_norm]
+
+
 def _check_max_norm(max_norm: Any) -> Any:
-  """A concrete clip norm must be a positive scalar (inf: no clipping); a traced one is
-  checked where it is used (:meth:`ClipPerExample.factors`)."""
+  """A concrete clip norm must be a positive scalar (inf: no clipping), or a pytree of them
+  (one per group of parameters); a traced one is checked where it is used
+  (:meth:`ClipPerExample.factors`)."""
+  if _is_norm_tree(max_norm):
+    leaves = jax.tree.leaves(max_norm)
+    if not leaves:
+      raise ValueError(
+          f"clip_per_example: max_norm={max_norm!r} holds no clip norm; give one positive "
+          "number, or a pytree of them whose structure is a prefix of the gradient's (one "
+          "norm per subtree, e.g. {'encoder': 1.0, 'head': 0.5}).")
+    for leaf in leaves:
+      _check_max_norm(leaf)
+    return max_norm
   if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float, np.number))
                                         or hasattr(max_norm, "dtype")):
     raise TypeError(
@@ -135,23 +171,65 @@ class ClipPerExample:
           "clip_per_example: example_mask must be the name of a keyword batch argument "
           f"(e.g. example_mask='mask'), got example_mask={self.example_mask!r}.")
 
+  @property
+  def grouped(self) -> bool:
+    """Whether ``max_norm`` is a pytree of norms, one per group of parameters."""
+    return _is_norm_tree(self.max_norm)
+
+  def limits(self) -> jax.Array:
+    """The clip norms: a scalar, or ``(G,)`` in the order of ``max_norm``'s leaves."""
+    if not self.grouped:
+      return jnp.asarray(self.max_norm, jnp.float32)
+    return jnp.stack([jnp.asarray(c, jnp.float32) for c in jax.tree.leaves(self.max_norm)])
+
+  def leaf_groups(self, grads: PyTree) -> list[int]:
+    """Each leaf of ``grads``'s group: the index of the ``max_norm`` leaf whose subtree holds
+    it (all 0 for one norm)."""
+    if not self.grouped:
+      return [0] * len(jax.tree.leaves(grads))
+    index = jax.tree.unflatten(jax.tree.structure(self.max_norm),
+                               range(len(jax.tree.leaves(self.max_norm))))
+    try:
+      per = jax.tree.map(lambda k, sub: [k] * len(jax.tree.leaves(sub)), index, grads)
+    except ValueError as e:
+      raise ValueError(
+          "clip_per_example: max_norm's structure must be a prefix of the gradient's (one "
+          f"norm per subtree): max_norm has structure {jax.tree.structure(self.max_norm)}, "
+          f"the gradient {jax.tree.structure(grads)}. Give one norm per top-level entry "
+          "(e.g. {'encoder': 1.0, 'head': 0.5} for parameters {'encoder': ..., 'head': "
+          "...}), or one number for the whole gradient.") from e
+    return [k for ks in jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list)) for k in ks]
+
   def factors(self, norms: jax.Array) -> jax.Array:
-    """Each example's clip factor from its gradient's L2 norm (float32, any shape).
+    """Each example's clip factor from its gradient's L2 norm (float32, any shape; with a
+    pytree ``max_norm``, its groups' norms along the last axis).
 
     ``min(1, max_norm / norm)``, 1 for a zero gradient. A non-finite norm gives NaN (the
     gradient stays visibly non-finite, for ``skip_nonfinite``), or 0 under ``nan_safe``
-    (the example adds nothing). A traced ``max_norm`` that is not positive (or NaN) gives
-    NaN factors: a gradient of NaN rather than a flipped or unclipped one.
+    (the example adds nothing; in every group, where one group's norm is not finite). A
+    traced ``max_norm`` that is not positive (or NaN) gives NaN factors: a gradient of NaN
+    rather than a flipped or unclipped one.
     """
     norms = jnp.asarray(norms, jnp.float32)
-    limit = jnp.asarray(self.max_norm, jnp.float32)
+    limit = self.limits()
     c = jnp.where(norms > limit, limit / jnp.where(norms > limit, norms, 1.0), 1.0)
-    c = jnp.where(jnp.isfinite(norms), c, 0.0 if self.nan_safe else jnp.nan)
+    finite = jnp.isfinite(norms)
+    if self.grouped:
+      finite = jnp.broadcast_to(jnp.all(finite, axis=-1, keepdims=True), finite.shape)
+    c = jnp.where(finite, c, 0.0 if self.nan_safe else jnp.nan)
     return jnp.where(limit > 0, c, jnp.nan)
 
   def __call__(self, grads: PyTree) -> PyTree:
-    """Clips one example's gradient (a pytree) to L2 norm ``max_norm``."""
-    c = self.factors(norm(grads))
+    """Clips one example's gradient (a pytree) to L2 norm ``max_norm`` (each group to its
+    own norm, with a pytree ``max_norm``)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    groups = self.leaf_groups(grads)
+    inexact = [x if _is_inexact(x) else jnp.zeros(()) for x in leaves]
+    c = self.factors(group_norms(inexact, groups, max(groups, default=0) + 1)
+                     if self.grouped else norm(grads))
+    if self.grouped:
+      return jax.tree.unflatten(treedef, [scale(x, c[k]) if _is_inexact(x) else x
+                                          for x, k in zip(leaves, groups, strict=True)])
     return jax.tree.map(lambda g: scale(g, c) if _is_inexact(g) else g, grads)
 
 
@@ -190,7 +268,12 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
     max_norm: the largest L2 norm an example's gradient keeps: a positive number (``inf``
       clips nothing), or a scalar array (e.g. a schedule's value inside a jitted step). A
       concrete value that is not positive raises ``ValueError``; a traced one that is not
-      positive (or NaN) makes the gradients NaN, which ``skip_nonfinite`` drops.
+      positive (or NaN) makes the gradients NaN, which ``skip_nonfinite`` drops. Or a
+      pytree of such norms whose structure is a prefix of the gradient's (per-layer
+      clipping, e.g. ``{"encoder": 1.0, "head": 0.5}``): each subtree of an example's
+      gradient is clipped to its own norm, in every ``method``, and an example then adds
+      at most ``sqrt(sum C_g^2)`` (the ``l2_norm_clip`` of :func:`jaxaccum.dp_noise`);
+      ``example_grad_norms`` holds each example's whole-gradient norm.
     method: how the clipped sum is computed. ``"materialize"``: each example's gradient is
       formed under ``jax.vmap``, its norm taken, and the gradients summed with their
       factors (memory: micro-batch size x parameters). ``"ghost"``: the norms come from

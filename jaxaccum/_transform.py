@@ -692,9 +692,13 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
         raise
       raise _state_error(opts) from None
 
-  def factors(norms):
+  given = diff[0] if opts.argnums_is_int else tuple(diff)  # the gradient fun's user sees
+  groups = clip.leaf_groups(given) if clip.grouped else None
+
+  def factors(norms):  # (E,) norms, or (E, G) with a pytree of clip norms
     c = clip.factors(norms)
-    return c if mask is None else jnp.where(mask, c, 0.0)
+    return c if mask is None else jnp.where(mask.reshape(mask.shape + (1,) * (c.ndim - 1)),
+                                             c, 0.0)
 
   ghost, failed = None, None
   if clip.method != "materialize":
@@ -703,14 +707,14 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
       # (zero_safe costs a parameter-sized buffer when sites sit in a scan body).
       ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                  strict=clip.method == "ghost", norms=True,
-                                 zero_safe=clip.nan_safe or mask is not None)
+                                 zero_safe=clip.nan_safe or mask is not None, groups=groups)
     except (TypeError, ValueError, NotImplementedError) as e:
       if clip.method == "ghost":  # "ghost" says why
         raise
       failed = e  # "auto": materialised below, where an error of fun's own is raised again
   if ghost is None:
     outs, grads, norms = clipped_sum(objective, tuple(diff), xs, in_axes, factors,
-                                     opts.accumulator_dtype)
+                                     opts.accumulator_dtype, groups)
   else:
     outs, grads, norms = ghost
   if failed is not None:
@@ -724,7 +728,8 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
 
 
 def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
-                weigh: Callable[[jax.Array], jax.Array], accumulator_dtype: Any = None):
+                weigh: Callable[[jax.Array], jax.Array], accumulator_dtype: Any = None,
+                groups: Sequence[int] | None = None):
   """The clipped sum with each example's gradient materialised (``method="materialize"``).
 
   ``f(diff, x) -> (objective, out)`` is one example's objective; ``xs`` the examples,
@@ -734,20 +739,29 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
   adds exactly zero). Returns ``(outs, grad_sum, norms)``: the vmapped ``out``, the sum
   with ``diff``'s structure and dtypes, and the ``(E,)`` float32 norms. The ghost-norm
   path (``jaxaccum._ghost.clipped_sum``) computes the same without the per-example
-  gradients, from squared norms.
+  gradients, from squared norms. ``groups``: each leaf of ``diff``'s clip group (per-layer
+  clipping): ``weigh`` then gets ``(E, G)`` norms, one per group, and gives a factor per
+  group; the norms returned are each example's whole-gradient norm.
   """
+  count = None if groups is None else max(groups, default=0) + 1
+
   def one(x):
     g, out = jax.grad(f, has_aux=True)(diff, x)
-    return out, g, _stats.norm(g)
+    if groups is None:
+      return out, g, _stats.norm(g)
+    return out, g, _stats.group_norms(jax.tree.leaves(g), list(groups), count)
 
   outs, grads, norms = jax.vmap(one, in_axes=(in_axes,))(xs)
   c = weigh(norms)
+  leaves, treedef = jax.tree.flatten(grads)
 
-  def total(g):
+  def total(g, k):
     acc = _reduce.accumulator_dtype_for(g.dtype, accumulator_dtype)
-    return jnp.sum(_stats.scale_rows(g, c).astype(acc), axis=0).astype(g.dtype)
+    ck = c if groups is None else c[:, groups[k]]
+    return jnp.sum(_stats.scale_rows(g, ck).astype(acc), axis=0).astype(g.dtype)
 
-  return outs, jax.tree.map(total, grads), norms
+  summed = jax.tree.unflatten(treedef, [total(g, k) for k, g in enumerate(leaves)])
+  return outs, summed, norms if groups is None else _stats.combine(norms)
 
 
 def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],

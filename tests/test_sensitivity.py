@@ -1,0 +1,184 @@
+"""What DP-SGD's sensitivity bound rests on: the ghost analysis's numerical forms and
+per-layer clip norms, each against an independent reference over generated cases.
+
+The references never go through the library's norms: float64 NumPy for the wide squared
+norms and the direct products, and ``jax.grad`` on each example alone (sliced by hand) for
+the clipped sums. ``tests/test_dp_fuzz.py`` checks the whole path on generated models; here
+each rule is checked on its own, where a wrong rule shows directly.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxaccum
+from jaxaccum import _ghost
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wide_squared_norms_over_every_scale(seed):
+  # s * prod(factors) read back as a norm, for factors from 1e-30 to 1e30 (products far
+  # outside float32's range on both sides), against float64: the wide form neither
+  # underflows to 0 (tiny activations times a huge output gradient) nor overflows.
+  rng = np.random.default_rng(seed)
+  for _ in range(40):
+    k = int(rng.integers(1, 5))
+    factors = 10.0 ** rng.uniform(-30, 30, size=k)
+    s = float(rng.uniform(0.01, 100.0))
+    want = np.sqrt(s * np.prod(factors, dtype=np.float64))
+    got = float(_ghost._wide_norm(_ghost._wide(jnp.float32(s), *map(jnp.float32, factors))))
+    if 1e-37 < want < 1e37:  # a norm float32 holds
+      np.testing.assert_allclose(got, want, rtol=2e-6)
+  for scale in 10.0 ** np.arange(-40, 36, 3.0):  # sums of squares of entries of any size
+    x = (rng.normal(size=7) * scale).astype(np.float32)
+    want = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2))
+    if np.min(np.abs(x)) > np.finfo(np.float32).tiny:  # XLA may flush subnormal entries
+      np.testing.assert_allclose(float(_ghost._wide_norm(_ghost._wide_sum_sq(jnp.asarray(x)))),
+                                 want, rtol=2e-6)
+
+
+def test_wide_norms_keep_nan_and_inf():
+  nan = _ghost._wide_norm(_ghost._wide_sum_sq(jnp.array([1.0, jnp.nan])))
+  inf = _ghost._wide_norm(_ghost._wide_sum_sq(jnp.array([1.0, jnp.inf])))
+  assert np.isnan(nan) and np.isposinf(inf)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chunked_direct_form_against_float64(seed):
+  # sum_h |sum_j X_jh^T Y_jh|^2 over chunks of X's columns, dense and one-hot sides, any
+  # chunk size (columns not a multiple of it included), against NumPy in float64.
+  rng = np.random.default_rng(seed)
+  h, m, n = int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(1, 6))
+  pairs, want = [], np.zeros((h, m, n))
+  for _ in range(int(rng.integers(1, 4))):
+    t = int(rng.integers(1, 6))
+    y = rng.normal(size=(h, t, n)).astype(np.float32)
+    if rng.random() < 0.5:
+      x = rng.normal(size=(h, t, m)).astype(np.float32)
+      pairs.append(("dense", jnp.asarray(x), jnp.asarray(y)))
+    else:
+      i = rng.integers(-1, m + 2, size=(h, t)).astype(np.int32)  # -1 and past the end: none
+      x = (i[..., None] == np.arange(m)).astype(np.float64)
+      pairs.append(("index", jnp.asarray(i), jnp.asarray(y)))
+    want += np.einsum("htm,htn->hmn", np.asarray(x, np.float64), np.asarray(y, np.float64))
+  for budget in (1, 7, 1000):
+    got = float(_ghost._chunked_sq(pairs, m, budget))
+    np.testing.assert_allclose(got, np.sum(want ** 2), rtol=1e-5)
+
+
+@pytest.mark.parametrize("cancel", [0.0, 1e-3, 1e-5])
+def test_the_gram_guard_takes_the_direct_form_where_positions_cancel(cancel):
+  # Two positions whose outer products cancel to 1e-5 of their size: the Gram form
+  # <A A^T, B B^T> has lost its digits (it read 0.89 for 3.0, or a negative number), the
+  # guard sees it and the direct form gives the norm to float32's rounding of |A^T B|.
+  a = RNG.normal(size=(4, 1, 2, 16)).astype(np.float32)
+  b = RNG.normal(size=(4, 1, 2, 16)).astype(np.float32)
+  a[:, :, 1] = -a[:, :, 0] * (1 + cancel) + (0 if cancel else a[:, :, 1])
+  b[:, :, 1] = b[:, :, 0]
+  assert _ghost._gram_cheaper(2, 16, 16)
+  got = jax.vmap(lambda a, b: _ghost._wide_norm(_ghost._sq_outer(a, b)),
+                 axis_name=_ghost._EXAMPLES)(jnp.asarray(a), jnp.asarray(b))
+  want = np.sqrt(np.sum(np.einsum("ehtp,ehtq->ehpq", a.astype(np.float64),
+                                  b.astype(np.float64)) ** 2, axis=(1, 2, 3)))
+  # the direct form's float32 rounding, about 2^-24 of the terms' size (1 / cancel of the norm)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=4 * 2.0 ** -24 / cancel if cancel
+                             else 1e-5)
+
+
+# --- per-layer clip norms --------------------------------------------------------------------
+
+
+def _mlp(p, batch):
+  x, y = batch
+  h = jnp.tanh(x @ p["enc"]["w"] + p["enc"]["b"])
+  return jnp.sum((h @ p["head"] - y) ** 2)
+
+
+def _gelu_scan(p, batch):  # sites in a scan body: a second backward pass per clip group
+  x, y = batch
+  h, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, p["enc"]["w"])
+  return jnp.sum((h @ p["head"] - y) ** 2)
+
+
+def _mlp_params(seed, scan=False):
+  k = jax.random.split(jax.random.key(seed), 3)
+  enc = ({"w": 0.5 * jax.random.normal(k[0], (2, 4, 4))} if scan else
+         {"w": jax.random.normal(k[0], (4, 6)), "b": jax.random.normal(k[1], (6,))})
+  return {"enc": enc, "head": jax.random.normal(k[2], (4 if scan else 6, 3))}
+
+
+def _per_layer_reference(loss, params, batch, limits):
+  """sum_e of each group's gradient clipped to its own norm, example by example."""
+  total = None
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  for j in range(rows):
+    g = jax.grad(loss)(params, jax.tree.map(lambda a: np.asarray(a)[j:j + 1], batch))
+    clipped = {}
+    for name, c in limits.items():
+      leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g[name])]
+      norm = np.sqrt(sum(np.sum(x ** 2) for x in leaves))
+      f = min(1.0, c / norm) if norm > 0 else 1.0
+      clipped[name] = jax.tree.map(lambda x, f=f: np.asarray(x, np.float64) * f, g[name])
+    total = clipped if total is None else jax.tree.map(np.add, total, clipped)
+  return total
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("loss,scan", [(_mlp, False), (_gelu_scan, True)])
+def test_per_layer_clip_norms_every_method(seed, loss, scan):
+  params = _mlp_params(seed, scan)
+  rng = np.random.default_rng(seed)
+  batch = (rng.normal(size=(8, 4)).astype(np.float32),
+           rng.normal(size=(8, 3)).astype(np.float32))
+  limits = {"enc": float(rng.uniform(0.2, 1.0)), "head": float(rng.uniform(0.5, 2.0))}
+  want = _per_layer_reference(loss, params, batch, limits)
+  for method in ("materialize", "auto", "ghost"):
+    clip = jaxaccum.clip_per_example(limits, method)
+    got = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
+                                per_example_transform=clip))(params, batch)
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    for j in range(2):  # each example alone adds at most sqrt(sum C_g^2), each group C_g
+      one = jax.jit(jaxaccum.grad(loss, num_micro_batches=1, reduce="sum",
+                                  per_example_transform=clip))(
+                                      params, jax.tree.map(lambda a, j=j: a[j:j + 1], batch))
+      for name, c in limits.items():
+        norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                           for x in jax.tree.leaves(one[name])))
+        assert norm <= c * (1 + 1e-5), (method, name, norm, c)
+
+
+@pytest.mark.parametrize("program", ["book", "second"])
+def test_per_layer_clip_norms_under_both_ghost_programs(program):
+  params = _mlp_params(3)
+  rng = np.random.default_rng(3)
+  batch = (rng.normal(size=(6, 1, 4)).astype(np.float32),
+           rng.normal(size=(6, 1, 3)).astype(np.float32))
+  limits = {"enc": 0.3, "head": 1.1}
+  clip = jaxaccum.clip_per_example(limits)
+  groups = clip.leaf_groups(params)
+  got = jax.jit(lambda p, b: _ghost.clipped_sum(
+      lambda d, x: (_mlp(d[0], x), ()), (p,), b, 0, clip.factors, strict=True, norms=True,
+      program=program, groups=groups))(params, batch)[1][0]
+  want = _per_layer_reference(_mlp, params, (batch[0][:, 0], batch[1][:, 0]), limits)
+  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_per_layer_clip_norms_errors():
+  with pytest.raises(ValueError, match="prefix of the gradient"):
+    jax.jit(jaxaccum.grad(_mlp, num_micro_batches=1, per_example_transform=(
+        jaxaccum.clip_per_example({"encoder": 1.0, "head": 1.0}))))(
+            _mlp_params(0), (np.zeros((2, 4), np.float32), np.zeros((2, 3), np.float32)))
+  with pytest.raises(ValueError, match="holds no clip norm"):
+    jaxaccum.clip_per_example({})
+  with pytest.raises(ValueError, match="max_norm must be positive"):
+    jaxaccum.clip_per_example({"enc": 1.0, "head": -1.0})
+
+
+def test_per_layer_clip_called_on_one_gradient():
+  clip = jaxaccum.clip_per_example({"a": 1.0, "b": 10.0})
+  got = clip({"a": jnp.array([3.0, 4.0]), "b": jnp.array([3.0, 4.0])})
+  chex.assert_trees_all_close(got, {"a": jnp.array([0.6, 0.8]), "b": jnp.array([3.0, 4.0])})
