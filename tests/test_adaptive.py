@@ -729,3 +729,43 @@ def test_check_and_update_errors():
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), info_for(2, 1.0, 1.0))
   with pytest.raises(TypeError, match=r"AccumInfo of one step .* use jax.lax.scan"):
     AB.update(AB.init(), stacked)
+
+
+def test_weighted_controller_decides_in_micro_batches_whatever_the_unit_of_samples():
+  # Rows of L tokens, every token real: the token-weighted mean over the tokens that ran is
+  # the row mean, so the two reductions give the same gradients. B_simple and the counter
+  # are in tokens under "weighted" (L times the rows' values), while k* = B* / m, with m
+  # in the same unit, is a number of micro-batches: the same k on every step, same theta.
+  n, rows, length, dim = 8, 2, 5, 3
+
+  def row_loss(w, batch):
+    x, y, _ = batch
+    return 0.5 * jnp.mean((x @ w - y) ** 2)
+
+  def token_loss(w, batch):
+    x, y, mask = batch
+    return jnp.sum(0.5 * (x @ w - y) ** 2 * mask), jnp.sum(mask)
+
+  ab = jaxaccum.AdaptiveBatch(n, theta=1.0, warmup_steps=2, cooldown_steps=1)
+  runs = {}
+  for name, loss, reduce in (("rows", row_loss, "mean"), ("tokens", token_loss, "weighted")):
+    vg = jaxaccum.value_and_grad(loss, num_micro_batches=n, reduce=reduce, with_info=True)
+
+    @jax.jit
+    def step(w, st, t, vg=vg):
+      kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(5), t))
+      x = jax.random.normal(kx, (n * rows, length, dim))
+      y = x @ jnp.array([1.0, -1.0, 0.5]) + 2.0 * jax.random.normal(ky, (n * rows, length))
+      _, g, info = vg(w, (x, y, jnp.ones((n * rows, length))),
+                      active_micro_batches=ab.micro_batches(st))
+      return w - 0.05 * g, ab.update(st, info)
+
+    w, st, ks, b_simple = jnp.array([1.2, -0.8, 0.7]), ab.init(), [], []
+    for t in range(14):
+      w, st = step(w, st, t)
+      ks.append(int(ab.micro_batches(st)))
+      b_simple.append(float(ab.b_simple(st)))
+    runs[name] = ks, np.array(b_simple), ab.sample_count(st)
+  assert runs["tokens"][0] == runs["rows"][0] and len(set(runs["rows"][0])) >= 2, runs
+  np.testing.assert_allclose(runs["tokens"][1], length * runs["rows"][1], rtol=2e-4)
+  assert runs["tokens"][2] == length * runs["rows"][2]
