@@ -224,3 +224,20 @@ def test_feeder_stream_forms_and_resume_positions():
       "RowFeeder: position=12 is beyond the end of the iterator, which held only 10 rows; "
       "resume at a position within the stream")):
     jaxaccum.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=1, position=12)
+
+
+def test_a_traced_active_count_out_of_range_is_clipped_as_documented():
+  # Concrete values out of 1..N raise; traced ones are clipped: 0 runs micro-batch 0 only,
+  # N + 2 runs all N. Compared with the full-batch gradient over the rows by hand.
+  vg = jaxaccum.value_and_grad(_loss, num_micro_batches=N, with_info=True)
+  batch = {key: jnp.asarray(v) for key, v in _stream(N * B).items()}
+  w = jnp.array([0.5, -1.0, 2.0])
+  step = jax.jit(lambda k: vg(w, batch, active_micro_batches=k))
+  for k, runs in ((0, 1), (-3, 1), (N + 2, N), (1, 1), (N, N)):
+    value, grads, info = step(jnp.int32(k))
+    ref_value, ref_grads = _full(w, _ran(batch, runs))
+    chex.assert_trees_all_close((value, grads), (ref_value, ref_grads), rtol=1e-5, atol=1e-6)
+    assert int(info.num_micro_batches) == runs
+  for k in (0, N + 2):
+    with pytest.raises(ValueError, match=rf"active_micro_batches={k} is out of range"):
+      vg(w, batch, active_micro_batches=k)
