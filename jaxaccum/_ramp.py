@@ -264,7 +264,7 @@ def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
     low = count.astype(jnp.int32)
   else:  # uint32, int64, uint64: shifts in the count's own dtype
     shifted = count >> 31
-    top = shifted >= _WORD  # at or beyond 2**62: both words saturate, at 2**62 - 1
+    top = shifted > _WORD - 1  # at or beyond 2**62: both words saturate, at 2**62 - 1
     high = jnp.where(top, _WORD - 1, shifted).astype(jnp.int32)
     low = jnp.where(top, _WORD - 1, count & (_WORD - 1)).astype(jnp.int32)
   return jnp.where(negative, -1, high), jnp.where(negative, 0, low)
