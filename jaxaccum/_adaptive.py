@@ -51,12 +51,22 @@ class AdaptiveBatchState(NamedTuple):
     samples_hi: int32, the high word of the sample count (units of ``2**24``).
     samples_lo: int32, the low word of the sample count, in ``[0, 2**24)``: the count is
       ``samples_hi * 2**24 + samples_lo`` (:meth:`AdaptiveBatch.samples`,
-      :meth:`AdaptiveBatch.sample_count`), exact up to about ``3.6e16``.
+      :meth:`AdaptiveBatch.sample_count`), saturating at ``2**55 - 1`` (about
+      ``3.6e16``). Each step adds its ``info.batch_size``, a float32, rounded to an
+      integer: the count is exact while every step's samples are below ``2**24`` (float32
+      holds every integer up to there); a step of more counts them as float32 holds them,
+      within ``2**-24`` of their number (at most 1 off up to ``2**25``, 2 up to ``2**26``).
     micro_batch_samples: float32, the samples (rows or tokens) per micro-batch of the last
-      completed step, ``info.batch_size / k``, all data shards together (0 before any).
+      completed step, all data shards together: ``info.batch_size`` over the micro-batches
+      that ran and were not skipped (0 before any).
     progress: float32, the sum over completed steps of the learning-rate scale each ran
       with (:meth:`AdaptiveBatch.lr_scale`): steps at ``lr_scaling="none"``, AdaScale's
-      scale-invariant iterations at ``"adascale"``; a clock for schedules.
+      scale-invariant iterations at ``"adascale"``; a clock for schedules. A compensated
+      (Kahan) sum: within a few float32 roundings of the result (relative ``2e-7``),
+      however many steps, where a plain float32 sum of a million steps of ``sqrt(1.5)``
+      ends 1% high.
+    progress_error: float32, the Kahan compensation of ``progress``: the exact sum is
+      ``progress - progress_error`` to float32 round-off of ``progress_error``.
   """
 
   micro_batches: jax.Array
@@ -67,6 +77,24 @@ class AdaptiveBatchState(NamedTuple):
   samples_lo: jax.Array
   micro_batch_samples: jax.Array
   progress: jax.Array
+  progress_error: jax.Array
+
+
+class _DefaultFloat(float):
+  """A threshold that :class:`AdaptiveBatch` filled in because none was given.
+
+  It reads as the float it holds, but ``dataclasses.replace`` passes it back to
+  ``__init__``, where it counts as not given: ``replace(ab, rule="b_simple")`` then takes
+  ``fraction``'s default instead of refusing the ``theta`` the user never passed.
+  """
+
+  __slots__ = ()
+
+
+class _DefaultInt(int):
+  """``init_micro_batches`` filled in by :class:`AdaptiveBatch` (see ``_DefaultFloat``)."""
+
+  __slots__ = ()
 
 
 def _is_int(value: Any) -> bool:
@@ -107,6 +135,30 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
         f"AdaptiveBatch: {name} must be one of {', '.join(map(repr, choices))}, got "
         f"{name}={value!r}.")
   return value
+
+
+def _kahan_add(total: jax.Array, error: jax.Array,
+               x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``total + x`` with Kahan's compensation: ``total - error`` is the running sum to a few
+  float32 rounding errors of the result, however many terms it has."""
+  y = x - error
+  new = total + y
+  return new, (new - total) - y
+
+
+def _refuse_if_concrete(short: jax.Array, k: jax.Array, pieces: jax.Array) -> None:
+  """Raises when a concrete step ran fewer micro-batches than the ``k`` it was given."""
+  try:
+    refuse = bool(short)
+  except jax.errors.ConcretizationTypeError:  # traced: update clamps k instead
+    return
+  if refuse:
+    raise ValueError(
+        f"AdaptiveBatch.update: the step ran info.num_micro_batches={int(pieces)} "
+        f"micro-batches, fewer than the k={int(k)} the controller set: its "
+        f"active_micro_batches exceeds the transform's num_micro_batches, which clips it. "
+        f"Lower max_micro_batches to at most the transform's num_micro_batches "
+        f"(AdaptiveBatch.check(transform, batch_size=...) verifies it).")
 
 
 def _add_samples(hi: jax.Array, lo: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -164,10 +216,22 @@ class AdaptiveBatch:
   It stays in ``[min_micro_batches, max_micro_batches]``. When ``|G|^2`` averages to a
   non-positive value while ``tr(Sigma)`` is positive, the noise dominates: ``k* = inf``.
 
-  A step of one micro-batch on one device has no spread to measure (NaN estimates, ``k``
-  held), so ``k`` starts at ``init_micro_batches``, 2 by default (or
-  ``min_micro_batches`` when larger); under ``data_axis`` each data shard is a sample,
-  and 1 is fine.
+  A step of one micro-batch on one device (or a :class:`jaxaccum.MultiSteps` window of one
+  call) has no spread to measure: its estimates are NaN. So ``k`` starts at
+  ``init_micro_batches``, 2 by default (or ``min_micro_batches`` when larger); on one
+  device ``k`` never shrinks to 1, whatever ``min_micro_batches``; and a step that ran one
+  micro-batch on one device (``init_micro_batches=1``) moves ``k`` to 2 at once, without
+  waiting for warm-up or cooldown. Under ``data_axis`` each data shard's piece is a
+  sample, and ``k = 1`` is fine. (The controller reads the shards per micro-batch from
+  ``info.num_micro_batches``, ``k`` times the data shards.)
+
+  A traced ``active_micro_batches`` above the transform's ``num_micro_batches`` is clipped
+  to it. :meth:`check` refuses such a ``max_micro_batches`` where both are built; should
+  a step still run fewer micro-batches than ``k`` (``info.num_micro_batches < k``),
+  :meth:`update` raises when ``info`` is concrete and, under :func:`jax.jit`, takes the
+  ``k`` that ran as the current one, so that :meth:`lr_scale` and the sample counts
+  follow what ran. (With several data shards a clipped step can look like one that ran
+  ``k``: :meth:`check` is the guard there.)
 
   Learning rate (``lr_scaling=``): :meth:`lr_scale` is the factor for the base learning
   rate (the one tuned at ``k0 = init_micro_batches``), ``S = k / k0``: ``"none"`` (1, the
@@ -243,34 +307,42 @@ class AdaptiveBatch:
           f"AdaptiveBatch: min_micro_batches={kmin} is larger than max_micro_batches={kmax}; "
           "lower min_micro_batches or raise max_micro_batches.")
     k0 = self.init_micro_batches
-    if k0 is None:
-      k0 = min(max(kmin, 2), kmax)
+    if k0 is None or isinstance(k0, _DefaultInt):
+      k0 = _DefaultInt(min(max(kmin, 2), kmax))
     else:
       k0 = _check_int("init_micro_batches", k0, 1, "the micro-batches of the first step", "2")
       if not kmin <= k0 <= kmax:
         raise ValueError(
             f"AdaptiveBatch: init_micro_batches={k0} must lie in [min_micro_batches, "
-            f"max_micro_batches] = [{kmin}, {kmax}].")
+            f"max_micro_batches] = [{kmin}, {kmax}]; pass an init_micro_batches in that "
+            "range, or init_micro_batches=None for the default max(min_micro_batches, 2).")
     rule = _check_choice("rule", self.rule, _RULES)
     theta, fraction = self.theta, self.fraction
+    # Values filled in by an earlier __post_init__ (dataclasses.replace) count as not given.
+    theta = None if isinstance(theta, _DefaultFloat) else theta
+    fraction = None if isinstance(fraction, _DefaultFloat) else fraction
     if rule == "norm_test":
       if fraction is not None:
         raise ValueError(
             f"AdaptiveBatch: fraction={fraction!r} is the parameter of rule='b_simple'; "
-            "rule='norm_test' takes theta (e.g. theta=3.0). Drop fraction or pass "
-            "rule='b_simple'.")
+            "rule='norm_test' takes theta (e.g. theta=3.0). Drop fraction (fraction=None "
+            "in dataclasses.replace) or pass rule='b_simple'.")
       theta = _check_real("theta", 3.0 if theta is None else theta,
                           "the norm test's tolerance on the gradient noise", "3.0",
                           low=0.0, strict=True)
+      theta = _DefaultFloat(theta) if self.theta is None or isinstance(
+          self.theta, _DefaultFloat) else theta
     else:
       if theta is not None:
         raise ValueError(
             f"AdaptiveBatch: theta={theta!r} is the parameter of rule='norm_test'; "
-            "rule='b_simple' takes fraction (e.g. fraction=0.25). Drop theta or pass "
-            "rule='norm_test'.")
+            "rule='b_simple' takes fraction (e.g. fraction=0.25). Drop theta (theta=None in "
+            "dataclasses.replace) or pass rule='norm_test'.")
       fraction = _check_real("fraction", 0.25 if fraction is None else fraction,
                              "the fraction of B_simple to follow", "0.25",
                              low=0.0, strict=True)
+      fraction = _DefaultFloat(fraction) if self.fraction is None or isinstance(
+          self.fraction, _DefaultFloat) else fraction
     noise = NoiseScale(decay=self.decay)  # validates decay
     warmup = _check_int("warmup_steps", self.warmup_steps, 0,
                         "steps with finite estimates before k may change", "10")
@@ -315,7 +387,7 @@ class AdaptiveBatch:
     assert self.init_micro_batches is not None  # set by __post_init__
     return self.init_micro_batches
 
-  def check(self, transform: Any) -> AdaptiveBatch:
+  def check(self, transform: Any, *, batch_size: int | None = None) -> AdaptiveBatch:
     """Checks that this controller can drive ``transform``; returns ``self``.
 
     Under :func:`jax.jit` an ``active_micro_batches`` above the transform's
@@ -324,13 +396,21 @@ class AdaptiveBatch:
     without it reports empty windows: the controller would hold ``k`` forever). Call this
     once where both are built.
 
+    A transform built with ``micro_batch_size=`` splits each batch into ``N =
+    batch_size // micro_batch_size`` micro-batches, so ``N`` depends on the batch: pass
+    the rows of a step as ``batch_size=``. (:meth:`update` also notices a step that ran
+    fewer micro-batches than ``k``, from ``info.num_micro_batches``; see there.)
+
     Args:
       transform: what :func:`jaxaccum.value_and_grad` or :func:`jaxaccum.grad` returned
         (the object itself, not a jitted wrapper), or a :class:`jaxaccum.MultiSteps`.
+      batch_size: the rows of each step's batch (all data shards together); needed, and
+        used, only when ``transform`` was built with ``micro_batch_size=``.
 
     Raises:
-      ValueError: ``transform`` has no statistics (``with_info=False``), or its
-        ``num_micro_batches`` is below ``max_micro_batches``.
+      ValueError: ``transform`` has no statistics (``with_info=False``), its
+        ``num_micro_batches`` is below ``max_micro_batches``, or it was built with
+        ``micro_batch_size=`` and ``batch_size`` is missing or not a multiple of it.
       TypeError: ``transform`` is neither.
     """
     if isinstance(transform, _multisteps.MultiSteps):
@@ -351,11 +431,24 @@ class AdaptiveBatch:
       raise ValueError(
           "AdaptiveBatch needs the step's statistics: build the transform with "
           "with_info=True, which returns the AccumInfo to pass to AdaptiveBatch.update.")
-    if opts.count is not None and opts.count < self.max_micro_batches:
+    count, how = opts.count, ""
+    if count is None:  # built with micro_batch_size=: N follows from the batch
+      assert opts.size is not None  # one of the two is set (make_options)
+      if batch_size is None:
+        raise ValueError(
+            f"AdaptiveBatch.check: the transform splits each batch into micro-batches of "
+            f"micro_batch_size={opts.size} rows, so its num_micro_batches depends on the "
+            f"batch; pass the rows of a step, check(transform, batch_size=...), so that "
+            f"max_micro_batches={self.max_micro_batches} can be checked against it.")
+      size = _check_int("batch_size", batch_size, 1, "the rows of each step's batch",
+                        str(opts.size * self.max_micro_batches))
+      count = _split.resolve_count(size, None, opts.size)
+      how = f" (batch_size={size} / micro_batch_size={opts.size})"
+    if count < self.max_micro_batches:
       raise ValueError(
           f"AdaptiveBatch(max_micro_batches={self.max_micro_batches}) exceeds the "
-          f"transform's num_micro_batches={opts.count}: active_micro_batches must lie in "
-          f"1..{opts.count}. Lower max_micro_batches to {opts.count} or split the batch "
+          f"transform's num_micro_batches={count}{how}: active_micro_batches must lie in "
+          f"1..{count}. Lower max_micro_batches to {count} or split the batch "
           f"into more micro-batches.")
     return self
 
@@ -369,7 +462,7 @@ class AdaptiveBatch:
         noise=self.noise_scale.init(),
         steps=zero, since_change=zero, samples_hi=zero, samples_lo=zero,
         micro_batch_samples=jnp.zeros([], jnp.float32),
-        progress=jnp.zeros([], jnp.float32))
+        progress=jnp.zeros([], jnp.float32), progress_error=jnp.zeros([], jnp.float32))
 
   def micro_batches(self, state: AdaptiveBatchState) -> jax.Array:
     """``k``, the int32 to pass as ``active_micro_batches`` (or a MultiSteps window)."""
@@ -425,6 +518,18 @@ class AdaptiveBatch:
     k = jnp.asarray(state.micro_batches, jnp.int32)
     ran = jnp.isfinite(big) & (big > 0)
     big = jnp.where(ran, big, 0.0)
+    pieces = jnp.asarray(info.num_micro_batches, jnp.int32)
+    # The micro-batches that ran: k, or the transform's N when k exceeded it (a traced
+    # active_micro_batches above N runs N). Each ran as pieces / k_ran data-shard pieces.
+    short = ran & (pieces < k)
+    _refuse_if_concrete(short, k, pieces)
+    k_ran = jnp.where(short, jnp.maximum(pieces, 1), k)
+    shards = pieces.astype(jnp.float32) / k_ran.astype(jnp.float32)
+    # Rows (or tokens) per micro-batch: batch_size counts the pieces that were not skipped.
+    used = (pieces - jnp.asarray(info.skipped, jnp.int32)).astype(jnp.float32)
+    fresh = ran & (used > 0)
+    per_micro = jnp.where(fresh, big * shards / jnp.where(fresh, used, 1.0),
+                          jnp.asarray(state.micro_batch_samples, jnp.float32))
     ok = jnp.isfinite(info.grad_sq_norm_estimate()) & jnp.isfinite(info.trace_cov_estimate())
     noise_state = self.noise_scale.update(state.noise, info)
 
@@ -433,27 +538,33 @@ class AdaptiveBatch:
                           jnp.asarray(state.samples_lo, jnp.int32), jnp.round(big))
     steps = jnp.asarray(state.steps, jnp.int32)
     steps = jnp.where(ran & (steps < _INT32_MAX), steps + 1, steps)
-    per_micro = jnp.where(ran, big / k.astype(jnp.float32),
-                          jnp.asarray(state.micro_batch_samples, jnp.float32))
-    progress = jnp.asarray(state.progress, jnp.float32) + jnp.where(
-        ran, self.lr_scale(state), 0.0)
+    progress, progress_error = _kahan_add(
+        jnp.asarray(state.progress, jnp.float32),
+        jnp.asarray(state.progress_error, jnp.float32),
+        jnp.where(ran, self.lr_scale(state), 0.0))
 
-    # The decision.
-    new_k = self._decide(k, noise_state, per_micro)
+    # The decision. One micro-batch on one device (a single sample) measures nothing: k
+    # never shrinks to it there, and a step that ran it moves to 2 at once.
+    alone = shards < 1.5
+    new_k = self._decide(k_ran, noise_state, per_micro, floor=jnp.where(alone, 2, 1))
     since = jnp.asarray(state.since_change, jnp.int32)
     since = jnp.where(ran & (since < _INT32_MAX), since + 1, since)
     allowed = (ok & ran & (noise_state.count >= self.warmup_steps)
                & (since >= self.cooldown_steps))
-    new_k = jnp.where(allowed, new_k, k)
+    new_k = jnp.where(allowed, new_k, k_ran)
+    stuck = ran & alone & (k_ran == 1) & (self.max_micro_batches >= 2)
+    new_k = jnp.where(stuck, 2, new_k).astype(jnp.int32)
     changed = new_k != k
     return AdaptiveBatchState(
         micro_batches=new_k, noise=noise_state, steps=steps,
         since_change=jnp.where(changed, 0, since).astype(jnp.int32),
         samples_hi=hi, samples_lo=lo, micro_batch_samples=per_micro.astype(jnp.float32),
-        progress=progress)
+        progress=progress, progress_error=progress_error)
 
-  def _decide(self, k: jax.Array, noise: NoiseScaleState, per_micro: jax.Array) -> jax.Array:
-    """The rule's next ``k`` from the smoothed estimates (no warm-up or cooldown here)."""
+  def _decide(self, k: jax.Array, noise: NoiseScaleState, per_micro: jax.Array, *,
+              floor: jax.Array) -> jax.Array:
+    """The rule's next ``k`` from the smoothed estimates (no warm-up or cooldown here), at
+    least ``floor`` (and ``min_micro_batches``), at most ``max_micro_batches``."""
     ns = self.noise_scale
     g2, tr = ns.grad_sq_norm(noise), ns.trace_cov(noise)
     kf = k.astype(jnp.float32)
@@ -470,8 +581,11 @@ class AdaptiveBatch:
     if self.allow_decrease:
       down_cap = jnp.minimum(kf - 1, jnp.ceil(kf / growth))
       shrunk = jnp.maximum(jnp.ceil(jnp.maximum(target, 0.0)), down_cap)
-      new = jnp.where(target < kf / margin, jnp.minimum(shrunk, kf - 1), new)
-    new = jnp.clip(new, self.min_micro_batches, self.max_micro_batches)
+      # target < k / margin, as a product: exactly rounded, where XLA may turn a division
+      # by a constant into a product by its rounded reciprocal.
+      new = jnp.where(target * margin < kf, jnp.minimum(shrunk, kf - 1), new)
+    low = jnp.minimum(jnp.maximum(floor, self.min_micro_batches), self.max_micro_batches)
+    new = jnp.clip(new, low.astype(jnp.float32), self.max_micro_batches)
     return jnp.where(finite, new, kf).astype(jnp.int32)
 
   # --- what the state says -------------------------------------------------------------

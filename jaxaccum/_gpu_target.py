@@ -23,6 +23,7 @@ jaxaccum ships descriptions of four devices, written from their published proper
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -32,7 +33,9 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -135,6 +138,49 @@ def check_installed() -> None:
     raise ImportError("ptxas (from nvidia-cuda-nvcc-cu12) was not found. " + install)
 
 
+# What XLA's C++ code writes on stderr that tells a planner nothing: the CUDA runtime stub
+# finding no driver (there is no GPU here, by design), absl's note printed before its first
+# line, and the rematerialisation pass's report that a program does not fit XLA's own
+# limit (the described device's memory, not the planner's budget; the plan's table gives
+# each candidate's peak against the budget).
+_COMPILER_NOISE = re.compile(
+    r"cudart_stub\.cc.*Could not find cuda drivers"
+    r"|All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|hlo_rematerialization.*(Can't reduce memory use below|rematerializ)")
+
+
+@contextlib.contextmanager
+def quiet_compiler_stderr() -> Iterator[None]:
+  """Holds back what is written on the process's stderr (file descriptor 2, where XLA's
+  C++ code logs) inside the block, then passes on every line but the noise above.
+
+  Python's own ``sys.stderr`` writes inside the block are passed on too, in order.
+  """
+  try:
+    sys.stderr.flush()
+    saved = os.dup(2)
+  except (OSError, ValueError):  # no file descriptor 2 to capture: leave it be
+    yield
+    return
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    finally:
+      try:
+        sys.stderr.flush()
+      finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+      held.seek(0)
+      text = held.read().decode("utf-8", errors="replace")
+  kept = [line for line in text.splitlines(keepends=True)
+          if line.strip() and not _COMPILER_NOISE.search(line)]
+  if kept:
+    sys.stderr.write("".join(kept))
+    sys.stderr.flush()
+
+
 @functools.lru_cache(maxsize=32)
 def _topology(text: str, num_devices: int) -> Any:
   from jax.experimental import topologies
@@ -142,7 +188,9 @@ def _topology(text: str, num_devices: int) -> Any:
   per_host = min(num_devices, DEVICES_PER_HOST)  # gpu_devices checks that it divides
   shape = f"1x{num_devices // per_host}x{per_host}"
   try:
-    return topologies.get_topology_desc(platform="cuda", target_config=text, topology=shape)
+    with quiet_compiler_stderr():
+      return topologies.get_topology_desc(platform="cuda", target_config=text,
+                                          topology=shape)
   except NotImplementedError:
     raise RuntimeError(
         "JAX refused to build a CUDA topology because it was initialised without "

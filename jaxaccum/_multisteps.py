@@ -13,6 +13,7 @@ weight, a schedule returning ``k < 1``).
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -83,11 +84,31 @@ class MultiStepsState(NamedTuple):
       batch_grad_sq_norm=_F0, num_samples=_I0, skipped=_I0)
 
 
+_REFUSED = "MultiSteps: refused when the compiled step ran: "
+
+
+def _quiet_refusals(record: logging.LogRecord) -> bool:
+  """Drops JAX's log of a failed callback when the failure is one of our refusals: the
+  refusal reaches the caller as the step's error, and a second traceback on stderr,
+  before it, buried the message."""
+  error = record.exc_info[1] if record.exc_info else None
+  return not (isinstance(error, ValueError) and str(error).startswith(_REFUSED))
+
+
+# jax.debug.callback logs the exception of a failing callback on this logger, then fails
+# the step; only our own refusals are filtered out.
+logging.getLogger("jax._src.debugging").addFilter(_quiet_refusals)
+
+
 def _fail(pred: jax.typing.ArrayLike, message: str, *values: Any) -> None:
   """Raises ``ValueError(message.format(*values))`` when ``pred`` holds, even under jit.
 
   A concrete ``pred`` raises now. A traced one adds a :func:`jax.lax.cond` whose taken
-  branch calls back to Python to raise: nothing runs on the host while checks pass.
+  branch calls back to Python to raise: nothing runs on the host while checks pass. JAX
+  reports an exception raised inside a compiled step as a
+  :class:`jax.errors.JaxRuntimeError` whose message ends with the ``ValueError`` and its
+  text (``MultiSteps: refused when the compiled step ran: ...``); the log of the failed
+  callback that JAX would print before it is left out.
   """
   try:
     failed = bool(pred)
@@ -103,7 +124,7 @@ def _fail(pred: jax.typing.ArrayLike, message: str, *values: Any) -> None:
     if np.any(pred):
       bad = np.asarray(pred)
       values = [np.asarray(v)[bad] if np.ndim(v) else v for v in values] if bad.ndim else values
-      raise ValueError(message.format(*values))
+      raise ValueError(_REFUSED + message.format(*values))
 
   lax.cond(pred, lambda: jax.debug.callback(callback, pred, *values), lambda: None)
 
@@ -413,8 +434,11 @@ class MultiSteps:
       TypeError: ``weight`` is not a real scalar, or ``should_skip_update_fn`` does not
         return a boolean scalar.
       ValueError: ``weight`` is negative, the window mixes weighted and unweighted
-        calls, or ``every_k_schedule`` returns a value below 1 (under jit, raised when
-        the step runs, as a :class:`jax.errors.JaxRuntimeError`).
+        calls, or ``every_k_schedule`` returns a value below 1. These depend on values
+        that are traced under :func:`jax.jit`; there they are checked when the step
+        runs, and JAX reports them as a :class:`jax.errors.JaxRuntimeError` whose last
+        line is ``ValueError: MultiSteps: refused when the compiled step ran: `` and the
+        same message (called outside jit, the ``ValueError`` itself).
     """
     w, k = self._check_call(state, weight)
     if self._data_axis is not None:

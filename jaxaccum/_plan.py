@@ -412,7 +412,8 @@ def _compile(make: Callable[..., Any], n: int, args: tuple, size: int, budget: i
         f"make_step({n}) must return a jitted function (jax.jit(step, "
         f"donate_argnums=...)), got {jitted!r} of type {type(jitted).__name__}."
     )
-  with context() if context is not None else contextlib.nullcontext():
+  with (context() if context is not None else contextlib.nullcontext(),
+        _gpu_target.quiet_compiler_stderr()):
     compiled = jitted.lower(*args).compile()
     seconds = time.perf_counter() - start
     colls = _collectives.from_compiled(compiled)

@@ -263,8 +263,10 @@ def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
     high = jnp.zeros((), jnp.int32)
     low = count.astype(jnp.int32)
   else:  # uint32, int64, uint64: shifts in the count's own dtype
-    high = jnp.minimum(count >> 31, _WORD - 1).astype(jnp.int32)
-    low = (count & (_WORD - 1)).astype(jnp.int32)
+    shifted = count >> 31
+    top = shifted > _WORD - 1  # at or beyond 2**62: both words saturate, at 2**62 - 1
+    high = jnp.where(top, _WORD - 1, shifted).astype(jnp.int32)
+    low = jnp.where(top, _WORD - 1, count & (_WORD - 1)).astype(jnp.int32)
   return jnp.where(negative, -1, high), jnp.where(negative, 0, low)
 
 
@@ -301,8 +303,11 @@ def batch_size_ramp_by_count(
   :class:`jaxaccum.AdaptiveBatchState` of a controller, whose exact two-word sample counter
   it reads (rows seen, or tokens under ``reduce="weighted"``). The comparison is exact for
   every count below ``2**62`` in each of these forms (a float is compared by its exact
-  value), never wraps, and compiles once however the count moves. Negative counts give
-  the first value.
+  value), never wraps, and compiles once however the count moves; counts of ``2**62``
+  and more give the last value, so ``k`` never goes backwards as the count grows.
+  Negative counts give the first value. A Python or NumPy float that is NaN or infinite
+  is refused (``ValueError``); a JAX float cannot be checked under :func:`jax.jit`: NaN
+  there gives the first value and ``+inf`` the last.
 
   Args:
     schedule: ``"THRESHOLD:VALUE ..."`` or ``{threshold: value}``; thresholds are distinct
@@ -318,7 +323,8 @@ def batch_size_ramp_by_count(
   Raises:
     TypeError, ValueError: a schedule that cannot be read, a threshold or value out of
       range, a value that ``micro_batch_size`` does not divide, or a ``k`` above
-      ``num_micro_batches``.
+      ``num_micro_batches``; the returned function raises ``ValueError`` on a NaN or
+      infinite Python or NumPy float count.
 
   >>> import jax, jax.numpy as jnp
   >>> import jaxaccum
@@ -395,8 +401,12 @@ def batch_size_ramp_by_count(
     if _is_int(count):  # exact in Python, whatever its size
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, int(count)) - 1, 0)])
     if isinstance(count, (float, np.floating)):
-      if math.isnan(count):
-        raise ValueError("a batch_size_ramp_by_count schedule got the count nan.")
+      if not math.isfinite(count):
+        raise ValueError(
+            f"a batch_size_ramp_by_count schedule got count={count}: it takes the samples "
+            "or tokens seen, a finite number; pass the count as an int (e.g. "
+            "AdaptiveBatch.sample_count(state), or the controller's state itself), or "
+            "check the float that produced it.")
       count = -1 if count < 0 else min(math.floor(count), _COUNT_MAX)
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, count) - 1, 0)])
     high, low = _count_words(count)

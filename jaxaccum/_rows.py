@@ -139,10 +139,13 @@ class RowFeeder:
   once, in stream order, and the batch keeps one shape, so the step compiles once.
 
   The stream is a pytree of arrays with a common leading row axis (NumPy arrays, read by
-  slicing), or an iterator (anything with ``__next__``) of single rows, each a pytree of
-  arrays without the row axis, stacked with NumPy. :attr:`position` counts the rows taken;
-  to resume, save it with the checkpoint and pass it back as ``position=`` (an iterator
-  skips that many rows).
+  slicing; a tuple or dict of them for several arrays per row), or an iterator (anything
+  with ``__next__``) of single rows, each a pytree of arrays without the row axis, stacked
+  with NumPy. A Python list is refused: as a pytree its items would be taken for
+  separate arrays; stack it (``np.stack(rows)``) or pass ``iter(rows)``.
+  :attr:`position` counts the rows taken; to resume, save it with the checkpoint and pass
+  it back as ``position=`` (an iterator skips that many rows; ``position`` may be the
+  stream's length, a feeder at its end).
 
   Args:
     rows: the stream: arrays with a leading row axis, or an iterator of rows.
@@ -153,8 +156,8 @@ class RowFeeder:
     position: rows of the stream already used (to resume), default 0.
 
   Raises:
-    TypeError, ValueError: bad counts or ``fill``, or a ``position`` beyond an array
-      stream.
+    TypeError, ValueError: bad counts or ``fill``, a Python list as the stream, or a
+      ``position`` beyond the stream's end (an array's length, or an iterator's rows).
 
   >>> import numpy as np
   >>> import jaxaccum
@@ -177,17 +180,32 @@ class RowFeeder:
       raise ValueError(
           f"RowFeeder: position must be a non-negative int (rows already used), got "
           f"position={position!r}.")
+    if isinstance(rows, list):
+      raise TypeError(
+          f"RowFeeder got a Python list of {len(rows)} items as its stream. A list is a "
+          "pytree, whose items would be read as separate arrays each with its own row "
+          "axis, not as rows; pass the rows stacked into arrays (np.stack(rows)), or "
+          "iter(rows) to read them one at a time. (Several arrays per row: a tuple or "
+          "dict of arrays with a common leading row axis.)")
     self._iterator = isinstance(rows, collections.abc.Iterator)
     self._rows = rows
     self._position = 0
     if self._iterator:
-      for _ in range(position):
-        next(rows)  # type: ignore[call-overload]
+      for skipped in range(position):
+        try:
+          next(rows)  # type: ignore[call-overload]
+        except StopIteration:
+          raise ValueError(
+              f"RowFeeder: position={position} is beyond the end of the iterator, which "
+              f"held only {skipped} rows; resume at a position within the stream (the "
+              "feeder's saved position), or pass an iterator of the whole stream from "
+              "its start.") from None
     else:
       length = _rows_of(rows, "the RowFeeder stream")
       if position > length:
         raise ValueError(
-            f"RowFeeder: position={position} is beyond the stream's {length} rows.")
+            f"RowFeeder: position={position} is beyond the stream's {length} rows; pass "
+            f"a position in 0..{length} (the feeder's saved position).")
       self._length = length
     self._position = int(position)
 

@@ -1126,7 +1126,15 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
 
 
 def check_active(active: Any, n: int) -> jax.Array:
-  """Validates ``active_micro_batches``: concrete values eagerly, traced ones are clipped."""
+  """Validates ``active_micro_batches``; returns it as an int32 in ``1..n``.
+
+  A concrete value (a Python or NumPy int, a concrete array) outside ``1..n`` raises a
+  ``ValueError`` here, at trace time. A traced value cannot be checked without a host
+  round trip, so it is clipped without a word: ``0`` (or less) runs one micro-batch and
+  anything above ``n`` runs all ``n``. The step's ``AccumInfo.num_micro_batches`` says
+  what ran, and :meth:`jaxaccum.AdaptiveBatch.update` and ``check`` use it to catch a
+  ``k`` above ``n`` (see the adaptive-batch guide).
+  """
   if isinstance(active, (bool, np.bool_)) or not (
       isinstance(active, (int, np.integer)) or hasattr(active, "dtype")):
     raise TypeError(

@@ -178,3 +178,66 @@ def test_feeder_errors():
   it = jaxaccum.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=2,
                           position=4)
   np.testing.assert_array_equal(it.next_batch(2), [4, 5, 6, 7])
+
+
+def test_repeat_fill_copies_micro_batch_i_mod_k_into_every_inactive_slot():
+  # Generated (N, k, b): inactive micro-batch i >= k holds the rows of micro-batch i % k,
+  # read back by hand with [i::N]; several inactive slots (N - k up to 7).
+  rng = np.random.default_rng(3)
+  cases = [(8, 3, 2), (7, 2, 1), (5, 1, 3)] + [
+      (int(n), int(rng.integers(1, n + 1)), int(rng.integers(1, 4)))
+      for n in rng.integers(2, 9, size=30)]
+  for n, k, b in cases:
+    rows = np.arange(1, k * b + 1) * 10 + rng.integers(0, 10, size=k * b)
+    placed = jaxaccum.place_active_rows(rows, num_micro_batches=n, active_micro_batches=k,
+                                        fill="repeat")
+    assert placed.shape == (n * b,)
+    for i in range(n):
+      np.testing.assert_array_equal(placed[i::n], rows[i % k::k], err_msg=f"{n, k, b, i}")
+
+
+def test_feeder_stream_forms_and_resume_positions():
+  # A Python list of rows would be read as a pytree of separate arrays: refused.
+  rows = [np.full(16, r, np.float32) for r in range(50)]
+  with pytest.raises(TypeError, match=re.escape(
+      "RowFeeder got a Python list of 50 items as its stream. A list is a pytree") +
+      r".* pass the rows stacked into arrays \(np.stack\(rows\)\), or iter\(rows\)"):
+    jaxaccum.RowFeeder(rows, num_micro_batches=2, micro_batch_size=2)
+  # The two forms the message offers serve the same batches, rows whole.
+  stacked = jaxaccum.RowFeeder(np.stack(rows), num_micro_batches=2, micro_batch_size=2)
+  one_by_one = jaxaccum.RowFeeder(iter(rows), num_micro_batches=2, micro_batch_size=2)
+  for k in (1, 2, 2):
+    a, b = stacked.next_batch(k), one_by_one.next_batch(k)
+    assert a.shape == (4, 16)
+    np.testing.assert_array_equal(a, b)
+  # position = the stream's length is a feeder at its end (array or iterator): accepted,
+  # and its next batch says the stream is used up.
+  for length in (1, 7, 10):
+    for source in (np.arange(length), iter(range(length))):
+      end = jaxaccum.RowFeeder(source, num_micro_batches=2, micro_batch_size=1,
+                               position=length)
+      assert end.position == length
+      with pytest.raises(StopIteration, match="RowFeeder: the stream"):
+        end.next_batch(1)
+  # An iterator resumed past its end says so, with the position and the fix.
+  with pytest.raises(ValueError, match=re.escape(
+      "RowFeeder: position=12 is beyond the end of the iterator, which held only 10 rows; "
+      "resume at a position within the stream")):
+    jaxaccum.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=1, position=12)
+
+
+def test_a_traced_active_count_out_of_range_is_clipped_as_documented():
+  # Concrete values out of 1..N raise; traced ones are clipped: 0 runs micro-batch 0 only,
+  # N + 2 runs all N. Compared with the full-batch gradient over the rows by hand.
+  vg = jaxaccum.value_and_grad(_loss, num_micro_batches=N, with_info=True)
+  batch = {key: jnp.asarray(v) for key, v in _stream(N * B).items()}
+  w = jnp.array([0.5, -1.0, 2.0])
+  step = jax.jit(lambda k: vg(w, batch, active_micro_batches=k))
+  for k, runs in ((0, 1), (-3, 1), (N + 2, N), (1, 1), (N, N)):
+    value, grads, info = step(jnp.int32(k))
+    ref_value, ref_grads = _full(w, _ran(batch, runs))
+    chex.assert_trees_all_close((value, grads), (ref_value, ref_grads), rtol=1e-5, atol=1e-6)
+    assert int(info.num_micro_batches) == runs
+  for k in (0, N + 2):
+    with pytest.raises(ValueError, match=rf"active_micro_batches={k} is out of range"):
+      vg(w, batch, active_micro_batches=k)

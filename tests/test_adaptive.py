@@ -41,14 +41,14 @@ def jit_update(ab):
   return _UPDATES[ab]
 
 
-def run_ks(ab, targets, *, g2=1.0, m=4.0):
+def run_ks(ab, targets, *, g2=1.0, m=4.0, devices=1, state=None):
   """Feeds steps whose k* (= tr / (c g2 m)) is each of ``targets``; returns k after each."""
   update = jit_update(ab)
   c = ab.theta ** 2 if ab.rule == "norm_test" else 1 / ab.fraction
-  state, ks = ab.init(), []
+  state, ks = ab.init() if state is None else state, []
   for target in targets:
     k = int(ab.micro_batches(state))
-    state = update(state, info_for(k, g2, target * c * g2 * m, m))
+    state = update(state, info_for(k, g2, target * c * g2 * m, m, devices))
     ks.append(int(ab.micro_batches(state)))
   return ks, state
 
@@ -221,6 +221,253 @@ def test_lr_scales_in_closed_form():
   k_seq = [2, 4, 8]  # grows x2 per step to k* = 288 / (9 * 4) = 8
   gains = [(288 / 8 + 1) / (288 / (4 * k) + 1) for k in k_seq]
   np.testing.assert_allclose(st.progress, sum(gains), rtol=1e-6)
+
+
+def _reference_k(ab, k, t, floor):
+  """The documented rule on the controller's own float32 target ``t`` (decay, warm-up and
+  cooldown aside): grow when t > (1 + h) k, to ceil(t) within [k + 1, max(k + 1,
+  floor(g k))]; shrink (allow_decrease) when t (1 + h) < k, to ceil(t) within
+  [min(k - 1, ceil(k / g)), k - 1]; then into [max(floor, min), max]."""
+  f32 = np.float32
+  kf, margin, g = f32(k), f32(1 + ab.hysteresis), f32(ab.max_growth)
+  t = f32(t)
+  if t > kf * margin:
+    new = max(min(math.ceil(min(t, 2**30)), max(k + 1, math.floor(kf * g))), k + 1)
+  elif ab.allow_decrease and t * margin < kf:
+    new = min(max(math.ceil(max(t, 0)), min(k - 1, math.ceil(kf / g))), k - 1)
+  else:
+    new = k
+  low = min(max(floor, ab.min_micro_batches), ab.max_micro_batches)
+  return int(min(max(new, low), ab.max_micro_batches))
+
+
+def test_growth_and_shrink_boundaries_and_caps_over_generated_cases():
+  # rule b_simple with fraction 1, |G|^2 = 1, m = 4 rows, no smoothing: tr = 4 t makes the
+  # step's target exactly t when t, k are small dyadic numbers (checked below).
+  base = jaxaccum.AdaptiveBatch(64, rule="b_simple", fraction=1.0, decay=0.0,
+                                warmup_steps=0, cooldown_steps=0, allow_decrease=True,
+                                min_micro_batches=1)
+
+  def step(ab, k, t):
+    state = ab.init()._replace(micro_batches=jnp.int32(k))
+    state = jit_update(ab)(state, info_for(k, 1.0, 4.0 * t))
+    return int(ab.micro_batches(state)), float(ab.target_micro_batches(state))
+
+  # By hand. Exactly on the growth boundary k* = (1 + h) k = 10 at k = 8: held; a float32
+  # ulp above it grows to ceil = 11.
+  assert step(base, 8, 10.0) == (8, 10.0)
+  assert step(base, 8, float(np.nextafter(np.float32(10), np.float32(11))))[0] == 11
+  # Exactly on the shrink boundary k / (1 + h) = 4 at k = 8, h = 1: held.
+  assert step(dataclasses.replace(base, hysteresis=1.0), 8, 4.0) == (8, 4.0)
+  # The shrink cap ceil(k / max_growth) from odd k: 9 -> 5, 7 -> 4, 9 -> 3 at x3.
+  assert step(base, 9, 1.0)[0] == 5
+  assert step(base, 7, 1.0)[0] == 4
+  assert step(dataclasses.replace(base, max_growth=3.0), 9, 1.0)[0] == 3
+  assert step(dataclasses.replace(base, max_growth=3.0), 11, 0.5)[0] == 4
+  # Generated: k, h, g and targets on, near and away from both boundaries, one vmapped
+  # program per (h, g).
+  rng = np.random.default_rng(7)
+  exact = 0
+  for h, g in ((0.0, 2.0), (0.25, 1.5), (0.5, 3.0), (1.0, 4.0), (0.25, 2.0)):
+    ab = dataclasses.replace(base, hysteresis=h, max_growth=g)
+    ks = rng.integers(2, 40, size=12)
+    cases = [(int(k), want) for k in ks for want in (
+        k * (1 + h), k / (1 + h), k * (1 + h) * 1.001, k / (1 + h) * 0.999,
+        float(rng.uniform(0.1, 3 * k)))]
+    k_in = jnp.asarray([k for k, _ in cases], jnp.int32)
+    t_in = jnp.asarray([t for _, t in cases], jnp.float32)
+
+    def one(k, t, ab=ab):
+      state = ab.init()._replace(micro_batches=k)
+      state = ab.update(state, info_for(k, 1.0, 4.0 * t))
+      return ab.micro_batches(state), ab.target_micro_batches(state)
+
+    new, t_out = jax.jit(jax.vmap(one))(k_in, t_in)
+    for (k, _), got, t in zip(cases, np.asarray(new), np.asarray(t_out), strict=True):
+      exact += float(t) in (k * (1 + h), k / (1 + h))
+      assert got == _reference_k(ab, k, t, floor=2), (k, h, g, t)
+  assert exact > 60  # the boundaries themselves were hit, not only stepped around
+
+
+def test_one_device_never_traps_k_at_one():
+  # Generated target sequences that pull k down, allow_decrease, min_micro_batches=1: on
+  # one device (one sample per micro-batch) k never reaches 1, where it could measure
+  # nothing; with 2 data shards per micro-batch it does.
+  rng = np.random.default_rng(1)
+  ab = jaxaccum.AdaptiveBatch(32, allow_decrease=True, decay=0.0, warmup_steps=0,
+                              cooldown_steps=0, init_micro_batches=9)
+  for devices in (1, 2):
+    seen = set()
+    for _ in range(8):
+      ks, _ = run_ks(ab, rng.choice([0.05, 0.3, 0.9, 3.3, 12.5], size=10), devices=devices)
+      seen |= set(ks)
+    assert min(seen) == (2 if devices == 1 else 1), (devices, sorted(seen))
+  # A run that starts at k = 1 on one device (NaN estimates) moves to 2 on its first step,
+  # warm-up or not; under data_axis k = 1 measures and is kept.
+  one = jaxaccum.AdaptiveBatch(32, init_micro_batches=1)  # warm-up 10, cooldown 5
+  state = jit_update(one)(one.init(), info_for(1, 1.0, 1.0))
+  assert int(one.micro_batches(state)) == 2 and int(state.since_change) == 0
+  state = jit_update(one)(one.init(), info_for(1, 1.0, 1.0, devices=2))
+  assert int(one.micro_batches(state)) == 1
+  # With max_micro_batches=1 there is nothing else to run.
+  single = jaxaccum.AdaptiveBatch(1)
+  assert int(single.micro_batches(jit_update(single)(single.init(), info_for(1, 1.0, 1.0)))) == 1
+
+
+def test_real_steps_on_one_device_shrink_to_two_not_one():
+  # Noise-free regression: k* falls towards 0, so k shrinks from 8 to its one-device floor.
+  n, rows = 8, 2
+  vg = jaxaccum.value_and_grad(lambda w, b: 0.5 * jnp.mean((b[0] @ w - b[1]) ** 2),
+                               num_micro_batches=n, with_info=True)
+  ab = jaxaccum.AdaptiveBatch(n, init_micro_batches=n, allow_decrease=True, warmup_steps=1,
+                              cooldown_steps=0).check(vg)
+
+  @jax.jit
+  def step(w, st, t):
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(3), t), (n * rows, DIM))
+    _, g, info = vg(w, (x, x @ W_STAR), active_micro_batches=ab.micro_batches(st))
+    return w - 0.01 * g, ab.update(st, info)
+
+  w, st, ks = jnp.zeros(DIM), ab.init(), []
+  for t in range(12):
+    w, st = step(w, st, t)
+    ks.append(int(ab.micro_batches(st)))
+  assert ks[-4:] == [2] * 4 and min(ks) == 2, ks
+
+
+def _mean_loss(w, batch):
+  x, y = batch
+  return 0.5 * jnp.mean((x @ w - y) ** 2)
+
+
+def test_check_and_update_catch_k_above_the_transforms_count():
+  vg = jaxaccum.value_and_grad(_mean_loss, micro_batch_size=4, with_info=True)
+  ab = jaxaccum.AdaptiveBatch(16, lr_scaling="linear")
+  for transform in (vg, jaxaccum.grad(_mean_loss, micro_batch_size=4, with_info=True)):
+    with pytest.raises(ValueError, match=r"splits each batch into micro-batches of "
+                       r"micro_batch_size=4 rows, so its num_micro_batches depends on the "
+                       r"batch; pass the rows of a step, check\(transform, batch_size=...\)"):
+      ab.check(transform)
+    with pytest.raises(ValueError, match=r"max_micro_batches=16\) exceeds the transform's "
+                       r"num_micro_batches=4 \(batch_size=16 / micro_batch_size=4\)"):
+      ab.check(transform, batch_size=16)
+    assert ab.check(transform, batch_size=64) is ab
+  with pytest.raises(ValueError, match="batch size 18 is not divisible by micro_batch_size=4"):
+    ab.check(vg, batch_size=18)
+  with pytest.raises(TypeError, match="batch_size must be a Python int"):
+    ab.check(vg, batch_size=16.0)
+  # A step that got k = 16 with N = 4 ran 4 (jit clips): update takes the k that ran, so
+  # lr_scale and the rows per micro-batch follow it.
+  x = jax.random.normal(jax.random.key(0), (16, DIM))
+  batch = (x, x @ W_STAR)
+  state = ab.init()._replace(micro_batches=jnp.int32(16))
+  info = jax.jit(lambda st: vg(W0, batch, active_micro_batches=ab.micro_batches(st))[2])(state)
+  assert int(info.num_micro_batches) == 4
+  new = jit_update(ab)(state, info)
+  assert int(ab.micro_batches(new)) == 4 and float(ab.lr_scale(new)) == 2.0
+  assert float(new.micro_batch_samples) == 4.0 and ab.sample_count(new) == 16
+  # Eagerly, with a concrete info, it is refused with the fix.
+  with pytest.raises(ValueError, match=r"the step ran info.num_micro_batches=4 micro-batches, "
+                     r"fewer than the k=16 the controller set.* Lower max_micro_batches"):
+    ab.update(state, info)
+
+
+def test_rows_per_micro_batch_count_only_the_micro_batches_not_skipped():
+  # A real step: 4 micro-batches of 4 rows, one row of micro-batch 1 is NaN and skipped.
+  vg = jaxaccum.value_and_grad(_mean_loss, num_micro_batches=4, with_info=True,
+                               skip_nonfinite=True)
+  x = np.array(jax.random.normal(jax.random.key(1), (16, DIM)))
+  y = x @ np.asarray(W_STAR)
+  x[5, 0] = np.nan  # row 5 is in micro-batch 5 % 4 = 1
+  _, _, info = vg(W0, (jnp.asarray(x), jnp.asarray(y)))
+  assert int(info.skipped) == 1 and float(info.batch_size) == 12.0
+  ab = jaxaccum.AdaptiveBatch(4, init_micro_batches=4)
+  state = jit_update(ab)(ab.init(), info)
+  assert float(state.micro_batch_samples) == 4.0 and ab.sample_count(state) == 12
+  # Generated: k micro-batches of m rows on D shards, s pieces skipped.
+  rng = np.random.default_rng(2)
+  ab = jaxaccum.AdaptiveBatch(64, init_micro_batches=64)
+  for _ in range(40):
+    k, d, m = int(rng.integers(1, 65)), int(rng.choice([1, 2, 4, 8])), float(rng.choice([4, 8]))
+    s = int(rng.integers(0, k * d))
+    info = info_for(k, 1.0, 2.0, m=m, devices=d)._replace(
+        batch_size=jnp.float32((k * d - s) * m / d), skipped=jnp.int32(s))
+    state = jit_update(ab)(ab.init()._replace(micro_batches=jnp.int32(k)), info)
+    assert float(state.micro_batch_samples) == m, (k, d, m, s)
+
+
+def test_sample_counter_saturates_exactly_at_its_top():
+  ab = jaxaccum.AdaptiveBatch(4)
+  update = jit_update(ab)
+  top = (2**31 - 1) * 2**24 + 2**24 - 1
+
+  def add(hi, lo, size):
+    state = ab.init()._replace(samples_hi=jnp.int32(hi), samples_lo=jnp.int32(lo))
+    info = info_for(1, 1.0, 1.0)._replace(batch_size=jnp.float32(size))
+    return ab.sample_count(update(state, info))
+
+  # By hand: the last units below the top, the top itself, and one past it.
+  assert add(2**31 - 2, 0, 2**24) == (2**31 - 1) * 2**24
+  assert add(2**31 - 2, 2**24 - 1, 2**24) == top
+  assert add(2**31 - 2, 2**24 - 1, 2**24 - 1) == top - 1
+  assert add(2**31 - 1, 2**24 - 2, 1) == top
+  assert add(2**31 - 1, 2**24 - 1, 1) == top
+  # Generated: high words near 2**31, steps whose float32 value is an exact integer.
+  rng = np.random.default_rng(4)
+  for _ in range(100):
+    hi = int(rng.integers(2**31 - 6, 2**31))
+    lo = int(rng.integers(0, 2**24))
+    size = int(np.float32(rng.integers(1, 2**27)))  # as float32 holds it
+    assert add(hi, lo, size) == min(hi * 2**24 + lo + size, top), (hi, lo, size)
+  # The documented bound: a step of more than 2**24 samples counts its float32 value.
+  for size in (2**24 + 21, 2**25 + 3, 3 * 2**26 + 5):
+    got = add(0, 0, size)
+    assert got == int(np.float32(size)) and abs(got - size) <= size * 2.0**-24
+
+
+def test_progress_is_a_compensated_sum():
+  # lr_scaling="sqrt" at k / k0 = 3 / 2: every step adds float32(sqrt(1.5)). 200,000
+  # steps: a plain float32 sum is off by about 1e-3 here; the compensated one is not.
+  ab = jaxaccum.AdaptiveBatch(3, init_micro_batches=2, lr_scaling="sqrt")
+  state = ab.init()._replace(micro_batches=jnp.int32(3))
+  info = info_for(3, 1.0, 0.0)  # no noise: k* = 0 holds k
+
+  def body(st, _):
+    return ab.update(st, info), None
+
+  n = 200_000
+  state, _ = jax.jit(lambda st: jax.lax.scan(body, st, None, length=n))(state)
+  term = float(np.float32(np.sqrt(np.float32(1.5))))
+  exact = n * term
+  assert int(ab.micro_batches(state)) == 3
+  assert abs(float(state.progress) - exact) <= 2 * np.spacing(np.float32(exact))
+  assert abs((float(state.progress) - float(state.progress_error)) - exact) <= 1e-7 * exact
+  # At 2**24 a plain float32 sum can no longer add 1; the compensated one adds every step.
+  none = jaxaccum.AdaptiveBatch(3)
+  st = none.init()._replace(progress=jnp.float32(2**24))
+  st, _ = jax.jit(lambda s: jax.lax.scan(lambda c, _: (none.update(c, info), None), s, None,
+                                         length=1001))(st)
+  assert float(st.progress) - float(st.progress_error) == 2**24 + 1001
+
+
+def test_replace_keeps_defaults_the_user_never_gave():
+  ab = jaxaccum.AdaptiveBatch(64)
+  simple = dataclasses.replace(ab, rule="b_simple")
+  assert (simple.theta, simple.fraction) == (None, 0.25)
+  back = dataclasses.replace(simple, rule="norm_test")
+  assert (back.theta, back.fraction) == (3.0, None) and back == ab
+  raised = dataclasses.replace(ab, min_micro_batches=8)
+  assert raised.init_micro_batches == 8
+  assert dataclasses.replace(raised, min_micro_batches=1).init_micro_batches == 2
+  # What the user gave stays given, and the error says how to drop it.
+  with pytest.raises(ValueError, match=r"theta=2.0 is the parameter of rule='norm_test'; "
+                     r"rule='b_simple' takes fraction .* Drop theta \(theta=None in "
+                     r"dataclasses.replace\)"):
+    dataclasses.replace(jaxaccum.AdaptiveBatch(64, theta=2.0), rule="b_simple")
+  with pytest.raises(ValueError, match=r"init_micro_batches=2 must lie in \[min_micro_batches"
+                     r", max_micro_batches\] = \[8, 64\]; pass an init_micro_batches in "
+                     r"that range, or init_micro_batches=None"):
+    dataclasses.replace(jaxaccum.AdaptiveBatch(64, init_micro_batches=2), min_micro_batches=8)
 
 
 # --- the controller in a real step ---------------------------------------------------------
@@ -482,3 +729,43 @@ def test_check_and_update_errors():
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), info_for(2, 1.0, 1.0))
   with pytest.raises(TypeError, match=r"AccumInfo of one step .* use jax.lax.scan"):
     AB.update(AB.init(), stacked)
+
+
+def test_weighted_controller_decides_in_micro_batches_whatever_the_unit_of_samples():
+  # Rows of L tokens, every token real: the token-weighted mean over the tokens that ran is
+  # the row mean, so the two reductions give the same gradients. B_simple and the counter
+  # are in tokens under "weighted" (L times the rows' values), while k* = B* / m, with m
+  # in the same unit, is a number of micro-batches: the same k on every step, same theta.
+  n, rows, length, dim = 8, 2, 5, 3
+
+  def row_loss(w, batch):
+    x, y, _ = batch
+    return 0.5 * jnp.mean((x @ w - y) ** 2)
+
+  def token_loss(w, batch):
+    x, y, mask = batch
+    return jnp.sum(0.5 * (x @ w - y) ** 2 * mask), jnp.sum(mask)
+
+  ab = jaxaccum.AdaptiveBatch(n, theta=1.0, warmup_steps=2, cooldown_steps=1)
+  runs = {}
+  for name, loss, reduce in (("rows", row_loss, "mean"), ("tokens", token_loss, "weighted")):
+    vg = jaxaccum.value_and_grad(loss, num_micro_batches=n, reduce=reduce, with_info=True)
+
+    @jax.jit
+    def step(w, st, t, vg=vg):
+      kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(5), t))
+      x = jax.random.normal(kx, (n * rows, length, dim))
+      y = x @ jnp.array([1.0, -1.0, 0.5]) + 2.0 * jax.random.normal(ky, (n * rows, length))
+      _, g, info = vg(w, (x, y, jnp.ones((n * rows, length))),
+                      active_micro_batches=ab.micro_batches(st))
+      return w - 0.05 * g, ab.update(st, info)
+
+    w, st, ks, b_simple = jnp.array([1.2, -0.8, 0.7]), ab.init(), [], []
+    for t in range(14):
+      w, st = step(w, st, t)
+      ks.append(int(ab.micro_batches(st)))
+      b_simple.append(float(ab.b_simple(st)))
+    runs[name] = ks, np.array(b_simple), ab.sample_count(st)
+  assert runs["tokens"][0] == runs["rows"][0] and len(set(runs["rows"][0])) >= 2, runs
+  np.testing.assert_allclose(runs["tokens"][1], length * runs["rows"][1], rtol=2e-4)
+  assert runs["tokens"][2] == length * runs["rows"][2]

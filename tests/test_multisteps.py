@@ -8,6 +8,7 @@ same micro-batches). Float32; ``assert_close`` allows 1e-5 of each leaf's larges
 the ways differ only in summation order, a few float32 ulps per step.
 """
 
+import logging
 import re
 
 import chex
@@ -732,16 +733,26 @@ def test_negative_traced_weight_fails_when_the_step_runs():
 
 
 @pytest.mark.parametrize("first_weighted", [True, False])
-def test_mixing_weighted_and_unweighted_calls_in_a_window_is_an_error(first_weighted):
+def test_mixing_weighted_and_unweighted_calls_in_a_window_is_an_error(first_weighted, caplog,
+                                                                      capfd):
   ms = jaxaccum.MultiSteps(optax.sgd(0.1), 3)
   weighted = jax.jit(lambda s: ms.update(jnp.ones(2), s, weight=2))
   unweighted = jax.jit(lambda s: ms.update(jnp.ones(2), s))
   first, second = (weighted, unweighted) if first_weighted else (unweighted, weighted)
   _, state = first(ms.init(jnp.zeros(2)))
-  with pytest.raises(jax.errors.JaxRuntimeError,
-                     match=r"called with(out)? weight= after 1 call\(s\) with(out)? it in the "
-                           r"same window: weighted and unweighted calls cannot be mixed"):
+  capfd.readouterr()
+  # Under jit: the step's error ends with the ValueError and the whole message, and
+  # nothing else is printed or logged before it (no second traceback from the callback).
+  with pytest.raises(jax.errors.JaxRuntimeError) as raised:
     jax.block_until_ready(second(state))
+  last = str(raised.value).strip().splitlines()[-1]
+  assert re.fullmatch(
+      r"ValueError: MultiSteps: refused when the compiled step ran: MultiSteps.update was "
+      r"called with(out)? weight= after 1 call\(s\) with(out)? it in the same window: "
+      r"weighted and unweighted calls cannot be mixed in one accumulation window. Pass "
+      r"weight= on every call of the window, or on none.", last), last
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+  assert capfd.readouterr().err == ""
   # Eagerly, the same check raises the ValueError itself.
   with pytest.raises(ValueError, match=r"cannot be mixed in one accumulation window"):
     ms.update(jnp.ones(2), state, **({} if first_weighted else {"weight": 2}))

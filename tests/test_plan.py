@@ -9,8 +9,10 @@ through plain ``jax.value_and_grad``.
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import re
+import sys
 import types
 
 import jax
@@ -490,6 +492,34 @@ def test_progress_lines_without_tqdm(monkeypatch, capsys):
   assert capsys.readouterr().err == ""
   with pytest.raises(TypeError, match="verbose must be True, False or None, got verbose=1"):
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, verbose=1)
+
+
+_XLA_NOISE = (
+    "W1205 17:38:51.568933   19448 hlo_rematerialization.cc:3231] Can't reduce memory use "
+    "below 29.62GiB (31801004525 bytes) by rematerialization; only reduced to 50.26GiB "
+    "(53971517564 bytes), down from 88.30GiB (94815846572 bytes) originally\n"
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+    "I0000 00:00:1796492257.589230   18493 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.\n")
+
+
+def test_plan_holds_back_compiler_noise_and_passes_other_stderr_lines(capfd):
+  # What XLA's C++ code logs on file descriptor 2 while a candidate compiles, written
+  # there the same way from inside the traced loss: the rematerialisation report (whose
+  # limit is not the budget) and the CUDA driver lines are held back, anything else (an
+  # XLA error, a print to sys.stderr) comes through.
+  def noisy_loss(w, batch):
+    os.write(2, (_XLA_NOISE + "E1205 other XLA line\n").encode())
+    print("a line of the user's", file=sys.stderr)
+    return mlp_loss(w, batch)
+
+  params, batch = make_mlp(batch_size=4)
+  capfd.readouterr()
+  plan = jaxaccum.plan(noisy_loss, *shapes((params, batch)), memory_budget_bytes=HUGE,
+                       search="all", verbose=False)
+  err = capfd.readouterr().err.splitlines()
+  assert set(err) == {"E1205 other XLA line", "a line of the user's"}, err
+  assert err.count("E1205 other XLA line") >= len(plan.candidates) == 3
 
 
 def test_gpu_target_errors_without_a_gpu_or_the_extra():

@@ -319,8 +319,43 @@ def test_count_ramp_bad_counts_are_rejected():
     ramp(jnp.arange(2))
   with pytest.raises(TypeError, match="takes an integer or float count, got dtype bool"):
     ramp(jnp.asarray(True))
-  with pytest.raises(ValueError, match="got the count nan"):
-    ramp(float("nan"))
+  for bad, text in ((float("nan"), "nan"), (float("inf"), "inf"),
+                    (np.float32(-np.inf), "-inf")):
+    with pytest.raises(ValueError, match=rf"got count={text}: it takes the samples or tokens "
+                       r"seen, a finite number; pass the count as an int"):
+      ramp(bad)
+
+
+# A threshold whose high word is the largest (2**62 - 1 = (2**31 - 1) * 2**31 + 2**31 - 1):
+# a count of 2**62 or more must reach it, whatever its low bits.
+TOP = {0: 1, 2**62 - 2**31: 2, 2**62 - 1: 3}
+
+
+def _top_reference(count):
+  return max(k for t, k in TOP.items() if count >= t) if count >= 0 else 1
+
+
+def test_count_ramps_are_monotone_at_every_count_up_to_the_dtypes_limit():
+  ramp = jaxaccum.batch_size_ramp_by_count(TOP)
+  rng = np.random.default_rng(0)
+  edges = [2**62 - 2**31 - 1, 2**62 - 2**31, 2**62 - 2, 2**62 - 1, 2**62, 2**62 + 5,
+           2**62 + 2**31 - 1, 2**63 - 1]
+  # Generated counts on both sides of 2**62 (random low bits: the words wrap there).
+  generated = [int(c) for c in rng.integers(2**62 - 2**33, 2**63 - 1, size=200,
+                                            dtype=np.int64)]
+  counts = sorted(edges + generated)
+  expected = [_top_reference(c) for c in counts]
+  assert [int(ramp(c)) for c in counts] == expected  # Python ints
+  with jax.enable_x64(True):
+    run = jax.jit(jax.vmap(ramp))
+    got = run(jnp.asarray(counts, jnp.int64))
+    np.testing.assert_array_equal(got, expected)
+    assert np.all(np.diff(np.asarray(got)) >= 0)
+    high = sorted(counts + [int(c) for c in rng.integers(2**63, 2**64 - 1, size=100,
+                                                           dtype=np.uint64)] + [2**64 - 1])
+    got = run(jnp.asarray(high, jnp.uint64))
+    np.testing.assert_array_equal(got, [_top_reference(c) for c in high])
+    assert np.all(np.diff(np.asarray(got)) >= 0)
 
 
 def test_count_ramp_reads_the_controllers_sample_counter():
