@@ -711,8 +711,10 @@ def _zero_cotangent(x: Any) -> Any:
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _tap(site: _Site, axes: tuple, leaf_axes: tuple) -> Callable[..., Any]:
-  """``tap(y, saved, acc) = y``, whose backward rule adds ``site``'s norm to ``acc``'s cotangent.
+def _tap(site: _Site, axes: tuple, leaf_axes: tuple, row: int,
+         rows: int) -> Callable[..., Any]:
+  """``tap(y, saved, acc) = y``, whose backward rule adds ``site``'s norm to ``acc``'s cotangent
+  (its row ``row`` of ``rows``: the leaf's clip group).
 
   ``axes``, ``leaf_axes``: the ``shard_map`` axes ``acc`` and the leaf vary over.
   """
@@ -728,10 +730,17 @@ def _tap(site: _Site, axes: tuple, leaf_axes: tuple) -> Callable[..., Any]:
 
   def bwd(saved, g):
     sq = _sharding._vary(_site_sq_norm(site, saved, g, leaf_axes), axes)
-    return g, jax.tree.map(_zero_cotangent, saved), sq
+    return g, jax.tree.map(_zero_cotangent, saved), _in_row(sq, row, rows)
 
   tap.defvjp(fwd, bwd)
   return tap
+
+
+def _in_row(sq: jax.Array, row: int, rows: int) -> jax.Array:
+  """Wide squared norms ``sq`` (``(..., parts)``) placed in row ``row`` of ``rows`` groups
+  (``(..., rows, parts)``, zeros elsewhere)."""
+  out = jnp.zeros((*sq.shape[:-1], rows, sq.shape[-1]), sq.dtype)
+  return out.at[..., row, :].set(sq)
 
 
 # --- a leaf used at several sites: cross terms from stored factors -----------------------------
@@ -879,11 +888,12 @@ class _Plan:
   taps: dict[tuple[int, ...], _Site]
   probes: dict[tuple[int, ...], _Site]
   inside: frozenset[tuple[int, ...]]  # every proper prefix of a tap's or a probe's path
+  groups: tuple[int, ...]  # each leaf's clip group (its row of the norms accumulator)
 
   @staticmethod
-  def of(taps: dict, probes: dict) -> _Plan:
+  def of(taps: dict, probes: dict, groups: Sequence[int]) -> _Plan:
     inside = {p[:k] for p in (*taps, *probes) for k in range(1, len(p))}
-    return _Plan(taps, probes, frozenset(inside))
+    return _Plan(taps, probes, frozenset(inside), tuple(groups))
 
 
 def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
@@ -903,8 +913,9 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
       saved = () if site.kind == "slice" else others
       y = _bind(eqn, vals)
       if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
-        y = y + jnp.zeros((), y.dtype) * acc[0].astype(y.dtype)
-      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])))
+        y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
+      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
+                 plan.groups[site.leaf], acc.shape[0])
       outs = [tap(y, saved, acc)]
     elif here in plan.probes:
       site = plan.probes[here]
@@ -1014,15 +1025,17 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
 
   Each site is linear in its leaf operand, so the sum through it is the site's transpose at
   the cotangents times ``c``, over the whole batch at once (a dense layer's
-  ``A^T diag(c) G``); a leaf's sites' sums add. With ``zero_safe``, an example with ``c_e = 0``
+  ``A^T diag(c) G``; ``c``: ``(E, groups)``, a site's factors those of its leaf's clip
+  group); a leaf's sites' sums add. With ``zero_safe``, an example with ``c_e = 0``
   has its kept operands zeroed too: it adds ``0 * 0`` even where its activations are not
   finite.
   """
   used = {s.leaf for s in plan.probes.values()}
+  cs = [c[:, plan.groups[s.leaf]] for s in plan.probes.values()]  # each site's factors
   if zero_safe:
-    dead = c == 0
-    acts = [tuple(jnp.where(dead.reshape(dead.shape + (1,) * (o.ndim - 1)), jnp.zeros_like(o), o)
-                  if _inexact(o) else o for o in others) for others in acts]
+    acts = [tuple(jnp.where((ci == 0).reshape(ci.shape + (1,) * (o.ndim - 1)),
+                            jnp.zeros_like(o), o) if _inexact(o) else o for o in others)
+            for ci, others in zip(cs, acts, strict=True)]
 
   def chain(ghost):  # the sites' leaf operands from the leaves (layout ops, slices)
     ls: list[Any] = [None] * len(jaxpr.invars)
@@ -1058,7 +1071,7 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
     _, t = jax.vjp(lambda w, one=one, others=others: jax.vmap(one, in_axes=(None, 0))(w, others),
                    ops[j])
     g = _widened(g)
-    prev = t(_stats.scale_rows(g, c).astype(g.dtype))[0]
+    prev = t(_stats.scale_rows(g, cs[j]).astype(g.dtype))[0]
   if prev is not None:
     sums[0] = prev
   return [s.astype(v.dtype) for s, v in zip(chain_t(sums)[0], ghost, strict=True)]
@@ -1205,7 +1218,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
                 xs: PyTree, in_axes: Any, weigh: Callable[[jax.Array], jax.Array], *,
                 strict: bool, norms: bool = False,
                 zero_safe: bool = True,
-                program: str | None = None) -> tuple[PyTree, tuple, jax.Array]:
+                program: str | None = None,
+                groups: Sequence[int] | None = None) -> tuple[PyTree, tuple, jax.Array]:
   """Per-example clipped gradient sum without per-example gradients where possible.
 
   Args:
@@ -1226,6 +1240,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       (it gives NaN instead).
     program: where no site sits in a scan body, ``"book"`` (book-keeping) or ``"second"``
       (a second backward pass) instead of the one that holds less (for tests).
+    groups: each leaf of ``diff``'s clip group (per-layer clipping): ``weigh`` then gets
+      and gives ``(E, G)`` values, one per group, and a second backward pass runs once per
+      group; the norms returned are still each example's whole-gradient norm.
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
@@ -1255,7 +1272,10 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       key=str))
   fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
                          for k in fb_keys], axes)
-  acc0 = _sharding._vary(jnp.zeros((n, _WIDE_PARTS), jnp.float32), axes)  # wide squared norms
+  gid = list(groups) if groups is not None else [0] * len(leaves)
+  rows = max(gid, default=0) + 1
+  # wide squared norms, one row per clip group
+  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
 
   def forward(plan):
     """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
@@ -1272,7 +1292,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       return objective, (out, [acts[k] for k in keys])
 
     def batched(ghost, fb, acc, pv):
-      return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes))(ghost, fb, acc, pv, xs)
+      return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes), axis_name=_EXAMPLES)(
+          ghost, fb, acc, pv, xs)
 
     pv0 = []
     for key in keys:
@@ -1297,7 +1318,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   sites = {**taps, **probes}
   margin = _margin(closed.jaxpr)
   book = False
-  plan = _Plan.of(taps, probes)
+  plan = _Plan.of(taps, probes, gid)
   objectives, vjp, outs, acts = forward(plan)
   if sites and not any(s.view.in_scan for s in sites.values()):
     kept = sum(n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
@@ -1309,7 +1330,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
     if program == "book" or (program is None and (kept <= held or margin > 0)):
       book = True
-      plan = _Plan.of({}, sites)
+      plan = _Plan.of({}, sites, gid)
       objectives, vjp, outs, acts = forward(plan)
   probe_keys = list(plan.probes)
   where = {key: j for j, key in enumerate(probe_keys)}
@@ -1322,37 +1343,39 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     # and the other the rounded value, and the clipped example's norm is then not the one
     # its factor was computed from.
     acts, cots = jax.lax.optimization_barrier((acts, cots))
-  for g in fb_grads:
-    wide = wide + jax.vmap(_wide_sum_sq)(g)
+  for k, g in zip(fb_keys, fb_grads, strict=True):
+    wide = wide + _in_row(jax.vmap(_wide_sum_sq)(g), gid[k], rows)
   if book:
     for key in taps:
       site, j = taps[key], where[key]
       leaf_axes = tuple(_sharding._varying(leaves[site.leaf]))
-      wide = wide + _sharding._vary(jax.vmap(
-          lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax))(
-              acts[j], cots[j]), axes)
-  for uses in multi.values():
+      wide = wide + _in_row(_sharding._vary(jax.vmap(
+          lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax),
+          axis_name=_EXAMPLES)(acts[j], cots[j]), axes), gid[site.leaf], rows)
+  for k, uses in multi.items():
     js = [where[s.path] for s in uses]
-    wide = wide + jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g))(
-        [acts[j][0] for j in js], [cots[j] for j in js])
+    wide = wide + _in_row(jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g),
+                                   axis_name=_EXAMPLES)(
+        [acts[j][0] for j in js], [cots[j] for j in js]), gid[k], rows)
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
-  # still gives it.
-  sq = _wide_norm(wide) if norms else wide[:, 0]
-  c = jnp.asarray(weigh(sq), jnp.float32)
+  # still gives it (and its third, a norm below ~1e-19).
+  sq = _wide_norm(wide) if norms else wide[..., 0]  # (n, rows)
+  c = jnp.asarray(weigh(sq if groups is not None else sq[:, 0]), jnp.float32)
+  c = c if groups is not None else c[:, None]  # (n, rows): each example's factor per group
   c2 = c / (1.0 + margin)  # a second pass's factors (see _NARROW_MARGIN_UNITS)
   if book:
     ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
                             acts, cots, c, zero_safe)
   else:
-    ghost_grads = vjp(c2.astype(objectives.dtype))[0]
+    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
   # the forward and backward passes run again with those examples' inputs replaced by
   # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
-  dead = c == 0
+  dead = jnp.all(c == 0, axis=1)
 
   def again(_):
-    src = jnp.where(dead, jnp.argmax(c), jnp.arange(n))
+    src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
     xs2 = jax.tree.unflatten(jax.tree.structure(xs), [
         x if a is None else jnp.take(x, src, axis=a)
         for x, a in zip(jax.tree.leaves(xs), _leaf_axes(xs, in_axes), strict=True)])
@@ -1364,17 +1387,34 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
 
     _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
                       [leaves[k] for k in ghost_keys])
-    redo = vjp2(c2.astype(objectives.dtype))[0]
+    redo = _by_group(vjp2, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
     return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                         if _inexact(g) else g, redo)
 
   if ghost_keys and zero_safe and not book:
-    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.isfinite(sq)), again,
+    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)), again,
                                lambda _: ghost_grads, None)
   grads = list(leaves)
   for k, g in zip(ghost_keys, ghost_grads, strict=True):
     grads[k] = g
   for k, g in zip(fb_keys, fb_grads, strict=True):
-    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c), axis=0).astype(g.dtype)
-  return outs, jax.tree.unflatten(treedef, grads), sq
+    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c[:, gid[k]]), axis=0).astype(g.dtype)
+  if groups is None:
+    total = sq[:, 0]
+  else:
+    total = _stats.combine(sq) if norms else jnp.sum(sq, axis=1)
+  return outs, jax.tree.unflatten(treedef, grads), total
+
+
+def _by_group(vjp: Callable[..., Any], c: jax.Array, gid: Sequence[int]) -> list[Any]:
+  """The first output of ``vjp`` at per-example cotangents ``c[:, g]``: one backward pass
+  per clip group ``g`` that the leaves (``gid``: each one's group) belong to, each leaf
+  taken from its group's pass."""
+  out: list[Any] = [None] * len(gid)
+  for g in sorted(set(gid)):
+    got = vjp(c[:, g])[0]
+    for k, row in enumerate(gid):
+      if row == g:
+        out[k] = got[k]
+  return out
 
