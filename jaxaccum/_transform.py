@@ -707,7 +707,8 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
       # (zero_safe costs a parameter-sized buffer when sites sit in a scan body).
       ghost = _ghost.clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                  strict=clip.method == "ghost", norms=True,
-                                 zero_safe=clip.nan_safe or mask is not None, groups=groups)
+                                 zero_safe=clip.nan_safe or mask is not None, groups=groups,
+                                 auto=clip.method == "auto")
     except (TypeError, ValueError, NotImplementedError) as e:
       if clip.method == "ghost":  # "ghost" says why
         raise
@@ -743,7 +744,7 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
   clipping): ``weigh`` then gets ``(E, G)`` norms, one per group, and gives a factor per
   group; the norms returned are each example's whole-gradient norm.
   """
-  count = None if groups is None else max(groups, default=0) + 1
+  count = 1 if groups is None else max(groups, default=0) + 1
 
   def one(x):
     g, out = jax.grad(f, has_aux=True)(diff, x)

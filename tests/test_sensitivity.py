@@ -182,3 +182,27 @@ def test_per_layer_clip_called_on_one_gradient():
   clip = jaxaccum.clip_per_example({"a": 1.0, "b": 10.0})
   got = clip({"a": jnp.array([3.0, 4.0]), "b": jnp.array([3.0, 4.0])})
   chex.assert_trees_all_close(got, {"a": jnp.array([0.6, 0.8]), "b": jnp.array([3.0, 4.0])})
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+def test_the_gram_guard_under_data_axis(method):
+  # Under shard_map each example takes its own form (a collective over the examples' vmap
+  # axis is refused there): positions that cancel still get their norms right.
+  mesh = jax.make_mesh((8,), ("data",))
+  rng = np.random.default_rng(7)
+  params = {"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32),
+            "v": jnp.asarray(rng.normal(size=(16,)), jnp.float32)}
+  x = rng.normal(size=(16, 2, 16)).astype(np.float32)
+  x[::2, 1] = -x[::2, 0] * (1 + 1e-3)  # every other example's two positions cancel
+
+  def loss(p, x):
+    return jnp.sum((x @ p["w"]) @ p["v"])
+
+  step = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, data_axis="data", mesh=mesh,
+                               reduce="sum", with_info=True,
+                               per_example_transform=jaxaccum.clip_per_example(1.0, method)))
+  with jax.set_mesh(mesh):
+    _, info = step(params, x)
+  want = [np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(
+      jax.grad(loss)(params, x[j:j + 1])))) for j in range(16)]
+  np.testing.assert_allclose(np.asarray(info.example_grad_norms), want, rtol=1e-4)
