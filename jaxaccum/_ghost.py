@@ -13,14 +13,27 @@ site                                 per-example squared norm
 ``dot_general`` (dense, attention,   ``sum_h |A_h^T G_h|^2`` (A: the activation's rows, G: the
 output head)                         output cotangent's, h: shared batch dims), as the Gram
                                      form ``<A A^T, G G^T>`` or directly, whichever is cheaper
-``gather`` of rows (embeddings)      ``sum_{t,u} [i_t = i_u] <g_t, g_u>`` (or the rows'
-                                     segment sums, whichever is cheaper)
+``gather`` of rows (embeddings)      ``sum_t |s_t|^2 / n_t`` (``s_t``: the summed ``g_u`` with
+                                     ``i_u = i_t``, ``n_t`` of them), or the rows' segment
+                                     sums, whichever is cheaper
 ``dynamic_slice`` (and a ``slice``     ``|g|^2`` (one window: no two entries overlap)
 after a reshape)
 ``add``/``sub``/``mul``/``div`` with  ``|vjp(g)|^2``, the leaf-sized gradient formed in the
 a broadcast leaf (biases, scales),   backward pass and reduced at once
 ``conv_general_dilated`` kernels
 ===================================  ==========================================================
+
+The rule that holds DP-SGD's sensitivity bound: an operation enters the analysis only where
+its rule is exact; anything else (a rounding such as ``reduce_precision`` or a widening
+convert, a complex value, a gather mode it does not follow, a custom rule that is not the
+identity) falls back for that leaf, to its materialised per-example gradient. A sign
+(``neg``) is carried with the view into the cross terms. Every numerical form that could
+read a norm too small is guarded: a Gram form whose terms cancel is replaced by the direct
+form (``_GRAM_TRUST``), squared norms are carried wide in three parts scaled by exact powers
+of two (no overflow, no underflow), book-keeping forms the clipped sum in float32 from the
+values the norms were read from, and a second backward pass in a narrower dtype divides its
+factors by a margin (``_NARROW_MARGIN_UNITS``). docs/dp-sgd.md, "What the sensitivity bound
+rests on", gives the bound that results, as measured by the differential fuzz.
 
 Where no site sits in a ``lax.scan`` body, the clipped sum is formed by book-keeping (Bu et
 al. 2023): one backward pass gives every site's output cotangent (a zero added to the site's
