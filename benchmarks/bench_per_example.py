@@ -1,11 +1,12 @@
-"""What per-example clipping costs against plain accumulation, by method, on two models.
+"""What per-example clipping costs against plain accumulation, by method, on three models.
 
 One optimizer step (gradients, then SGD) over the same batch, at micro-batch sizes ``b``,
-on two problems:
+on three problems:
 
 * ``mlp``: the MLP classifier of ``bench_accumulation.py``;
 * ``lm``: a causal transformer LM with tied input and output embeddings, LayerNorm and its
-  layers in one ``lax.scan`` (stacked weights), whose dense layers hold most parameters.
+  layers in one ``lax.scan`` (stacked weights), whose dense layers hold most parameters;
+* ``cnn``: a small CNN on 8x8 images, most of its parameters convolution kernels.
 
 Variants, each over the whole batch in micro-batches of ``b`` rows:
 
@@ -14,6 +15,8 @@ Variants, each over the whole batch in micro-batches of ``b`` rows:
   method="ghost")``: each example's norm from the activations and output gradients of the
   layers that use each parameter, then the clipped sum from them (the MLP) or by one
   reweighted backward pass (the LM, whose layers sit in a scan);
+* ``auto``: ``clip_per_example(1.0)``, the default: ghost norms, or materialising where
+  they would save little (the CNN);
 * ``materialize``: ``clip_per_example(1.0, method="materialize")``: each example's gradient
   formed under ``jax.vmap`` (``b`` times the parameters);
 * ``optax.micro_grad``: ``optax.microbatching.micro_grad(loss, microbatch_size=b,
@@ -56,7 +59,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CLIP = 1.0
-VARIANTS = ("plain", "ghost", "materialize", "optax.micro_grad", "jax_privacy")
+VARIANTS = ("plain", "ghost", "auto", "materialize", "optax.micro_grad", "jax_privacy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,37 @@ def lm_problem(cfg: LMConfig, seed: int = 0):
   return loss_fn, params, tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class CNNConfig:
+  """A small CNN on 8x8 images (the size of scikit-learn's digits): two 3x3 convolutions
+  and a dense head, most of its parameters convolution kernels."""
+  batch: int = 256
+  channels: int = 16
+
+
+def cnn_problem(cfg: CNNConfig, seed: int = 0):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  c = cfg.channels
+  params = {"k1": jax.random.normal(keys[0], (3, 3, 1, c)) / 3.0,
+            "k2": jax.random.normal(keys[1], (3, 3, c, c)) / (3.0 * c ** 0.5),
+            "w": jax.random.normal(keys[2], (4 * 4 * c, 10)) / (4 * c ** 0.5),
+            "b": jnp.zeros((10,))}
+  images = jax.random.normal(keys[3], (cfg.batch, 8, 8, 1))
+  labels = jax.random.randint(keys[4], (cfg.batch,), 0, 10)
+
+  def loss_fn(p, batch):
+    x, y = batch
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, p["k1"], (1, 1), "SAME",
+                                                 dimension_numbers=dn))
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["k2"], (2, 2), "SAME",
+                                                 dimension_numbers=dn))
+    logits = h.reshape(h.shape[0], -1) @ p["w"] + p["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return loss_fn, params, (images, labels)
+
+
 def _clip_one(grads):  # one example's gradient to norm CLIP (optax.micro_grad's transform)
   norm = optax.tree.norm(grads)
   return jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / norm), grads)
@@ -122,7 +156,7 @@ def _clip_one(grads):  # one example's gradient to norm CLIP (optax.micro_grad's
 
 def build_grad(loss_fn, size: int, batch_size: int, variant: str):
   """``(params, batch) -> mean clipped gradient`` (plain: the mean gradient)."""
-  if variant in ("plain", "ghost", "materialize"):
+  if variant in ("plain", "ghost", "auto", "materialize"):
     extra = ({} if variant == "plain" else
              {"per_example_transform": jaxaccum.clip_per_example(CLIP, method=variant)})
     grad_fn = jaxaccum.grad(loss_fn, micro_batch_size=size, **extra)
@@ -239,13 +273,15 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
   warmup = warmup or (2 if quick else 3)
   configs = configs or (
       {"mlp": bench_accumulation.MLPConfig(batch=256, d_in=128, hidden=256),
-       "lm": LMConfig(batch=32, seq=33, d_model=128)} if quick else
-      {"mlp": bench_accumulation.MLPConfig(batch=1024, d_in=256, hidden=512), "lm": LMConfig()})
-  sizes = sizes or ({"mlp": (8, 32), "lm": (4, 16)} if quick
-                    else {"mlp": (8, 32, 128), "lm": (4, 16, 64)})
+       "lm": LMConfig(batch=32, seq=33, d_model=128), "cnn": CNNConfig()} if quick else
+      {"mlp": bench_accumulation.MLPConfig(batch=1024, d_in=256, hidden=512), "lm": LMConfig(),
+       "cnn": CNNConfig(batch=1024)})
+  sizes = sizes or ({"mlp": (8, 32), "lm": (4, 16), "cnn": (32, 128)} if quick
+                    else {"mlp": (8, 32, 128), "lm": (4, 16, 64), "cnn": (32, 128, 512)})
   out: dict[str, Any] = {}
   for name, cfg in configs.items():
-    problem = (bench_accumulation.mlp_problem(cfg) if name == "mlp" else lm_problem(cfg))
+    problem = (bench_accumulation.mlp_problem(cfg) if name == "mlp" else
+               cnn_problem(cfg) if name == "cnn" else lm_problem(cfg))
     out[name] = {"config": repr(cfg), **measure(problem, sizes[name], repeats=repeats,
                                                 warmup=warmup)}
   jp = None
