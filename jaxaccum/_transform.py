@@ -528,12 +528,19 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
     else:
       mapped.append(v)
       axes.append(None)
-  xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped))
-  in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes))
+  # Example r's index, folded into the typed keys that the state holds (nnx.Rngs streams).
+  xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped),
+        jnp.arange(rows, dtype=jnp.uint32))
+  in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes), 0)
+  held = [k for k, j in enumerate(rest_pos) if j in roles.state]
 
   def objective(d, x):
-    kw1, keys1, rest1 = x
+    kw1, keys1, rest1, r = x
+    rest1, folded = _fold_state_keys(rest1, held, r)
     objectives, out = f({**kw1, **keys1}, d, rest1)
+    if folded:
+      nums, dens, new_state, aux = out
+      out = nums, dens, _unfold_state_keys(new_state, folded), aux
     return objectives[0], out
 
   norms = None
@@ -590,6 +597,42 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
 
   aux = jax.tree_util.tree_map_with_path(aux_rows, kinds, aux)
   return nums, dens, new_state, aux, tuple(grads), norms
+
+
+def _fold_state_keys(rest: tuple, held: list[int], r: jax.Array) -> tuple[tuple, dict]:
+  """Example ``r``'s state: each scalar typed PRNG key in the state arguments (``held``:
+  their places in ``rest``) replaced by ``fold_in(key, r)``. Returns the new ``rest`` and
+  ``{id(folded): (folded, key)}``, for :func:`_unfold_state_keys`.
+
+  The keys of an ``nnx.Rngs`` stream are state, shared by the examples of a micro-batch;
+  without the fold every example would draw the same dropout mask. A raw ``uint32`` key
+  in the state cannot be told from integer state, and is not folded.
+  """
+  folded: dict[int, tuple] = {}
+
+  def fold(leaf):
+    if not (_split.is_key(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+      return leaf
+    new = jax.random.fold_in(leaf, r)
+    folded[id(new)] = (new, leaf)
+    return new
+
+  out = list(rest)
+  for k in held:
+    out[k] = jax.tree.map(fold, rest[k])
+  return tuple(out), folded
+
+
+def _unfold_state_keys(new_state: Any, folded: dict) -> Any:
+  """``fun``'s new state with each folded key that ``fun`` returned as it got it put back
+  to the key before the fold: the state stays the same for every example (an
+  ``nnx.Rngs`` stream advances its counter, not its key). A key that ``fun`` replaced is
+  left as returned; if it depends on the example, the state check names it."""
+  def unfold(leaf):
+    hit = folded.get(id(leaf))
+    return hit[1] if hit is not None and hit[0] is leaf else leaf
+
+  return jax.tree.map(unfold, new_state)
 
 
 def _example_mask(name: str, mask: Any, axes: Any) -> jax.Array:
@@ -745,6 +788,10 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
 
   def total(g):
     acc = _reduce.accumulator_dtype_for(g.dtype, accumulator_dtype)
+    # An example with c = 0 adds exactly zero even where its entries are not finite: the
+    # select is fused into the sum (measured against testing each example's norm first
+    # and cleaning only a micro-batch that needs it, a lax.cond, which stops that fusion:
+    # see docs/dp-sgd.md, "NaN-safe clipping: what it costs").
     return jnp.sum(_stats.scale_rows(g, c).astype(acc), axis=0).astype(g.dtype)
 
   return outs, jax.tree.map(total, grads), norms
