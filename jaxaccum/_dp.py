@@ -208,7 +208,7 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
     params: the parameters (or their shapes) that ``tx.init`` takes.
 
   Raises:
-    TypeError: ``tx`` is not an optax transformation.
+    TypeError: ``tx`` has no ``init``.
     ValueError: ``tx`` adds no :func:`dp_noise`, adds it twice, or has a transform before
       it.
 
@@ -221,10 +221,10 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
   ...
   ValueError: check_dp_chain: jaxaccum.dp_noise is transform 1 of an optax.chain ...
   """
-  if not isinstance(tx, optax.GradientTransformation):
+  if not callable(getattr(tx, "init", None)):
     raise TypeError(
-        f"check_dp_chain: tx must be an optax.GradientTransformation, got "
-        f"{type(tx).__name__}.")
+        f"check_dp_chain: tx must be an optax.GradientTransformation (or an object with "
+        f"its init, such as optax.MultiSteps), got {type(tx).__name__}.")
   paths = _noise_paths(jax.eval_shape(tx.init, params))
   if not paths:
     raise ValueError(

@@ -691,7 +691,10 @@ def _state_error(opts: Options) -> TypeError:
       "BatchNorm statistics of its rows): per-example state has no single value to thread "
       "to the next micro-batch. Per-example gradients need a model without batch "
       "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
-      "unchanged collection, a step counter) is fine.")
+      "unchanged collection, a step counter) is fine. A PRNG key held in the state is "
+      "folded with each example's index, so that examples draw their own random numbers: "
+      "return it unchanged (draw from fold_in(key, counter) and advance a counter, as "
+      "nnx.Rngs does) rather than a key split from it.")
 
 
 def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
