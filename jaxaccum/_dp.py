@@ -242,8 +242,8 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
     where = "an optax.chain" if kind == "chain" else "an optax.named_chain"
     raise ValueError(
         f"check_dp_chain: jaxaccum.dp_noise is transform {i} of {where} (counting from 0), "
-        f"so {'the transform' if i == 1 else f'the {i} transforms'} before it see the "
-        "clipped gradient without noise, and the update released is not private. Put the "
+        f"so {'the transform before it sees' if i == 1 else f'the {i} transforms before it see'} "
+        "the clipped gradient without noise, and the update released is not private. Put the "
         "noise first: jaxaccum.dp_optimizer(optimizer, l2_norm_clip=..., "
         "noise_multiplier=..., batch_size=..., key=...), or optax.chain(dp_noise(...), "
         "optimizer).")

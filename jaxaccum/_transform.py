@@ -483,7 +483,8 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
-  each. ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
+  each, except that example ``r`` sees each typed key of the state folded with ``r``
+  (:func:`_fold_state_keys`: ``nnx.Rngs`` streams draw per example). ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
   ``(nums, dens, new_state, aux, grads, norms)``, ``norms`` each example's gradient norm
   before clipping (the clip path; else ``None``).
   """
