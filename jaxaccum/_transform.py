@@ -397,12 +397,20 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   mask = clip.example_mask if isinstance(clip, _stats.ClipPerExample) else None
   fun_kwargs = {k: v for k, v in kwargs.items() if k != mask}
 
+  held = [k for k, j in enumerate(role_pos) if j in roles.state]
+
   def inner(count, kw_batch, *role_vals):
+    folded = None
+    if EXAMPLE_INDEX in kw_batch:  # per_example: example r's state keys (under remat too)
+      kw_batch = dict(kw_batch)
+      role_vals, folded = _fold_state_keys(role_vals, held, kw_batch.pop(EXAMPLE_INDEX))
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
     nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**fun_kwargs,
                                                                        **kw_batch}))
+    if folded:
+      new_state = _unfold_state_keys(new_state, folded)
     objectives = []
     for g in groups:
       total = 0.0
@@ -484,9 +492,10 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
   each, except that example ``r`` sees each typed key of the state folded with ``r``
-  (:func:`_fold_state_keys`: ``nnx.Rngs`` streams draw per example). ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
-  ``(nums, dens, new_state, aux, grads, norms)``, ``norms`` each example's gradient norm
-  before clipping (the clip path; else ``None``).
+  (:func:`_fold_state_keys`: ``nnx.Rngs`` streams draw per example). ``axis`` holds each
+  batch argument's per-leaf batch axes (``batch_axis``). Returns ``(nums, dens, new_state,
+  aux, grads, norms)``, ``norms`` each example's gradient norm before clipping (the clip
+  path; else ``None``).
   """
   assert len(groups) == 1, "check_per_example allows one normalisation"
   transform = opts.per_example_transform
@@ -529,19 +538,15 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
     else:
       mapped.append(v)
       axes.append(None)
-  # Example r's index, folded into the typed keys that the state holds (nnx.Rngs streams).
+  # Example r's index, folded into the typed keys that the state holds (nnx.Rngs streams)
+  # by ``inner`` (:data:`EXAMPLE_INDEX`).
   xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped),
         jnp.arange(rows, dtype=jnp.uint32))
   in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes), 0)
-  held = [k for k, j in enumerate(rest_pos) if j in roles.state]
 
   def objective(d, x):
     kw1, keys1, rest1, r = x
-    rest1, folded = _fold_state_keys(rest1, held, r)
-    objectives, out = f({**kw1, **keys1}, d, rest1)
-    if folded:
-      nums, dens, new_state, aux = out
-      out = nums, dens, _unfold_state_keys(new_state, folded), aux
+    objectives, out = f({**kw1, **keys1, EXAMPLE_INDEX: r}, d, rest1)
     return objectives[0], out
 
   norms = None
@@ -600,10 +605,17 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   return nums, dens, new_state, aux, tuple(grads), norms
 
 
+# The key of ``inner``'s keyword batch under which per_example passes the example's index
+# (not an identifier, so never one of fun's keyword arguments; popped before fun is called).
+EXAMPLE_INDEX = " example index"
+
+
 def _fold_state_keys(rest: tuple, held: list[int], r: jax.Array) -> tuple[tuple, dict]:
   """Example ``r``'s state: each scalar typed PRNG key in the state arguments (``held``:
   their places in ``rest``) replaced by ``fold_in(key, r)``. Returns the new ``rest`` and
-  ``{id(folded): (folded, key)}``, for :func:`_unfold_state_keys`.
+  ``{id(folded): (folded, key)}``, for :func:`_unfold_state_keys`, which runs in the same
+  trace as ``fun`` (inside ``remat``'s checkpoint), where a key returned as given is the
+  same object.
 
   The keys of an ``nnx.Rngs`` stream are state, shared by the examples of a micro-batch;
   without the fold every example would draw the same dropout mask. A raw ``uint32`` key

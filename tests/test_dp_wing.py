@@ -245,9 +245,11 @@ def test_positional_and_keyword_keys_give_each_example_its_own_fold(n, b, seed):
     assert len({tuple(r) for r in np.asarray(m_pos)[:n * 2].tolist()}) > 1
 
 
-@pytest.mark.parametrize("method", ["materialize", "auto", "ghost"])
+@pytest.mark.parametrize("method,remat", [("materialize", False), ("auto", False),
+                                          ("ghost", False), ("materialize", True),
+                                          ("auto", True)])
 @pytest.mark.parametrize("n,b,seed", CASES[1:4])
-def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, n, b, seed):
+def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, remat, n, b, seed):
   from flax import nnx
 
   class Model(nnx.Module):
@@ -267,7 +269,7 @@ def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, n, b, seed):
   key0 = nnx.state(model, nnx.RngKey)["drop"]["rngs"]["key"][...]
   x = jax.random.normal(jax.random.key(seed), (rows, D)) + 3.0  # no output exactly 0
   step = jaxaccum.nnx.value_and_grad(
-      loss, num_micro_batches=n, has_aux=True, aux_reduce="concat",
+      loss, num_micro_batches=n, has_aux=True, aux_reduce="concat", remat=remat,
       per_example_transform=jaxaccum.clip_per_example(C, method))
   (_, masks), _ = step(model, x)
   # The documented rule: example r of micro-batch i draws with its stream's key folded
