@@ -457,9 +457,14 @@ def _data(seed, rows, nan_rows=(), weighted=False):
   return x, y, t
 
 
+@functools.cache
+def _jgrad(fun):
+  return jax.jit(jax.grad(fun))
+
+
 def _ref(loss, params, batch, rows, divisor):
   """The clipped sum over ``rows`` from per-example jax.grad, divided by ``divisor``."""
-  grads = [_clip_np(jax.grad(loss)(params, _row(batch, j))) for j in rows]
+  grads = [_clip_np(_jgrad(loss)(params, _row(batch, j))) for j in rows]
   return jax.tree.map(lambda g: g / divisor, _sum(grads))
 
 
