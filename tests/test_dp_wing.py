@@ -359,7 +359,9 @@ def test_check_per_example_loss_passes_row_losses_and_refuses_mixed_ones(seed):
   w = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
   for fun, batch, kw in [(_row_loss, (x, y), {}),
                          (_row_sum_loss, (x, y), {"reduce": "sum"}),
-                         (_weighted_row_loss, (x, y, t), {"reduce": "weighted"})]:
+                         (_weighted_row_loss, (x, y, t), {"reduce": "weighted"}),
+                         (lambda w, b: (_row_loss(w, b), {"n": jnp.sum(b[1])}), (x, y),
+                          {"has_aux": True})]:
     found = jaxaccum.check_per_example_loss(
         fun, per_example_transform=jaxaccum.clip_per_example(C), **kw)(w, batch)
     assert found["value"] < 1e-5 and found["grads"] < 1e-4, found
