@@ -611,7 +611,7 @@ EXAMPLE_INDEX = " example index"
 
 
 def _fold_state_keys(rest: tuple, held: list[int], r: jax.Array) -> tuple[tuple, dict]:
-  """Example ``r``'s state: each scalar typed PRNG key in the state arguments (``held``:
+  """Example ``r``'s state: each typed PRNG key in the state arguments (``held``:
   their places in ``rest``) replaced by ``fold_in(key, r)``. Returns the new ``rest`` and
   ``{id(folded): (folded, key)}``, for :func:`_unfold_state_keys`, which runs in the same
   trace as ``fun`` (inside ``remat``'s checkpoint), where a key returned as given is the
@@ -624,9 +624,12 @@ def _fold_state_keys(rest: tuple, held: list[int], r: jax.Array) -> tuple[tuple,
   folded: dict[int, tuple] = {}
 
   def fold(leaf):
-    if not (_split.is_key(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
       return leaf
-    new = jax.random.fold_in(leaf, r)
+    # A stack of keys (one per scanned layer: nnx.split_rngs) folds each of them.
+    flat = jnp.reshape(leaf, (-1,))
+    new = jnp.reshape(jax.vmap(lambda k: jax.random.fold_in(k, r))(flat), jnp.shape(leaf))
     folded[id(new)] = (new, leaf)
     return new
 

@@ -291,20 +291,26 @@ def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, remat, n, b,
 
 
 def test_a_plain_state_key_is_folded_and_a_state_key_fun_replaces_is_refused():
-  def loss(w, x, state):
+  def loss(w, x, state):  # a key, and a stack of keys (one per scanned layer)
     keep = jax.random.bernoulli(state["key"], 0.5, x.shape)
-    return jnp.mean(jnp.where(keep, x * w, 0.0)), ({**state, "n": state["n"] + 1}, keep)
+    also = jax.random.bernoulli(state["layers"][1], 0.5, x.shape)
+    return jnp.mean(jnp.where(keep, x * w, 0.0)), ({**state, "n": state["n"] + 1},
+                                                   (keep, also))
 
   x, w = jnp.ones((4, D)), jnp.ones(D)
-  state = {"key": jax.random.key(3), "n": jnp.int32(0)}
+  state = {"key": jax.random.key(3), "layers": jax.random.split(jax.random.key(4), 3),
+           "n": jnp.int32(0)}
   step = jaxaccum.value_and_grad(loss, num_micro_batches=2, state_argnums=2, has_aux=True,
                                  aux_reduce="concat",
                                  per_example_transform=jaxaccum.clip_per_example(C))
-  (_, (new, keep)), _ = step(w, x, state)
-  ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(state["key"], j // 2),
-                                                  0.5, (1, D)))[0] for j in range(4)])
-  np.testing.assert_array_equal(keep, ref)
+  (_, (new, (keep, also))), _ = step(w, x, state)
+  for got, key in ((keep, state["key"]), (also, state["layers"][1])):
+    ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, j // 2), 0.5,
+                                                    (1, D)))[0] for j in range(4)])
+    np.testing.assert_array_equal(got, ref)
   assert int(new["n"]) == 2
+  np.testing.assert_array_equal(jax.random.key_data(new["layers"]),
+                                jax.random.key_data(state["layers"]))
 
   def advancing(w, x, state):  # the key replaced by one drawn from the example's
     new_key, sub = jax.random.split(state["key"])
