@@ -16,7 +16,11 @@ from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
 from jaxaccum._collectives import collectives as collectives
 from jaxaccum._dp import DpNoiseState as DpNoiseState
+from jaxaccum._dp import check_dp_chain as check_dp_chain
+from jaxaccum._dp import check_per_example_loss as check_per_example_loss
 from jaxaccum._dp import dp_noise as dp_noise
+from jaxaccum._dp import dp_optimizer as dp_optimizer
+from jaxaccum._dp import place_padding_last as place_padding_last
 from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
@@ -80,9 +84,12 @@ __all__ = (
     "batch_size_ramp",
     "batch_size_ramp_by_count",
     "capture_gpu_target",
+    "check_dp_chain",
+    "check_per_example_loss",
     "clip_per_example",
     "collectives",
     "dp_noise",
+    "dp_optimizer",
     "evaluate",
     "grad",
     "local_value_and_grad",
@@ -90,6 +97,7 @@ __all__ = (
     "pipeline",
     "pipeline_schedule",
     "place_active_rows",
+    "place_padding_last",
     "plan",
     "plan_step",
     "split_micro_batches",

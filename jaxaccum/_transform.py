@@ -397,12 +397,20 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
   mask = clip.example_mask if isinstance(clip, _stats.ClipPerExample) else None
   fun_kwargs = {k: v for k, v in kwargs.items() if k != mask}
 
+  held = [k for k, j in enumerate(role_pos) if j in roles.state]
+
   def inner(count, kw_batch, *role_vals):
+    folded = None
+    if EXAMPLE_INDEX in kw_batch:  # per_example: example r's state keys (under remat too)
+      kw_batch = dict(kw_batch)
+      role_vals, folded = _fold_state_keys(role_vals, held, kw_batch.pop(EXAMPLE_INDEX))
     call_args = list(args)
     for j, v in zip(role_pos, role_vals, strict=True):
       call_args[j] = v
     nums, dens, new_state, aux = unpack(opts, opts.fun(*call_args, **{**fun_kwargs,
                                                                        **kw_batch}))
+    if folded:
+      new_state = _unfold_state_keys(new_state, folded)
     objectives = []
     for g in groups:
       total = 0.0
@@ -483,9 +491,11 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
-  each. ``axis`` holds each batch argument's per-leaf batch axes (``batch_axis``). Returns
-  ``(nums, dens, new_state, aux, grads, norms)``, ``norms`` each example's gradient norm
-  before clipping (the clip path; else ``None``).
+  each, except that example ``r`` sees each typed key of the state folded with ``r``
+  (:func:`_fold_state_keys`: ``nnx.Rngs`` streams draw per example). ``axis`` holds each
+  batch argument's per-leaf batch axes (``batch_axis``). Returns ``(nums, dens, new_state,
+  aux, grads, norms)``, ``norms`` each example's gradient norm before clipping (the clip
+  path; else ``None``).
   """
   assert len(groups) == 1, "check_per_example allows one normalisation"
   transform = opts.per_example_transform
@@ -528,12 +538,15 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
     else:
       mapped.append(v)
       axes.append(None)
-  xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped))
-  in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes))
+  # Example r's index, folded into the typed keys that the state holds (nnx.Rngs streams)
+  # by ``inner`` (:data:`EXAMPLE_INDEX`).
+  xs = ({k: one_row(v, axis[k]) for k, v in kw.items()}, keys(kw_keys), tuple(mapped),
+        jnp.arange(rows, dtype=jnp.uint32))
+  in_axes = ({k: axis[k] for k in kw}, 0, tuple(axes), 0)
 
   def objective(d, x):
-    kw1, keys1, rest1 = x
-    objectives, out = f({**kw1, **keys1}, d, rest1)
+    kw1, keys1, rest1, r = x
+    objectives, out = f({**kw1, **keys1, EXAMPLE_INDEX: r}, d, rest1)
     return objectives[0], out
 
   norms = None
@@ -592,6 +605,52 @@ def per_example(opts: Options, groups: tuple[Group, ...], f: Callable[..., Any],
   return nums, dens, new_state, aux, tuple(grads), norms
 
 
+# The key of ``inner``'s keyword batch under which per_example passes the example's index
+# (not an identifier, so never one of fun's keyword arguments; popped before fun is called).
+EXAMPLE_INDEX = " example index"
+
+
+def _fold_state_keys(rest: tuple, held: list[int], r: jax.Array) -> tuple[tuple, dict]:
+  """Example ``r``'s state: each typed PRNG key in the state arguments (``held``:
+  their places in ``rest``) replaced by ``fold_in(key, r)``. Returns the new ``rest`` and
+  ``{id(folded): (folded, key)}``, for :func:`_unfold_state_keys`, which runs in the same
+  trace as ``fun`` (inside ``remat``'s checkpoint), where a key returned as given is the
+  same object.
+
+  The keys of an ``nnx.Rngs`` stream are state, shared by the examples of a micro-batch;
+  without the fold every example would draw the same dropout mask. A raw ``uint32`` key
+  in the state cannot be told from integer state, and is not folded.
+  """
+  folded: dict[int, tuple] = {}
+
+  def fold(leaf):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
+      return leaf
+    # A stack of keys (one per scanned layer: nnx.split_rngs) folds each of them.
+    flat = jnp.reshape(leaf, (-1,))
+    new = jnp.reshape(jax.vmap(lambda k: jax.random.fold_in(k, r))(flat), jnp.shape(leaf))
+    folded[id(new)] = (new, leaf)
+    return new
+
+  out = list(rest)
+  for k in held:
+    out[k] = jax.tree.map(fold, rest[k])
+  return tuple(out), folded
+
+
+def _unfold_state_keys(new_state: Any, folded: dict) -> Any:
+  """``fun``'s new state with each folded key that ``fun`` returned as it got it put back
+  to the key before the fold: the state stays the same for every example (an
+  ``nnx.Rngs`` stream advances its counter, not its key). A key that ``fun`` replaced is
+  left as returned; if it depends on the example, the state check names it."""
+  def unfold(leaf):
+    hit = folded.get(id(leaf))
+    return hit[1] if hit is not None and hit[0] is leaf else leaf
+
+  return jax.tree.map(unfold, new_state)
+
+
 def _example_mask(name: str, mask: Any, axes: Any) -> jax.Array:
   """The micro-batch's rows of ``clip_per_example(example_mask=)``, as bools."""
   if not hasattr(mask, "dtype") or not (jnp.issubdtype(mask.dtype, jnp.bool_)
@@ -648,7 +707,10 @@ def _state_error(opts: Options) -> TypeError:
       "BatchNorm statistics of its rows): per-example state has no single value to thread "
       "to the next micro-batch. Per-example gradients need a model without batch "
       "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
-      "unchanged collection, a step counter) is fine.")
+      "unchanged collection, a step counter) is fine. A PRNG key held in the state is "
+      "folded with each example's index, so that examples draw their own random numbers: "
+      "return it unchanged (draw from fold_in(key, counter) and advance a counter, as "
+      "nnx.Rngs does) rather than a key split from it.")
 
 
 def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
@@ -758,6 +820,10 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
 
   def total(g, k):
     acc = _reduce.accumulator_dtype_for(g.dtype, accumulator_dtype)
+    # An example with c = 0 adds exactly zero even where its entries are not finite: the
+    # select is fused into the sum (measured against testing each example's norm first
+    # and cleaning only a micro-batch that needs it, a lax.cond, which stops that fusion:
+    # see docs/dp-sgd.md, "NaN-safe clipping: what it costs").
     ck = c if groups is None else c[:, groups[k]]
     return jnp.sum(_stats.scale_rows(g, ck).astype(acc), axis=0).astype(g.dtype)
 
