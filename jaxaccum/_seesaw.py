@@ -69,7 +69,8 @@ def _check_int(name: str, value: Any, *, low: int, what: str, example: str) -> i
 
 def _value(schedule: Callable[[Any], Any], n: int) -> float:
   """The reference at the Python int ``n``, as a Python float (float32's value, exactly)."""
-  out = schedule(n)
+  with jax.ensure_compile_time_eval():  # concrete, also when the rule is made under jit
+    out = schedule(n)
   try:
     value = float(np.asarray(out))
   except (TypeError, ValueError):
@@ -225,56 +226,62 @@ class Seesaw:
                        max_level=jnp.int32(len(self.ks) - 1),
                        noise=self.noise_scale.init())
 
-  def update(self, state: SeesawState, info: Any) -> SeesawState:
+  def update(self, state: SeesawState, info: AccumInfo | None = None, *,
+             samples: jax.typing.ArrayLike | None = None) -> SeesawState:
     """Counts one step's samples and, with ``noise_guard``, stops the ramp if it must.
 
     Args:
       state: from :meth:`init` or the previous :meth:`update`.
-      info: the step's :class:`jaxaccum.AccumInfo` (``with_info=True``; its
-        ``batch_size``: rows, or tokens under ``reduce="weighted"``), or the number of
-        samples the step used (an int or a scalar array; the noise guard needs ``info``).
+      info: the step's :class:`jaxaccum.AccumInfo` (``with_info=True``); its
+        ``batch_size`` (rows, or tokens under ``reduce="weighted"``) is counted unless
+        ``samples`` is given. The noise guard needs it.
+      samples: what the step used in the unit the schedule counts (e.g. tokens: ``k *
+        rows_per_micro_batch * seq_len``), an int or a scalar array; ``None`` counts
+        ``info.batch_size``.
 
     Returns:
       The new state. With ``noise_guard=c``, once the next level's batch would exceed
-      ``c`` times the smoothed ``B_simple`` (:class:`jaxaccum.NoiseScale`), ``max_level``
-      stays at the current level for the rest of the run: the reference's decay goes on as
-      plain learning-rate decay.
+      ``c`` times the smoothed ``B_simple`` (:class:`jaxaccum.NoiseScale`, in the unit of
+      ``info.batch_size``), ``max_level`` stays at the current level for the rest of the
+      run: the reference's decay goes on as plain learning-rate decay.
 
     Raises:
-      TypeError: ``state`` is not a :class:`SeesawState`, or ``info`` is not an
-        :class:`jaxaccum.AccumInfo` while ``noise_guard`` is set.
+      TypeError: ``state`` is not a :class:`SeesawState`; ``info`` is not an
+        :class:`jaxaccum.AccumInfo` while ``noise_guard`` is set or ``samples`` is None.
     """
     if not isinstance(state, SeesawState):
       raise TypeError(
           "Seesaw.update takes the SeesawState from init() or the previous update, got "
           f"{_split.describe(state)}.")
-    is_info = isinstance(info, AccumInfo)
-    if self.noise_guard is not None and not is_info:
+    if not isinstance(info, AccumInfo) and (info is not None or samples is None
+                                            or self.noise_guard is not None):
+      need = (f"noise_guard={self.noise_guard} needs" if self.noise_guard is not None
+              else "without samples=, it counts")
       raise TypeError(
-          f"Seesaw.update: noise_guard={self.noise_guard} needs the step's jaxaccum."
-          f"AccumInfo, got {_split.describe(info)}. Build the step with with_info=True and "
-          "pass its info, or make the rule with noise_guard=None.")
-    samples = jnp.asarray(info.batch_size if is_info else info, jnp.float32)
-    if samples.shape != ():
+          f"Seesaw.update: {need} the step's jaxaccum.AccumInfo, got info="
+          f"{_split.describe(info)}. Build the step with with_info=True and pass its info"
+          " (and samples= to count tokens), or pass samples= alone without a noise guard.")
+    count = jnp.asarray(info.batch_size if samples is None else samples, jnp.float32)
+    if count.shape != ():
       raise TypeError(
           f"Seesaw.update takes one step's samples (a scalar), got shape "
-          f"{tuple(samples.shape)}.")
-    samples = jnp.where(jnp.isfinite(samples) & (samples > 0), jnp.round(samples), 0.0)
+          f"{tuple(count.shape)}.")
+    count = jnp.where(jnp.isfinite(count) & (count > 0), jnp.round(count), 0.0)
     level = self.level(state)
     hi, lo = _adaptive._add_samples(jnp.asarray(state.samples_hi, jnp.int32),
-                                    jnp.asarray(state.samples_lo, jnp.int32), samples)
+                                    jnp.asarray(state.samples_lo, jnp.int32), count)
     max_level = jnp.asarray(state.max_level, jnp.int32)
     noise = state.noise
-    if self.noise_guard is not None:
+    if self.noise_guard is not None and isinstance(info, AccumInfo):  # checked above
       noise = self.noise_scale.update(state.noise, info)
       ks = jnp.asarray(self._ks)
-      per_micro = samples / ks[level].astype(jnp.float32)
-      moved = SeesawState(hi, lo, max_level, noise)
-      ramp_level = self.level(moved._replace(max_level=jnp.int32(len(self.ks) - 1)))
+      per_micro = jnp.asarray(info.batch_size, jnp.float32) / ks[level].astype(jnp.float32)
+      last = jnp.int32(len(self.ks) - 1)
+      ramp_level = self.level(SeesawState(hi, lo, last, noise))
       b_simple = self.noise_scale.b_simple(noise)
       would_pass = (ks[ramp_level].astype(jnp.float32) * per_micro
                     > jnp.float32(self.noise_guard) * b_simple)
-      stop = (ramp_level > level) & jnp.isfinite(b_simple) & would_pass & (samples > 0)
+      stop = (ramp_level > level) & jnp.isfinite(b_simple) & would_pass & (count > 0)
       max_level = jnp.where(stop, jnp.minimum(max_level, level), max_level)
     return SeesawState(samples_hi=hi, samples_lo=lo, max_level=max_level, noise=noise)
 
@@ -427,9 +434,10 @@ def seesaw(
 
   # Level i begins at the first n with schedule(n) * r**i <= peak (bisection).
   thresholds, ks = [0], [init]
-  k = init
+  k, j = init, 0
   while k < cap:
-    scale = float(r) ** len(ks)
+    j += 1
+    scale = float(r) ** j
     if not _value(schedule, horizon) * scale <= peak:
       break  # the reference never decays this far
     low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
