@@ -78,7 +78,9 @@ if TINY:
 
 def _compact(log: dict[str, Any]) -> dict[str, Any]:
   ev = log["evals"]
-  return {"seed": int(log["seed"]), **sl.summary(log),
+  s = sl.summary(log)
+  return {"seed": int(log["seed"]), "final_val": s["final_val"], "steps": s["steps"],
+          "tokens_seen": s["tokens"], "final_k": s["final_k"],
           "step": ev[:, 0].astype(int).tolist(), "tokens": ev[:, 1].astype(int).tolist(),
           "val": np.round(ev[:, 2], 5).tolist(),
           "k_at": log["k"][np.clip(ev[:, 0].astype(int) - 1, 0, len(log["k"]) - 1)]
@@ -117,7 +119,7 @@ def lm_table(runs: dict[str, Any]) -> dict[str, Any]:
         "gap_pct": float(100 * (val.mean() / ref_val - 1)),
         "gap_pct_per_seed": (100 * paired).round(2).tolist(),
         "steps": float(steps.mean()), "steps_ratio": float(steps.mean() / ref_steps),
-        "tokens": float(np.mean([r["tokens"] for r in rs])),
+        "tokens": float(np.mean([r["tokens_seen"] for r in rs])),
         "final_k": [r["final_k"] for r in rs],
         "guard_levels": [r["guard_stopped_at_level"] for r in rs],
         "seconds": entry["seconds"]}
