@@ -113,7 +113,7 @@ def lm_table(runs: dict[str, Any]) -> dict[str, Any]:
     rs = entry["runs"]
     val = np.array([r["final_val"] for r in rs])
     steps = np.array([r["steps"] for r in rs], float)
-    paired = np.array([r["final_val"] / c["final_val"] - 1 for r, c in zip(rs, ref)])
+    paired = np.array([r["final_val"] / c["final_val"] - 1 for r, c in zip(rs, ref, strict=True)])
     rows[name] = {
         "final_val": float(val.mean()), "final_val_sd": float(val.std()),
         "gap_pct": float(100 * (val.mean() / ref_val - 1)),

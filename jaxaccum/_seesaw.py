@@ -115,6 +115,12 @@ class Seesaw:
   noise_decay: float
   thresholds: tuple[int, ...]
   ks: tuple[int, ...]
+  # Tables built from the fields above.
+  _lr_factors: np.ndarray = dataclasses.field(init=False, repr=False)
+  _ks: np.ndarray = dataclasses.field(init=False, repr=False)
+  _ramp: Callable[[Any], jax.Array] = dataclasses.field(init=False, repr=False)
+  _th_hi: np.ndarray = dataclasses.field(init=False, repr=False)
+  _th_lo: np.ndarray = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     ratios = np.asarray(self.ks, np.float64) / self.init_micro_batches
@@ -122,7 +128,7 @@ class Seesaw:
     object.__setattr__(self, "_lr_factors", factor.astype(np.float32))
     object.__setattr__(self, "_ks", np.asarray(self.ks, np.int32))
     object.__setattr__(self, "_ramp", _ramp.batch_size_ramp_by_count(
-        dict(zip(self.thresholds, range(1, len(self.ks) + 1)))))
+        dict(zip(self.thresholds, range(1, len(self.ks) + 1), strict=True))))
     th = np.asarray(self.thresholds, np.int64)
     object.__setattr__(self, "_th_hi", np.minimum(th >> _LO_BITS, _INT32_MAX).astype(np.int32))
     object.__setattr__(self, "_th_lo", (th & (_LO - 1)).astype(np.int32))
@@ -261,7 +267,9 @@ class Seesaw:
           f"Seesaw.update: {need} the step's jaxaccum.AccumInfo, got info="
           f"{_split.describe(info)}. Build the step with with_info=True and pass its info"
           " (and samples= to count tokens), or pass samples= alone without a noise guard.")
-    count = jnp.asarray(info.batch_size if samples is None else samples, jnp.float32)
+    if samples is None:
+      samples = info.batch_size if isinstance(info, AccumInfo) else 0  # checked above
+    count = jnp.asarray(samples, jnp.float32)
     if count.shape != ():
       raise TypeError(
           f"Seesaw.update takes one step's samples (a scalar), got shape "

@@ -123,7 +123,7 @@ def test_generated_step_schedules_match_the_hand_rule(data):
   cap = init * data.draw(st.integers(1, 70))
   optimizer = data.draw(st.sampled_from(["adam", "sgd"]))
   r = data.draw(st.sampled_from([2, 2, 3, 4]))
-  ref = optax.piecewise_constant_schedule(0.3, dict(zip(bounds, scales)))
+  ref = optax.piecewise_constant_schedule(0.3, dict(zip(bounds, scales, strict=True)))
   rule = jaxaccum.seesaw(ref, init_micro_batches=init, max_micro_batches=cap,
                          optimizer=optimizer, ramp_factor=r, total=6000)
   counts = sorted({0, 6000} | {b + d for b in bounds for d in (-1, 0, 1)}
