@@ -167,6 +167,13 @@ def test_counts_past_2_31_are_exact():
   state = update(state, jnp.float32(1))
   assert int(jax.jit(rule.micro_batches)(state)) == 4
   assert int(rule.micro_batches(np.int64(edge))) == 4
+  # Counts whose low word is past the threshold's but whose high word is not (and back).
+  for count in (100, 2**24 + 6, 2**31 + 2**24 - 1, edge - 2**24 + 7, edge + 2**24 - 1):
+    state = rule.update(rule.init(), samples=jnp.float32(0))
+    state = state._replace(samples_hi=jnp.int32(count >> 24),
+                           samples_lo=jnp.int32(count & (2**24 - 1)))
+    assert rule.sample_count(state) == count
+    assert int(jax.jit(rule.micro_batches)(state)) == (4 if count >= edge else 2), count
 
 
 # --- inside a train step ---------------------------------------------------------------------
