@@ -66,9 +66,12 @@ VARIANTS = {
     "seesaw + b2 in tokens": sl.Variant("seesaw", b2_coupling=True),
     f"seesaw + noise guard {GUARD:g}": sl.Variant("seesaw", noise_guard=GUARD),
     "seesaw, cap 8 x k0": sl.Variant("seesaw"),
+    "seesaw, cap 32 x k0": sl.Variant("seesaw"),
+    f"seesaw, cap 32 x k0 + noise guard {GUARD:g}": sl.Variant("seesaw", noise_guard=GUARD),
     "ramp by tokens": sl.Variant("ramp"),
     "AdaptiveBatch (defaults)": sl.Variant("adaptive"),
 }
+CAPS = {"seesaw, cap 8 x k0": 8, "seesaw, cap 32 x k0": 32}  # else LM.cap
 if TINY:
   VARIANTS = {name: VARIANTS[name] for name in ("cosine", "seesaw")}
 
@@ -94,7 +97,8 @@ def lm_runs(cache: dict[str, Any]) -> dict[str, Any]:
     if name in cache:
       continue
     t0 = time.perf_counter()
-    cfg = dataclasses.replace(LM, cap=8) if name == "seesaw, cap 8 x k0" else LM
+    cap = CAPS.get(name.split(" + ")[0])
+    cfg = dataclasses.replace(LM, cap=cap) if cap else LM
     logs = sl.train(cfg, variant, seeds=list(SEEDS), data=data)
     cache[name] = {"runs": [_compact(lg) for lg in logs],
                    "seconds": time.perf_counter() - t0}
@@ -129,8 +133,8 @@ def lm_table(runs: dict[str, Any]) -> dict[str, Any]:
 
 def lm_plot(runs: dict[str, Any], path: pathlib.Path) -> None:
   logs = {}
-  for name in ("cosine", "seesaw", "ramp by tokens", "AdaptiveBatch (defaults)",
-               "seesaw + weight decay per token"):
+  for name in ("cosine", "seesaw", "seesaw, cap 32 x k0", "ramp by tokens",
+               "AdaptiveBatch (defaults)"):
     if name not in runs:
       continue
     logs[name] = [{"evals": np.stack([r["step"], r["tokens"], r["val"]], 1).astype(float),
@@ -150,7 +154,7 @@ def lm_plot(runs: dict[str, Any], path: pathlib.Path) -> None:
 class LinReg:
   """SGD on ``y = x . w* + noise``, ``x ~ N(0, diag(lambda))``, ``lambda_i ~ i**-decay``."""
 
-  name: str = "small batch"
+  name: str = "small batch, lr 0.1"
   dim: int = 64
   spectrum: float = 1.5
   noise: float = 0.5
@@ -159,7 +163,7 @@ class LinReg:
   halvings: tuple[float, ...] = (0.4, 0.55, 0.7, 0.8, 0.9)  # fractions of the samples
   cap: int = 32  # 2**5: every halving becomes a doubling of the batch
   samples: int = 2**17
-  learning_rate: float = 0.5
+  learning_rate: float = 0.1
 
   @property
   def b0(self) -> int:
@@ -171,7 +175,9 @@ class LinReg:
         self.learning_rate, {int(f * self.samples): 0.5 for f in self.halvings})
 
 
-LINREGS = (LinReg(), LinReg(name="large batch", micro_batch_size=256, samples=2**19))
+LINREGS = (LinReg(name="small batch, lr 0.1", learning_rate=0.1),
+           LinReg(name="small batch, lr 0.5", learning_rate=0.5),
+           LinReg(name="large batch, lr 0.5", micro_batch_size=256, samples=2**19))
 if TINY:
   LINREGS = (LinReg(samples=2**11, dim=8),)
 
@@ -299,13 +305,13 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   out = args.out_dir
   out.mkdir(parents=True, exist_ok=True)
-  t0 = time.perf_counter()
   cache_path = out / ("seesaw_tiny_runs.json" if TINY else "seesaw_runs.json")
   cache = {} if args.fresh or not cache_path.exists() else json.loads(cache_path.read_text())
   try:
     lm_runs(cache)
   finally:
     cache_path.write_text(json.dumps(cache))
+  t0 = time.perf_counter()
   linreg = linreg_runs()
   rule = sl.rule(LM)
   name = "seesaw_tiny" if TINY else "seesaw"
@@ -314,6 +320,7 @@ def main(argv=None) -> None:
          "seesaw_rule": {"thresholds": list(rule.thresholds), "ks": list(rule.ks)},
          "lm": lm_table(cache), "linreg": linreg,
          "seconds": time.perf_counter() - t0 + sum(v["seconds"] for v in cache.values())}
+  # (the LM runs' own times, cached or not, and this call's linear regression)
   _common.write_results(out, name, res, markdown)
   lm_plot(cache, out / f"{name}_lm.png")
   print(markdown(res))

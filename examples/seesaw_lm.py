@@ -96,7 +96,7 @@ class Variant:
   """How a run sets its batch and AdamW's hyperparameters."""
 
   mode: str = "cosine"  # one of MODES
-  weight_decay_coupling: bool = False  # Seesaw: lambda x weight_decay_scale
+  weight_decay_coupling: bool = False  # Seesaw: lambda x sqrt(k / k0), per token
   b2_coupling: bool = False  # Seesaw: b2 ** (k / k0)
   noise_guard: float | None = None  # Seesaw: stop the ramp at noise_guard x B_simple
 
@@ -139,7 +139,10 @@ def _train(params, keys, train, val, *, cfg: Config, variant: Variant, loss_fn):
     if mode == "seesaw":
       k, lr = seesaw.micro_batches(state), seesaw.learning_rate(state)
       if variant.weight_decay_coupling:
-        wd = wd * seesaw.weight_decay_scale(state)
+        # AdamW decays lr * lambda / B per token; Seesaw's lr is the reference's times
+        # sqrt(S) at S times its batch: lambda x sqrt(S) gives back the reference's decay
+        # per token. Measured without effect (docs/seesaw.md), so not part of the rule.
+        wd = wd * seesaw.lr_factor(state)
       if variant.b2_coupling:
         b2 = seesaw.b2(state, cfg.b2)
       return k, lr, wd, b2
@@ -250,9 +253,9 @@ def plot(logs: dict[str, list[dict]], cfg: Config, path: pathlib.Path, title: st
       if j == 0:
         ax_b.plot(lg["tokens"], lg["k"] * cfg.micro_batch_size, color=color, lw=1, label=lab)
   ax_t.set(xlabel="tokens seen", ylabel="validation loss")
-  ax_s.set(xscale="log", xlabel="optimizer steps", ylabel="validation loss")
+  ax_s.set(xlabel="optimizer steps", ylabel="validation loss")
   for ax in (ax_t, ax_s):
-    ax.set_ylim(lo - 0.05, lo + 1.0)
+    ax.set_ylim(lo - 0.05, lo + 0.6)
   ax_b.set(yscale="log", xlabel="tokens seen", ylabel="batch (sequences)")
   for ax in (ax_t, ax_s, ax_b):
     ax.grid(alpha=0.3)

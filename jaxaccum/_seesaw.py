@@ -190,20 +190,6 @@ class Seesaw:
 
   # --------------------------------------------------------------------- couplings
 
-  def weight_decay_scale(self, count: Any) -> jax.Array:
-    """The factor for decoupled weight decay ``lambda`` (AdamW) at ``count`` (float32).
-
-    AdamW shrinks the weights by ``lr * lambda`` per step, ``lr * lambda / B`` per sample.
-    The reference at ``B0`` shrinks them by ``schedule(n) * lambda / B0`` per sample;
-    Seesaw's larger, fewer steps shrink them less. This factor, ``k / (init * lr_factor)``
-    (``sqrt(k / init)`` for ``"adam"``, 1 for ``"sgd"``), gives back the reference's decay
-    per sample (the timescale ``B / (lr lambda D)`` of Bergsma et al. 2025, arXiv
-    2505.13738, in tokens, held to the reference's).
-    """
-    ratio = jnp.asarray(self._ks, jnp.float32)[self.level(count)] / jnp.float32(
-        self.init_micro_batches)
-    return ratio / self.lr_factor(count)
-
   def b2(self, count: Any, b2: float) -> jax.Array:
     """Adam's ``b2`` at ``count`` that keeps its half-life in samples: ``b2 ** (k / init)``.
 
