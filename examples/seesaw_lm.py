@@ -180,13 +180,15 @@ def _train(params, keys, train, val, *, cfg: Config, variant: Variant, loss_fn):
       next_eval = jnp.where(due, (tokens // cfg.eval_every_tokens + 1)
                             * cfg.eval_every_tokens, next_eval)
       out = {"k": k, "lr": lr, "tokens": tokens, "loss": loss, "val": val_now,
-             "level_cap": state.max_level}
+             "level_cap": state.max_level,
+             "b_simple": seesaw.noise_scale.b_simple(state.noise)}  # guarded runs only
       return (params, opt, state, ctrl, split[:, 1], tokens, next_eval), out
 
     def skip(carry):
       nan = jnp.full((r,), jnp.nan)
       return carry, {"k": jnp.int32(0), "lr": jnp.float32(0), "tokens": carry[5],
-                     "loss": nan, "val": nan, "level_cap": carry[2].max_level}
+                     "loss": nan, "val": nan, "level_cap": carry[2].max_level,
+                     "b_simple": jnp.float32(jnp.nan)}
 
     return jax.lax.cond(carry[5] < cfg.tokens, run, skip, carry)
 
@@ -224,7 +226,8 @@ def train(cfg: Config, variant: Variant, *, seeds, data) -> list[dict[str, Any]]
       logs.append({"k": out["k"][:steps_run], "lr": out["lr"][:steps_run],
                    "tokens": out["tokens"][:steps_run], "loss": out["loss"][:steps_run, i],
                    "evals": evals, "seed": seed,
-                   "level_cap": out["level_cap"][:steps_run]})
+                   "level_cap": out["level_cap"][:steps_run],
+                   "b_simple": out["b_simple"][:steps_run]})
   return logs
 
 
