@@ -39,8 +39,8 @@ def hand(schedule, n, *, init, cap, optimizer="adam", r=2, start=0):
 
 
 def check_against_hand(rule, counts):
-  """Every path (Python int, jitted int32, SeesawState, AdaptiveBatchState) gives the hand
-  sequence: k exactly, the learning rate to float32 round-off."""
+  """Every path (Python int, jitted int32 and float32, SeesawState, AdaptiveBatchState)
+  gives the hand sequence: k exactly, the learning rate to float32 round-off."""
   kw = dict(init=rule.init_micro_batches, cap=rule.max_micro_batches,
             optimizer=rule.optimizer, r=rule.ramp_factor, start=rule.decay_start)
   want = [hand(rule.schedule, int(n), **kw) for n in counts]
@@ -54,6 +54,14 @@ def check_against_hand(rule, counts):
     assert jax.jit(jax.vmap(rule.micro_batches))(arr).tolist() == ks[:len(small)]
     states = jax.vmap(lambda n: rule.update(rule.init(), samples=n))(arr.astype(jnp.float32))
     assert jax.jit(jax.vmap(rule.micro_batches))(states).tolist() == ks[:len(small)]
+    ab = jaxaccum.AdaptiveBatch(8).init()
+    for n, k in zip(small[:8], ks, strict=False):  # the controller's exact counter
+      ab_state = ab._replace(samples_hi=jnp.int32(n >> 24),
+                             samples_lo=jnp.int32(n & (2**24 - 1)))
+      assert int(jax.jit(rule.micro_batches)(ab_state)) == k
+    exact = [n for n in small if n < 2**24]  # float32 counts, exact below 2**24
+    got = jax.jit(jax.vmap(rule.micro_batches))(jnp.asarray(exact, jnp.float32)).tolist()
+    assert got == ks[:len(exact)]
 
 
 # --- hand-picked references ------------------------------------------------------------------
