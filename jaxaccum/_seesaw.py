@@ -329,7 +329,7 @@ def seesaw(
       state's counter); non-increasing from ``decay_start`` on, positive at its peak.
     init_micro_batches: ``k`` at the start (the batch the reference was tuned at).
     max_micro_batches: the cap on ``k`` (at most the step's ``num_micro_batches``).
-    optimizer: ``"adam"`` (Adam, AdamW, normalised SGD, Lion-like sign methods) or
+    optimizer: ``"adam"`` (Adam, AdamW, normalised SGD) or
       ``"sgd"`` (SGD with or without momentum).
     ramp_factor: the batch's factor per level, an int >= 2 (2: the paper's rule).
     decay_start: the count of the reference's peak (the end of its warm-up).
