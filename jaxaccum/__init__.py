@@ -39,6 +39,9 @@ from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._ramp import batch_size_ramp_by_count as batch_size_ramp_by_count
 from jaxaccum._rows import RowFeeder as RowFeeder
 from jaxaccum._rows import place_active_rows as place_active_rows
+from jaxaccum._seesaw import Seesaw as Seesaw
+from jaxaccum._seesaw import SeesawState as SeesawState
+from jaxaccum._seesaw import seesaw as seesaw
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._stats import ClipPerExample as ClipPerExample
@@ -81,6 +84,8 @@ __all__ = (
     "Plan",
     "PlanCandidate",
     "RowFeeder",
+    "Seesaw",
+    "SeesawState",
     "batch_size_ramp",
     "batch_size_ramp_by_count",
     "capture_gpu_target",
@@ -100,6 +105,7 @@ __all__ = (
     "place_padding_last",
     "plan",
     "plan_step",
+    "seesaw",
     "split_micro_batches",
     "target_mesh",
     "value_and_grad",
