@@ -206,3 +206,40 @@ def test_the_gram_guard_under_data_axis(method):
   want = [np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(
       jax.grad(loss)(params, x[j:j + 1])))) for j in range(16)]
   np.testing.assert_allclose(np.asarray(info.example_grad_norms), want, rtol=1e-4)
+
+
+def _cnn(p, batch):
+  x, y = batch
+  dn = ("NHWC", "HWIO", "NHWC")
+  h = jax.nn.relu(jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME", dimension_numbers=dn))
+  h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["k2"], (1, 1), "SAME",
+                                               dimension_numbers=dn))
+  return jnp.sum((h.reshape(h.shape[0], -1) @ p["w"] - y) ** 2)
+
+
+def test_auto_materialises_where_ghost_norms_save_little():
+  # Most parameters in a convolution kernel, whose per-example gradient the ghost step forms
+  # anyway: "auto" takes the materialised program (no second pass); a dense model keeps
+  # ghost norms. Both give the clipped sum of a hand loop.
+  rng = np.random.default_rng(1)
+  cnn = {"k": jnp.asarray(rng.normal(size=(3, 3, 1, 8)), jnp.float32) / 3,
+         "k2": jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32) / 9,
+         "w": jnp.asarray(rng.normal(size=(4 * 4 * 8, 2)), jnp.float32) / 10}
+  cnn_batch = (rng.normal(size=(4, 4, 4, 1)).astype(np.float32),
+               rng.normal(size=(4, 2)).astype(np.float32))
+  mlp = _mlp_params(1)
+  mlp_batch = (rng.normal(size=(4, 4)).astype(np.float32),
+               rng.normal(size=(4, 3)).astype(np.float32))
+  for loss, params, batch, little in ((_cnn, cnn, cnn_batch, True),
+                                      (_mlp, mlp, mlp_batch, False)):
+    one = jax.tree.map(lambda a: a[:, None], batch)
+    got = _ghost.clipped_sum(lambda d, x, loss=loss: (loss(d[0], x), ()), (params,), one, 0,
+                             jaxaccum.clip_per_example(0.5).factors, strict=False,
+                             norms=True, auto=True)
+    assert (got is None) == little
+    auto = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
+                                 per_example_transform=jaxaccum.clip_per_example(0.5)))
+    ref = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
+                                per_example_transform=jaxaccum.clip_per_example(
+                                    0.5, "materialize")))
+    chex.assert_trees_all_close(auto(params, batch), ref(params, batch), rtol=1e-5, atol=1e-6)
