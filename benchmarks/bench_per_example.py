@@ -260,7 +260,14 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
 
 def main(argv: Sequence[str] | None = None) -> None:
   _common.main(__doc__, run, markdown, quick_help="smaller models, fewer repeats",
-               out_dir=RESULTS, argv=argv)
+               out_dir=RESULTS, tiny=_tiny, argv=argv)
+
+
+def _tiny() -> dict[str, Any]:
+  """The tiny mode's problem (``--tiny``): the MLP at its smallest (the LM runs the same
+  code)."""
+  return {"configs": {"mlp": bench_accumulation.MLPConfig(batch=8, d_in=4, hidden=8, depth=1)},
+          "sizes": {"mlp": (2,)}}
 
 
 if __name__ == "__main__":

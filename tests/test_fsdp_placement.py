@@ -242,6 +242,11 @@ def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind,
   assert colls.bytes("all-gather") == params["w"].size * 4, str(colls)
   assert colls.count("reduce-scatter", in_loop=scatter == "micro_batch") >= 1, str(colls)
   assert colls.count("reduce-scatter", in_loop=scatter != "micro_batch") == 0, str(colls)
+  # The program's computations, split by the same loop walk: each op's line is in its own.
+  inside, outside = colls.computations(in_loop=True), colls.computations(in_loop=False)
+  assert not set(inside) & set(outside) and {**inside, **outside} == colls.computations()
+  for c in colls:
+    assert c.line in map(str.strip, (inside if c.in_loop else outside)[c.computation]), c
   assert_close(value, ref_loss)
   assert_close(grads, ref_grads)
   assert grads["w"].sharding.spec == sharded["w"].sharding.spec
