@@ -633,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   _common.add_tiny(parser)
   args = parser.parse_args(argv)
   out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
-  tiny = {"ns": args.ns or (2,), "models": args.models or ("mlp",), "repeats": 1,
+  tiny = {"ns": args.ns or (1, 2), "models": args.models or ("mlp",), "repeats": 1,
           "warmup": 1, "compile_repeats": 1, "configs": TINY_CONFIGS,
           "progress": False} if args.tiny else {}
   kwargs = {"ns": args.ns, "models": args.models or list(PROBLEMS), "repeats": args.repeats,

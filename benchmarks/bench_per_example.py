@@ -264,10 +264,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _tiny() -> dict[str, Any]:
-  """The tiny mode's problem (``--tiny``): the MLP at its smallest (the LM runs the same
+  """The tiny mode's problem (``--tiny``): the LM at its smallest (the MLP runs the same
   code)."""
-  return {"configs": {"mlp": bench_accumulation.MLPConfig(batch=8, d_in=4, hidden=8, depth=1)},
-          "sizes": {"mlp": (2,)}}
+  return {"configs": {"lm": LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1)},
+          "sizes": {"lm": (2,)}}
 
 
 if __name__ == "__main__":
