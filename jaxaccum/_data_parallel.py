@@ -408,7 +408,7 @@ def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
   batch = {k: jax.tree.flatten(call_args[k] if isinstance(k, int) else call_kwargs.get(k))
            for k in batch_keys}
   at = [(k, i) for k, (flat, _) in batch.items() for i, x in enumerate(flat)
-        if _sharding._is_array(x) and np.size(x) and _numeric(x)]
+        if isinstance(x, jax.Array) and np.size(x) and _numeric(x)]
   if not at:
     return shards
   firsts = [lax.stop_gradient(batch[k][0][i][(0,) * np.ndim(batch[k][0][i])]) for k, i in at]
