@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 GPU_VENV  := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: demo test test-gpu-target lint bench bench-quick clean docs typecheck test-min test-latest dist dist-check
+.PHONY: demo test test-gpu-target lint bench bench-quick bench-tiny clean docs typecheck test-min test-latest dist dist-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ bench: $(STAMP) $(GPU_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python benchmarks/bench_overlap.py
 
+# Every benchmark's tiny mode (the smallest problems, results in a temporary folder): checks
+# that each script runs, in a few minutes; the suite runs the same (tests/test_benchmarks.py,
+# tests_gpu_target/test_benchmarks.py).
+BENCH_SCRIPTS := accumulation adaptive adaptive_lm evaluate features per_example pipeline sharding
+bench-tiny: $(STAMP) $(GPU_STAMP)
+	for b in $(BENCH_SCRIPTS); do BENCH_TINY=1 $(BIN)/python benchmarks/bench_$$b.py || exit 1; done
+	JAX_PLATFORMS=cpu BENCH_TINY=1 $(GPU_VENV)/bin/python benchmarks/bench_gpu_target.py
+	JAX_PLATFORMS=cpu BENCH_TINY=1 $(GPU_VENV)/bin/python benchmarks/bench_pipeline.py --target-only
+	JAX_PLATFORMS=cpu BENCH_TINY=1 $(GPU_VENV)/bin/python benchmarks/bench_overlap.py
+
 bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_accumulation.py
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_sharding.py
@@ -46,7 +56,7 @@ bench-quick: $(STAMP)
 	BENCH_QUICK=1 $(BIN)/python benchmarks/bench_pipeline.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist worksteal -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=25
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 # Compiles for described H100/H200/A100/B200 GPUs on this machine (no GPU needed).
@@ -90,7 +100,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
 	$(LATEST_VENV)/bin/python --version
 	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E -i '^(jax|jaxlib|optax|flax|chex|numpy|equinox) '
-	$(LATEST_VENV)/bin/python -m pytest -n $(LATEST_JOBS) --dist worksteal -q
+	$(LATEST_VENV)/bin/python -m pytest -n $(LATEST_JOBS) --dist worksteal -q --durations=25
 
 # A wheel and an sdist in dist/, checked by twine.
 dist: $(STAMP)

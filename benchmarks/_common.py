@@ -1,5 +1,11 @@
 """Shared benchmark helpers: compile with statistics, interleaved timing, the environment.
 
+Every benchmark also has a tiny mode (``--tiny`` or ``BENCH_TINY=1``, :func:`add_tiny`):
+the smallest problems, one timed repeat, its results written to a fresh temporary folder
+(never over ``benchmarks/results``). It checks that the script runs end to end, not a
+figure; ``tests/test_benchmarks.py`` (and ``tests_gpu_target/test_benchmarks.py`` for the
+scripts that need the ``gpu-plan`` environment) run it.
+
 Every benchmark compiles first (``.lower(...).compile()``, timed), warms up, then times
 its methods round-robin in one process (repeat ``r`` visits the methods in an order
 rotated by ``r``, so drift in the machine's load falls on all of them alike) and reports
@@ -15,6 +21,7 @@ import os
 import pathlib
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,17 +117,47 @@ def write_results(out_dir: pathlib.Path, name: str, results: dict[str, Any],
   (out_dir / f"{name}.md").write_text(markdown(results))
 
 
+def tiny_from_env() -> bool:
+  """Whether ``BENCH_TINY`` asks for the tiny mode (any value but empty or ``0``)."""
+  return os.environ.get("BENCH_TINY", "") not in ("", "0")
+
+
+def add_tiny(parser: argparse.ArgumentParser) -> None:
+  """Adds ``--tiny`` (default: ``BENCH_TINY=1``) to a benchmark's command line."""
+  parser.add_argument("--tiny", action="store_true", default=tiny_from_env(),
+                      help="the smallest problems and one repeat, results in a temporary "
+                      "folder: checks that the script runs (also BENCH_TINY=1)")
+
+
+def out_dir_for(tiny: bool, out_dir: pathlib.Path | None, default: pathlib.Path
+                ) -> pathlib.Path:
+  """Where results go: ``out_dir`` if given, else a fresh temporary folder in the tiny
+  mode (its figures mean nothing), else ``default``."""
+  if out_dir is not None:
+    return out_dir
+  if tiny:
+    return pathlib.Path(tempfile.mkdtemp(prefix="jaxaccum-bench-tiny-"))
+  return default
+
+
 def main(doc: str, run: Callable[..., dict[str, Any]], markdown: Callable[..., str], *,
-         quick_help: str, out_dir: pathlib.Path, argv: Sequence[str] | None = None) -> None:
+         quick_help: str, out_dir: pathlib.Path, tiny: Callable[[], dict[str, Any]],
+         argv: Sequence[str] | None = None) -> None:
   """The command line shared by the feature benchmarks: ``--quick`` (or ``BENCH_QUICK=1``),
-  ``--repeats``, ``--warmup`` and ``--out-dir``; runs ``run`` and prints its tables."""
+  ``--tiny`` (or ``BENCH_TINY=1``), ``--repeats``, ``--warmup`` and ``--out-dir``; runs
+  ``run`` and prints its tables. In the tiny mode ``run`` also gets ``tiny()``'s keyword
+  arguments (the smallest problems)."""
   parser = argparse.ArgumentParser(description=doc.split("\n")[0])
   parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
                       == "1", help=f"{quick_help} (also BENCH_QUICK=1)")
+  add_tiny(parser)
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--warmup", type=int)
-  parser.add_argument("--out-dir", type=pathlib.Path, default=out_dir)
+  parser.add_argument("--out-dir", type=pathlib.Path)
   args = parser.parse_args(argv)
-  results = run(quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-                out_dir=args.out_dir)
+  where = out_dir_for(args.tiny, args.out_dir, out_dir)
+  results = run(quick=args.quick or args.tiny, repeats=1 if args.tiny else args.repeats,
+                warmup=1 if args.tiny else args.warmup, out_dir=where,
+                **(tiny() if args.tiny else {}))
   print(markdown(results))
+  print(f"results in {where}")

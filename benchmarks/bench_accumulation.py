@@ -178,6 +178,11 @@ def default_configs(platform: str, quick: bool) -> dict[str, Any]:
   return {"mlp": MLPConfig(), "transformer": LMConfig()}
 
 
+# The tiny mode (--tiny): the smallest problems, to check that the script runs.
+TINY_CONFIGS = {"mlp": MLPConfig(batch=16, d_in=8, hidden=16, depth=1),
+                "transformer": LMConfig(batch=8, seq=8, vocab=16, d_model=16, heads=2, layers=1)}
+
+
 # ---------------------------------------------------------------------------- methods
 
 
@@ -618,17 +623,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                       default=os.environ.get("BENCH_QUICK", "") not in ("", "0"),
                       help="small models, N in 1,4,16,64, 5 repeats (also BENCH_QUICK=1)")
   parser.add_argument("--ns", type=int, nargs="+", help="micro-batch counts N")
-  parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+  parser.add_argument("--models", nargs="+", choices=list(PROBLEMS),
+                      help="default: all; mlp only in the tiny mode")
   parser.add_argument("--repeats", type=int, help="timed repeats per method")
   parser.add_argument("--warmup", type=int, help="warm-up steps per method")
   parser.add_argument("--compile-repeats", type=int,
                       help="compilations per executable; the fastest is reported")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out-dir", type=pathlib.Path, help=f"default: {RESULTS}")
+  _common.add_tiny(parser)
   args = parser.parse_args(argv)
-  results = run(quick=args.quick, ns=args.ns, models=args.models, repeats=args.repeats,
-                warmup=args.warmup, compile_repeats=args.compile_repeats, out_dir=args.out_dir)
+  out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
+  tiny = {"ns": args.ns or (1, 2), "models": args.models or ("mlp",), "repeats": 1,
+          "warmup": 1, "compile_repeats": 1, "configs": TINY_CONFIGS,
+          "progress": False} if args.tiny else {}
+  kwargs = {"ns": args.ns, "models": args.models or list(PROBLEMS), "repeats": args.repeats,
+            "warmup": args.warmup, "compile_repeats": args.compile_repeats, **tiny}
+  results = run(quick=args.quick or args.tiny, out_dir=out_dir, **kwargs)
   print(markdown(results))
-  print(f"wrote {args.out_dir}/accumulation.json, accumulation.md, "
+  print(f"wrote {out_dir}/accumulation.json, accumulation.md, "
         "accumulation_step_time.png, accumulation_memory.png")
 
 

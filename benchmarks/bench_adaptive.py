@@ -199,7 +199,13 @@ def write_markdown(out: dict[str, Any], path: pathlib.Path) -> None:
 
 def main() -> None:
   quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
-  seeds = list(range(3 if quick else 6))
+  # --tiny (or BENCH_TINY=1): one seed, a small problem with a near target, the defaults
+  # only, results in a temporary folder: checks that the script runs.
+  tiny = _common.tiny_from_env() or "--tiny" in sys.argv
+  seeds = list(range(1 if tiny else 3 if quick else 6))
+  settings = ({"main": dict(d=8, sigma=1.0, lr=0.05, target=1.0, max_steps=50)} if tiny
+              else SETTINGS)
+  results = _common.out_dir_for(tiny, None, RESULTS)
   default = jaxaccum.AdaptiveBatch(N)
   controllers = {
       "controller (defaults)": default,
@@ -212,11 +218,13 @@ def main() -> None:
   }
   couplings = {f"defaults, lr_scaling={m!r}": dataclasses.replace(default, lr_scaling=m)
                for m in ("sqrt", "linear", "adascale")}
+  if tiny:
+    controllers, couplings = {"controller (defaults)": default}, {}
   t0 = time.perf_counter()
-  out: dict[str, Any] = {"env": _common.device_info(), "settings": SETTINGS,
+  out: dict[str, Any] = {"env": _common.device_info(), "settings": settings,
                          "seeds": seeds, "tables": {}, "goals": {}}
   only = os.environ.get("BENCH_ONLY")
-  for sname, setting in SETTINGS.items():
+  for sname, setting in settings.items():
     if only and sname != only:
       continue
     ctrls = {**controllers, **couplings} if sname == "main" else controllers
@@ -228,18 +236,19 @@ def main() -> None:
       print(f"  {n:45s} steps {v['steps']!s:>8} samples {v['samples']!s:>8} "
             f"reached {v['reached']}/{v['seeds']} k_end {v['final_k']}", flush=True)
   out["seconds"] = time.perf_counter() - t0
-  RESULTS.mkdir(exist_ok=True)
-  if only and (RESULTS / "adaptive_linreg.json").exists():
+  results.mkdir(exist_ok=True)
+  if only and (results / "adaptive_linreg.json").exists():
     # BENCH_ONLY=<setting> reruns one setting and keeps the others' last results.
-    old = json.loads((RESULTS / "adaptive_linreg.json").read_text())
+    old = json.loads((results / "adaptive_linreg.json").read_text())
     for part in ("tables", "goals"):
       out[part] = {**old[part], **out[part]}
     out["settings"] = SETTINGS
-  (RESULTS / "adaptive_linreg.json").write_text(json.dumps(out, indent=1))
-  write_markdown(out, RESULTS / "adaptive_linreg.md")
+  (results / "adaptive_linreg.json").write_text(json.dumps(out, indent=1))
+  write_markdown(out, results / "adaptive_linreg.md")
   for sname, goals in out["goals"].items():
     g = goals["controller (defaults)"]
     print(sname, "defaults:", g)
+  print(f"results in {results}")
 
 
 if __name__ == "__main__":

@@ -303,12 +303,14 @@ def plot(res: dict[str, Any], sw_runs, extra, path: pathlib.Path) -> None:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--phase", choices=("all", "sweep", "rest", "report"), default="all")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=OUT_DIR)
-  parser.add_argument("--tiny", action="store_true",
-                      help="the example's tiny model: a smoke run of the pipeline")
+  parser.add_argument("--out-dir", type=pathlib.Path, help=f"default: {OUT_DIR}")
+  _common.add_tiny(parser)  # the example's tiny model: a smoke run of the pipeline
   args = parser.parse_args(argv)
   cfg = ab.TINY if args.tiny else CONFIG
-  out = args.out_dir
+  if args.tiny:  # one seed, one learning rate, two fixed batches
+    global KS, LRS, SEEDS
+    KS, LRS, SEEDS = (1, 2), (1e-2,), (0,)
+  out = _common.out_dir_for(args.tiny, args.out_dir, OUT_DIR)
   out.mkdir(parents=True, exist_ok=True)
   cache = out / "adaptive_lm_sweep.json"
   cache_rest = out / "adaptive_lm_rest.json"
@@ -329,6 +331,7 @@ def main(argv=None) -> None:
   _common.write_results(out, "adaptive_lm", res, markdown)
   plot(res, sw["runs"], extra, out / "adaptive_lm.png")
   print(markdown(res))
+  print(f"results in {out}")
 
 
 if __name__ == "__main__":

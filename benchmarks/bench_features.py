@@ -194,7 +194,8 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
 
 def main(argv: Sequence[str] | None = None) -> None:
   _common.main(__doc__, run, markdown, quick_help="fewer repeats", out_dir=RESULTS,
-               argv=argv)
+               tiny=lambda: {"cfg": bench_accumulation.MLPConfig(batch=16, d_in=8, hidden=16,
+                                                                 depth=1)}, argv=argv)
 
 
 if __name__ == "__main__":

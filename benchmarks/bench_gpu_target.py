@@ -44,6 +44,7 @@ import math  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -56,7 +57,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from jaxaccum import _collectives  # noqa: E402 (its HLO walk: one parser)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 GIB = 2.0**30
@@ -152,7 +155,11 @@ def mlp_problem(cfg: MLPConfig):
   return loss_fn, params, batch
 
 
-def problems(quick: bool) -> dict[str, tuple[Any, Any]]:
+def problems(quick: bool, tiny: bool = False) -> dict[str, tuple[Any, Any]]:
+  if tiny:  # --tiny: the smallest scanned LM (the MLP runs the same code), to check that
+    # the script runs
+    return {"lm": (lm_problem, LMConfig(batch=64, seq=8, vocab=64, d_model=32, heads=2,
+                                        layers=2))}
   return {"lm": (lm_problem, LMConfig()), "mlp": (mlp_problem, MLPConfig())}
 
 
@@ -195,11 +202,9 @@ _INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(")
 
 
 def _loop_computations(text: str):
-  """The HLO computations by name, and those that run inside a while loop (the micro-batch
-  loop and everything it calls), read with the HLO walk ``jaxaccum.collectives`` uses."""
-  comps, entry = _collectives._computations(text)
-  depth, _, _ = _collectives._contexts(comps, entry)
-  return comps, [c for c, d in depth.items() if d >= 1]
+  """The HLO computations that run inside a while loop (the micro-batch loop and everything
+  it calls), by name, read with the HLO walk of ``jaxaccum.collectives``."""
+  return jaxaccum.Collectives.from_text(text).computations(in_loop=True)
 
 
 def collectives(compiled) -> list[dict[str, Any]]:
@@ -217,10 +222,10 @@ def collectives(compiled) -> list[dict[str, Any]]:
 
 def fusion_report(text: str, weight_shapes: set[tuple[int, ...]]) -> dict[str, Any]:
   """Weight-gradient GEMMs in the micro-batch loop and where their float32 add happens."""
-  comps, in_loop = _loop_computations(text)
+  in_loop = _loop_computations(text)
   cublas = cublas_beta1 = triton = adds = 0
-  for c in in_loop:
-    for line in comps[c]:
+  for lines in in_loop.values():
+    for line in lines:
       m = _INSTR.match(line)
       if not m:
         continue
@@ -442,11 +447,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
                       == "1", help="N in {1, 4, 16} only (also BENCH_QUICK=1)")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out-dir", type=pathlib.Path, help=f"default: {RESULTS}")
+  _common.add_tiny(parser)
   args = parser.parse_args(argv)
-  ns = QUICK_NS if args.quick else ALL_NS
-  targets = ("h100", "h200")
-  device_counts = (1, 8, 16)
+  args.out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
+  ns = (2,) if args.tiny else QUICK_NS if args.quick else ALL_NS
+  targets = ("h100",) if args.tiny else ("h100", "h200")
+  device_counts = (8,) if args.tiny else (1, 8, 16)
   start = time.perf_counter()
   results: dict[str, Any] = {
       "note": NOTE,
@@ -456,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  f"benchmarks/bench_gpu_target.py{' --quick' * args.quick}",
                       "quick": args.quick},
       "models": {}, "memory": [], "collectives": [], "fusion": []}
-  for name, (make, cfg) in problems(args.quick).items():
+  for name, (make, cfg) in problems(args.quick, args.tiny).items():
     _, params, _ = make(cfg)
     results["models"][name] = {"params": num_params(params), "config": dataclasses.asdict(cfg)}
     print(f"{name}: {num_params(params):,} parameters", flush=True)
@@ -471,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   (args.out_dir / f"gpu_target{suffix}.md").write_text(markdown(results))
   plot(results, args.out_dir / f"gpu_target{suffix}_memory.png")
   print(markdown(results))
-  print(f"done in {results['environment']['seconds']:.0f} s")
+  print(f"done in {results['environment']['seconds']:.0f} s; results in {args.out_dir}")
 
 
 if __name__ == "__main__":

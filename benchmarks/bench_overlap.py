@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxaccum  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
 import bench_gpu_target as gt  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -187,7 +188,9 @@ def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any],
           "temp": float(compiled.memory_analysis().temp_size_in_bytes), **sched}
 
 
-def problems(quick: bool) -> dict[str, tuple[Any, Any]]:
+def problems(quick: bool, tiny: bool = False) -> dict[str, tuple[Any, Any]]:
+  if tiny:  # --tiny: the tiny model of bench_gpu_target.py
+    return gt.problems(quick, tiny=True)
   if quick:
     return {"mlp": (gt.mlp_problem, gt.MLPConfig(batch=1024, d_in=256, hidden=1024)),
             "lm": (gt.lm_problem, gt.LMConfig(batch=64, seq=256, vocab=4096, d_model=256,
@@ -195,9 +198,9 @@ def problems(quick: bool) -> dict[str, tuple[Any, Any]]:
   return {"mlp": (gt.mlp_problem, gt.MLPConfig()), "lm": (gt.lm_problem, gt.LMConfig())}
 
 
-def run(quick: bool, flag_sets: Sequence[str]) -> list[dict[str, Any]]:
+def run(quick: bool, flag_sets: Sequence[str], tiny: bool = False) -> list[dict[str, Any]]:
   rows = []
-  for name, (make, cfg) in problems(quick).items():
+  for name, (make, cfg) in problems(quick, tiny).items():
     loss_fn, params, batch = make(cfg)
     runs = [(label, overlap, N) for label in flag_sets for overlap in (False, True)]
     # The memory reference: the option's temporaries against half as many micro-batches.
@@ -250,8 +253,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       default=os.environ.get("BENCH_QUICK") == "1",
                       help="smaller models (also BENCH_QUICK=1)")
   parser.add_argument("--flags", nargs="*", default=list(FLAGS), choices=list(FLAGS))
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out-dir", type=pathlib.Path, help=f"default: {RESULTS}")
+  _common.add_tiny(parser)
   args = parser.parse_args(argv)
+  args.out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
+  if args.tiny:  # one flag set
+    args.flags = args.flags[:1]
   start = time.perf_counter()
   results: dict[str, Any] = {
       "environment": {"jax": jax.__version__, "host_cpus": os.cpu_count(),
@@ -259,15 +266,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                       "command": "JAX_PLATFORMS=cpu .venv-gpu/bin/python "
                                  f"benchmarks/bench_overlap.py{' --quick' * args.quick}"},
       "models": {name: {"config": dataclasses.asdict(cfg)}
-                 for name, (_, cfg) in problems(args.quick).items()}}
-  results["rows"] = run(args.quick, args.flags)
+                 for name, (_, cfg) in problems(args.quick, args.tiny).items()}}
+  results["rows"] = run(args.quick, args.flags, args.tiny)
   results["environment"]["seconds"] = time.perf_counter() - start
   args.out_dir.mkdir(parents=True, exist_ok=True)
   suffix = "_quick" if args.quick else ""
   (args.out_dir / f"overlap{suffix}.json").write_text(json.dumps(results, indent=1))
   (args.out_dir / f"overlap{suffix}.md").write_text(markdown(results))
   print(markdown(results))
-  print(f"done in {results['environment']['seconds']:.0f} s")
+  print(f"done in {results['environment']['seconds']:.0f} s; results in {args.out_dir}")
 
 
 if __name__ == "__main__":

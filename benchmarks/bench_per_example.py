@@ -296,7 +296,14 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
 
 def main(argv: Sequence[str] | None = None) -> None:
   _common.main(__doc__, run, markdown, quick_help="smaller models, fewer repeats",
-               out_dir=RESULTS, argv=argv)
+               out_dir=RESULTS, tiny=_tiny, argv=argv)
+
+
+def _tiny() -> dict[str, Any]:
+  """The tiny mode's problem (``--tiny``): the LM at its smallest (the MLP runs the same
+  code)."""
+  return {"configs": {"lm": LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1)},
+          "sizes": {"lm": (2,)}}
 
 
 if __name__ == "__main__":

@@ -264,13 +264,19 @@ def main(argv=None) -> None:
   parser.add_argument("--quick", action="store_true",
                       default=os.environ.get("BENCH_QUICK", "") not in ("", "0"),
                       help="M in {2, 8, 32}, fewer repeats (also BENCH_QUICK=1)")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out-dir", type=pathlib.Path, help=f"default: {RESULTS}")
   parser.add_argument("--target-only", action="store_true",
                       help="only compile for 8 described H100s (needs the gpu-plan extra and "
                       "JAX_PLATFORMS=cpu); writes pipeline_target.{json,md}")
+  _common.add_tiny(parser)
   args = parser.parse_args(argv)
+  args.out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
+  ms = (2,) if args.tiny else (2, 8, 32) if args.quick else None
+  if args.tiny:  # the smallest blocks (still 16 on 8 stages), one timed step
+    global BATCH, WIDTH, HIDDEN
+    BATCH, WIDTH, HIDDEN = 16, 8, 16
   if args.target_only:
-    ms = (2, 8, 32) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    ms = ms or (1, 2, 4, 8, 16, 32, 64)
     target = {"environment": _common.device_info(), "target": target_section(ms)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "pipeline_target.json").write_text(json.dumps(target, indent=1))
@@ -287,14 +293,17 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     (args.out_dir / "pipeline_target.md").write_text(text)
     print(text)
+    print(f"results in {args.out_dir}")
     return
-  result = run(args.quick)
+  result = run(args.quick, ms, repeats=1 if args.tiny else None,
+               warmup=1 if args.tiny else 2)
   args.out_dir.mkdir(parents=True, exist_ok=True)
   (args.out_dir / "pipeline.json").write_text(json.dumps(result, indent=1))
   text = markdown(result)
   (args.out_dir / "pipeline.md").write_text(text)
   plot(result, args.out_dir / "pipeline.png")
   print(text)
+  print(f"results in {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def run(args) -> dict:
   params0, batch0 = problem(args.batch, args.features, args.hidden, args.classes)
   ref = jax.jit(jax.value_and_grad(loss_fn))(params0, batch0)
   rows = []
-  for kind in ("dp", "dp_fsdp"):
+  for kind in ("dp",) if args.tiny else ("dp", "dp_fsdp"):  # tiny: one mesh
     runners, stats = {}, {}
     for method, axis_type in METHODS:
       mesh, batch_spec, param_spec, data_axis = layout(kind, axis_type)
@@ -191,6 +191,8 @@ def markdown(result: dict) -> str:
                       ("dp_fsdp", "DP x FSDP: 4 x data by 2 x fsdp, parameters sharded "
                                   "over fsdp")):
     rows = [r for r in result["rows"] if r["mesh"] == kind]
+    if not rows:
+      continue
     base = {r["N"]: r["step_ms"] for r in rows
             if r["method"] == "jaxaccum" and r["axes"] == "Auto"}
     lines += [f"## {title}", "",
@@ -297,6 +299,8 @@ def run_placement(args, target: str | None = None) -> list[dict]:
   if target is None:
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     sizes = {"MLP": (mlp_fsdp, 256, 512, 4), "scan LM": (scan_lm, 64, 256, 4)}
+    if args.tiny:  # the MLP only: the scanned LM runs the same code
+      sizes = {"MLP": (mlp_fsdp, 32, 16, 2)}
   else:
     base = jaxaccum.target_mesh(target, (8,), ("data",))
     mesh = jax.sharding.Mesh(base.devices, base.axis_names,
@@ -396,17 +400,23 @@ def main(argv=None) -> None:
   parser.add_argument("--classes", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out", type=pathlib.Path, help=f"default: {RESULTS}")
   parser.add_argument("--section", choices=("all", "methods", "placement"), default="all",
                       help="methods: the mesh comparison; placement: the FSDP placements")
   parser.add_argument("--placement-n", type=int, default=4)
   parser.add_argument("--gpu-target", default="h100",
                       help="described GPU for the placement section ('' to skip); needs the "
                            "gpu-plan extra and JAX_PLATFORMS=cpu")
+  _common.add_tiny(parser)
   args = parser.parse_args(argv)
   args.ns = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16]
   if args.quick:
     args.repeats = min(args.repeats, 10)
+  if args.tiny:  # the smallest problems, on this machine's devices only
+    args.ns, args.repeats, args.warmup, args.placement_n = [2], 1, 1, 2
+    args.batch, args.features, args.hidden, args.classes = 32, 8, 16, 4
+    args.gpu_target = ""
+  args.out = _common.out_dir_for(args.tiny, args.out, RESULTS)
   args.out.mkdir(parents=True, exist_ok=True)
   if args.section in ("all", "methods"):
     result = run(args)
@@ -427,6 +437,7 @@ def main(argv=None) -> None:
     table = placement_markdown(result)
     (args.out / "sharding_placement.md").write_text(table + "\n")
     print(table)
+  print(f"results in {args.out}")
 
 
 if __name__ == "__main__":

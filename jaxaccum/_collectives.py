@@ -198,6 +198,11 @@ class Collectives:
   _calls: Mapping[str, tuple[_Call, ...]] = dataclasses.field(
       default_factory=dict, repr=False, compare=False)
   _entry: str | None = dataclasses.field(default=None, repr=False, compare=False)
+  # Every computation the entry reaches: its instruction lines and its loop depth.
+  _lines: Mapping[str, tuple[str, ...]] = dataclasses.field(
+      default_factory=dict, repr=False, compare=False)
+  _depths: Mapping[str, int] = dataclasses.field(
+      default_factory=dict, repr=False, compare=False)
 
   @classmethod
   def from_text(cls, text: str, mesh: Any = None) -> Collectives:
@@ -263,6 +268,28 @@ class Collectives:
       runs = [c.executions for c in ops]
       return None if None in runs else sum(r for r in runs if r is not None)
     return _max_runs(self._calls, self._entry, collections.Counter(c.computation for c in ops))
+
+  def computations(self, in_loop: bool | None = None) -> dict[str, tuple[str, ...]]:
+    """The program's HLO computations that its entry reaches, by name, each as its
+    instruction lines; with ``in_loop``, only those that run inside (``True``: in a
+    ``while`` loop's body or condition, or called from there) or outside (``False``) a
+    loop. Empty for a :class:`Collectives` built without a program.
+
+    To read other ops than collectives where the loops put them, e.g. the GEMMs that run
+    once per micro-batch:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxaccum
+    >>> def f(w, xs):
+    ...   return jax.lax.scan(lambda w, x: (jnp.tanh(x @ w), None), w, xs)[0]
+    >>> found = jaxaccum.collectives(f, jax.ShapeDtypeStruct((4, 4), jnp.float32),
+    ...                              jax.ShapeDtypeStruct((3, 4, 4), jnp.float32))
+    >>> any(" dot(" in line for lines in found.computations(in_loop=True).values()
+    ...     for line in lines)
+    True
+    """
+    return {c: lines for c, lines in self._lines.items()
+            if in_loop is None or (self._depths[c] > 0) == bool(in_loop)}
 
   def summary(self) -> str:
     """A table per kind: ops, bytes, in a loop, deepest loop, executions per call (at most,
@@ -551,7 +578,8 @@ def _parse(text: str, mesh: tuple[tuple[str, int], ...] | None) -> Collectives:
                             source_target_pairs=pairs, mesh_axes=axes, groups=raw,
                             name=name, computation=c, line=line.strip()))
   return Collectives(ops=tuple(ops), num_loops=loops, mesh_shape=mesh, _calls=calls,
-                     _entry=entry)
+                     _entry=entry, _lines={c: tuple(comps[c]) for c in depth},
+                     _depths=dict(depth))
 
 
 # ------------------------------------------------------------------------ compiling

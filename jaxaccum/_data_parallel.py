@@ -273,7 +273,10 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   """
   per_micro_batch = opts.param_gather == "micro_batch"
   step_scatter = opts.grad_scatter == "step"
-  in_fun: dict[Any, Callable[[Any, Any], Any]] = {}
+  # Per argument: (value, its shards) -> the value fun sees; and the shards to gather where
+  # they are not the argument's own leaves (the shards behind full-size zeros).
+  in_fun: dict[Any, Callable[[Any, list], Any]] = {}
+  own: dict[Any, list] = {}
   closed: list = []
   for k, gs in placed.gathers.items():
     if k in roles.batch or k in roles.batch_names or not any(gs):
@@ -290,13 +293,14 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
       else:
         value = jax.tree.unflatten(treedef, full)
     elif diff and step_scatter:
-      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=leaves)
+      in_fun[k] = functools.partial(_gather_into, gathers=gs, add=True)
+      own[k] = leaves
       closed += leaves
       value = jax.tree.unflatten(treedef, [
           jnp.zeros(_gathered_shape(x.shape, g, mesh), x.dtype) if g else x
           for x, g in zip(leaves, gs, strict=True)])
     else:
-      in_fun[k] = functools.partial(_gather_into, gathers=gs, shards=None)
+      in_fun[k] = functools.partial(_gather_into, gathers=gs, add=False)
     where[k] = value
   if not in_fun:
     return opts.fun, closed
@@ -304,33 +308,42 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
 
   def fun_local(*call_args, **call_kwargs):
     call_args = list(call_args)
-    tie = _tie(call_args, call_kwargs, batch_keys) if per_micro_batch else None
+
+    def get(k):
+      return call_args[k] if isinstance(k, int) else call_kwargs[k]
+
+    if per_micro_batch:
+      shards = {k: own[k] if k in own else jax.tree.leaves(get(k)) for k in in_fun}
+      shards = _pin(shards, {k: placed.gathers[k] for k in in_fun}, call_args, call_kwargs,
+                    batch_keys)
+    else:
+      shards = {k: [] for k in in_fun}
     for k, make in in_fun.items():
       if isinstance(k, int):
-        call_args[k] = make(call_args[k], tie)
+        call_args[k] = make(call_args[k], shards[k])
       else:
-        call_kwargs[k] = make(call_kwargs[k], tie)
+        call_kwargs[k] = make(call_kwargs[k], shards[k])
     return opts.fun(*call_args, **call_kwargs)
 
   return fun_local, closed
 
 
-def _use_full(value: Any, tie: Any, *, gathers: tuple, full: list) -> Any:
+def _use_full(value: Any, shards: list, *, gathers: tuple, full: list) -> Any:
   """``value`` (shards) replaced by the arrays gathered before the loop, differentiably."""
-  del tie
+  del shards
   leaves, treedef = jax.tree.flatten(value)
   return jax.tree.unflatten(treedef, [
       _gathered_once(x, f, g, tuple(sorted(_sharding._varying(x), key=str))) if g else x
       for x, f, g in zip(leaves, full, gathers, strict=True)])
 
 
-def _gather_into(value: Any, tie: Any, *, gathers: tuple, shards: list | None) -> Any:
-  """The shards (``value``'s, or ``shards`` with ``value`` full-size zeros to add to them)
-  all-gathered in this iteration, pinned to the micro-batch."""
+def _gather_into(value: Any, shards: list, *, gathers: tuple, add: bool) -> Any:
+  """``shards`` (pinned to the micro-batch by :func:`_pin`) all-gathered in this iteration:
+  ``value``'s leaves replaced by them, or (``add``: ``value`` holds full-size zeros, the
+  arguments differentiated under ``grad_scatter="step"``) added to them."""
   leaves, treedef = jax.tree.flatten(value)
-  own = leaves if shards is None else shards
-  full = [_gather(_pin(x, tie), g) if g else x for x, g in zip(own, gathers, strict=True)]
-  if shards is not None:
+  full = [_gather(x, g) if g else x for x, g in zip(shards, gathers, strict=True)]
+  if add:
     full = [f + d if g else d for f, d, g in zip(full, leaves, gathers, strict=True)]
   return jax.tree.unflatten(treedef, full)
 
@@ -364,35 +377,63 @@ def fold_shard(keys: PyTree, axes: tuple) -> PyTree:
   return jax.tree.map(lambda k: jax.random.fold_in(k, shard), _sharding._vary(keys, axes))
 
 
-def _pin(x: jax.Array, tie: Any) -> jax.Array:
-  """``x`` behind an optimization barrier with the micro-batch (``tie``), so that nothing
-  computed from it (the gather) is hoisted out of the loop as loop-invariant.
+def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
+         call_kwargs: dict, batch_keys: tuple) -> dict[Any, list]:
+  """The ``shards`` to gather (per argument, its leaves; those with ``gathers``), behind one
+  optimization barrier with the micro-batch, so that no gather is hoisted out of the loop.
 
-  Measured 2026-12-02 (a model of three sharded layers, ``param_gather="micro_batch"``, both
-  ``grad_scatter`` placements; the compiled HLO read with :func:`jaxaccum.collectives`): on
-  CPU with jax 0.10.2 (at XLA's default and lowest backend optimisation level) and jax
-  0.12.0.1, without the pin XLA moves every all-gather out of the while loop, and with the
-  barrier alone they all stay inside it. A select on an always-false predicate read from
-  the micro-batch, which an earlier version added to the barrier, changed nothing there.
-  Compiled for 8 described H100s with jax 0.12.0.1 the gathers (combined into one) stay in
-  the loop with or without the pin.
+  One element of every numeric array leaf of the micro-batch (the batch arguments of
+  ``call_args`` and ``call_kwargs``, updated in place) goes through the barrier with the
+  shards and is written back into its leaf, unchanged: the barrier's outputs then depend on
+  the iteration and are used by ``fun``, so XLA can neither drop the micro-batch from the
+  barrier nor move the barrier, or the gathers that read it, out of the loop. (A scalar
+  read from the micro-batch whose barrier output nothing used, what an earlier version
+  did, is dropped by XLA's algebraic simplifier, after which the barrier and the gathers
+  are loop-invariant; on a scanned model the gathers then left the loop.) Only if ``fun``
+  uses none of the micro-batch's numeric leaves can XLA still hoist them.
+
+  Measured 2026-12-05 with :func:`jaxaccum.collectives` on the compiled HLO (which
+  all-gathers sit inside the micro-batch ``while`` loop), ``param_gather="micro_batch"``, both
+  ``grad_scatter`` placements, 8 virtual CPU devices, on a scan over stacked layers (weights
+  ``(L, D, D)`` sharded ``P(None, "data", None)``, the usual LLM layout, ``L`` of 2 to 4 and
+  ``D`` of 4 to 64, float32; an ``Explicit`` mesh given through :func:`jax.set_mesh` or
+  ``mesh=``, and an ``Explicit`` data axis next to an ``Auto`` model axis) and on MLPs of
+  separate sharded layers: with jax 0.10.2 and 0.12.0.1
+  every all-gather stays in the loop with this pin; with the earlier one (a scalar whose
+  barrier output nothing used) the scanned model's gather ran once, before the loop, on both.
+  Compiled for 8 described H100s (jax 0.10.2; ``L = 4``, ``D = 512``, bfloat16), the scanned
+  model's gathers stay in the loop with either pin. ``tests/test_fsdp_placement.py`` and
+  ``tests_gpu_target`` check this.
   """
-  if tie is None:
-    return x
-  x, _ = lax.optimization_barrier((x, tie))
-  return x
+  batch = {k: jax.tree.flatten(call_args[k] if isinstance(k, int) else call_kwargs.get(k))
+           for k in batch_keys}
+  at = [(k, i) for k, (flat, _) in batch.items() for i, x in enumerate(flat)
+        if isinstance(x, jax.Array) and np.size(x) and _numeric(x)]
+  if not at:
+    return shards
+  firsts = [lax.stop_gradient(batch[k][0][i][(0,) * np.ndim(batch[k][0][i])]) for k, i in at]
+  pinned = {k: [x for x, g in zip(xs, gathers[k], strict=True) if g] for k, xs in shards.items()}
+  pinned, firsts = lax.optimization_barrier((pinned, firsts))
+  for (k, i), first in zip(at, firsts, strict=True):
+    x = batch[k][0][i]
+    batch[k][0][i] = x.at[(0,) * np.ndim(x)].set(lax.stop_gradient(first))
+  for k in dict.fromkeys(k for k, _ in at):
+    flat, treedef = batch[k]
+    if isinstance(k, int):
+      call_args[k] = jax.tree.unflatten(treedef, flat)
+    else:
+      call_kwargs[k] = jax.tree.unflatten(treedef, flat)
+  out = {}
+  for k, xs in shards.items():
+    it = iter(pinned[k])
+    out[k] = [next(it) if g else x for x, g in zip(xs, gathers[k], strict=True)]
+  return out
 
 
-def _tie(call_args: list, call_kwargs: dict, batch_keys: tuple) -> Any:
-  """A float scalar read from the micro-batch: what changes in every iteration of the loop,
-  so that values behind an optimization barrier with it cannot be hoisted out of it."""
-  for k in batch_keys:
-    value = call_args[k] if isinstance(k, int) else call_kwargs.get(k)
-    for x in jax.tree.leaves(value):
-      if _sharding._is_array(x):
-        first = jnp.ravel(x)[0] if np.size(x) else jnp.zeros((), jnp.float32)
-        return lax.stop_gradient(first.astype(jnp.float32))
-  return None
+def _numeric(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and (jnp.issubdtype(dtype, np.number)
+                                or jnp.issubdtype(dtype, np.bool_))
 
 
 def _gathered_shape(shape: tuple, gathers: tuple, mesh: Any) -> tuple:

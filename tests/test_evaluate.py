@@ -13,8 +13,6 @@ with an accumulator, jaxaccum reduces a scalar value by ``reduce`` and the rest 
 each translated function returns its outputs as aux next to a scalar value.
 """
 
-import json
-import sys
 
 import chex
 import jax
@@ -29,7 +27,6 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from tests import _problems
 from tests._problems import micro_batch, micro_batches
-from tests.test_examples import _load
 from tests.test_kinds import optax_accumulator
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -477,20 +474,6 @@ class OptaxMicrobatchTest(parameterized.TestCase):
     x = jnp.arange(128.0)
     # Micro-batch i of 32 holds rows i, i + 32, ...: the first four hold rows i % 32 < 4.
     close(fun(x, 4), jnp.sum(jnp.where(jnp.arange(128) % 32 < 4, x, 0.0)))
-
-
-def test_bench_evaluate_methods_agree_and_write_results(tmp_path):
-  bench = _load("benchmarks/bench_evaluate.py")
-  acc = sys.modules["bench_accumulation"]
-  cfg = acc.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)
-  results = bench.run(quick=True, repeats=1, warmup=1, cfg=cfg, counts=(4,), out_dir=tmp_path)
-  rows = json.loads((tmp_path / "evaluate.json").read_text())["mlp"]["rows"]
-  assert set(rows) == {"full", "jaxaccum.evaluate N=4", "optax.microbatch N=4"}
-  loss_fn, params, batch = acc.mlp_problem(cfg)
-  for row in rows.values():  # each method's value against the full batch through loss_fn
-    close(row["value"], float(loss_fn(params, batch)))
-  assert "| jaxaccum.evaluate | 4 |" in (tmp_path / "evaluate.md").read_text()
-  assert results["mlp"]["counts"] == [4]
 
 
 def test_parameters_with_the_batch_rows_do_not_warn_at_one_row_micro_batches():

@@ -1,5 +1,6 @@
 """Every example of issue 7 runs in a tiny configuration and gives the right numbers; the
-benchmark's methods agree with the full batch and its report is written.
+benchmark's methods agree with the full batch (its report, and those of ``bench_features``
+and ``bench_per_example``, are read from their tiny runs in ``tests/test_benchmarks.py``).
 
 The examples compare three or four training runs from one initialisation; a float32
 gradient equal to the full batch's up to round-off keeps the runs within ~1e-6 relative
@@ -8,7 +9,6 @@ per-micro-batch-means bug and BatchNorm's ghost batches move the numbers by >= 1
 """
 
 import importlib.util
-import json
 import pathlib
 import sys
 
@@ -136,7 +136,7 @@ def _tiny_problems(bench):
 
 def test_benchmark_methods_agree_with_the_full_batch():
   bench = _load("benchmarks/bench_accumulation.py")
-  n = 4  # N = 1 runs in test_benchmark_run_writes_json_markdown_and_plots
+  n = 4  # N = 1 and 2 run in tests/test_benchmarks.py (the script's tiny mode)
   for model, (loss_fn, params, batch) in _tiny_problems(bench).items():
     # sgd(1): the parameter change is minus the (accumulated) gradient.
     methods = bench.build_methods(loss_fn, optax.sgd(1.0), jax.tree.leaves(batch)[0].shape[0],
@@ -161,31 +161,6 @@ def test_benchmark_methods_agree_with_the_full_batch():
                                      err_msg=f"{model} {name} N={n}")
         state = new_state
       assert all(np.isfinite(p).all() for p in jax.tree.leaves(method.params(state)))
-
-
-def test_benchmark_run_writes_json_markdown_and_plots(tmp_path):
-  bench = _load("benchmarks/bench_accumulation.py")
-  configs = {"mlp": bench.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)}
-  results = bench.run(quick=True, ns=(1, 2), models=("mlp",), repeats=1, warmup=1,
-                      out_dir=tmp_path, configs=configs, progress=False)
-  saved = json.loads((tmp_path / "accumulation.json").read_text())
-  assert saved["environment"]["device_kind"] == jax.devices()[0].device_kind
-  rows = saved["models"]["mlp"]["rows"]
-  assert [r["n"] for r in rows] == [1, 2] and [r["micro_batch"] for r in rows] == [16, 8]
-  for row in rows:
-    assert set(row["methods"]) == set(bench.METHODS) | {bench.REFERENCE}
-    for stats in row["methods"].values():
-      assert stats["step_s"] > 0 and stats["temp"] >= 0 and stats["total"] > 0
-      assert stats["total"] == pytest.approx(stats["argument"] + stats["output"]
-                                             + stats["temp"] - stats["alias"])
-  targets = saved["models"]["mlp"]["targets"]
-  assert len(targets["per_n"]) == 2 and isinstance(targets["pass_compile_flat"], bool)
-  for r in targets["per_n"]:
-    assert (r["pass_vs_full"] is None) != (r["pass_vs_multisteps"] is None)
-  md = (tmp_path / "accumulation.md").read_text()
-  assert "| N | micro-batch |" in md and results["environment"]["device_kind"] in md
-  for name in ("accumulation_step_time.png", "accumulation_memory.png"):
-    assert _is_png(tmp_path / name)
 
 
 # ------------------------------------------------- noise scale and MoE examples (13, 14)
@@ -280,40 +255,6 @@ def test_moe_lm_terms_match_a_hand_reference_and_bad_micro_batches_are_skipped(t
       rtol=1e-5)
 
 
-def test_bench_features_variants_compute_the_right_losses_and_write_results(tmp_path):
-  bench = _load("benchmarks/bench_features.py")
-  acc = sys.modules["bench_accumulation"]
-  cfg = acc.MLPConfig(batch=16, d_in=8, hidden=16, depth=1)
-  results = bench.run(quick=True, repeats=1, warmup=1, cfg=cfg, out_dir=tmp_path)
-  saved = json.loads((tmp_path / "features.json").read_text())
-  assert set(saved["mlp"]["rows"]) == set(bench.VARIANTS)
-  assert "| k = 2 / k = 8 |" in (tmp_path / "features.md").read_text()
-  assert [r["variant"] for r in results["mlp"]["ratios"]] == [r[0] for r in bench.RATIOS]
-  # Each variant's first loss, from the initial parameters, against a hand reference.
-  loss_fn, params, batch = acc.mlp_problem(cfg)
-  # The references jitted (one compile per shape instead of op by op); the micro-batches
-  # sliced by hand on the host.
-  loss_fn = jax.jit(loss_fn)
-  terms_loss, single_loss = jax.jit(bench.terms_loss), jax.jit(bench.single_loss)
-  batch = jax.tree.map(np.asarray, batch)
-  n = bench.N
-  micro = [jax.tree.map(lambda a, i=i: a[i::n], batch) for i in range(n)]
-  full = float(loss_fn(params, batch))
-  first = {name: row["first_loss"] for name, row in saved["mlp"]["rows"].items()}
-  for name in ("plain", "with_info", "skip_nonfinite", "k = 8"):
-    np.testing.assert_allclose(first[name], full, rtol=1e-5, err_msg=name)
-  k_rows = jax.tree.map(lambda *a: np.concatenate(a), *micro[: bench.K_SMALL])
-  np.testing.assert_allclose(first["k = 2"], float(loss_fn(params, k_rows)), rtol=1e-5)
-  t = [terms_loss(params, m) for m in micro]
-  w = bench.WEIGHTS
-  whole = terms_loss(params, batch)
-  three = (whole["ce"][0] / whole["ce"][1] + w["lb"] * np.mean([p["lb"] for p in t])
-           + w["z"] * whole["z"])
-  np.testing.assert_allclose(first["3 terms"], float(three), rtol=1e-5)
-  one = sum(single_loss(params, m)[0] for m in micro) / cfg.batch
-  np.testing.assert_allclose(first["1 term (weighted)"], float(one), rtol=1e-5)
-
-
 def test_dp_sgd_clipped_mean_matches_the_loop_and_trains(capsys):
   dp = _load("examples/dp_sgd.py")
   cfg = dp.Config(steps=3, batch_size=32, num_micro_batches=4, hidden=16)
@@ -345,23 +286,6 @@ def test_dp_sgd_transformer_case_prints_its_table_and_both_methods_agree(capsys)
   printed = capsys.readouterr().out
   assert "| ghost |" in printed and "| materialize |" in printed, printed
   assert out["diff"] < 1e-6 and set(out["table"]) == {"plain", "ghost", "materialize"}
-
-
-def test_bench_per_example_runs_every_variant_and_writes_results(tmp_path):
-  bench = _load("benchmarks/bench_per_example.py")  # the LM: the MLP runs the same code
-  configs = {"lm": bench.LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1)}
-  results = bench.run(quick=True, repeats=1, warmup=1, configs=configs, sizes={"lm": (2,)},
-                      out_dir=tmp_path)
-  saved = json.loads((tmp_path / "per_example.json").read_text())
-  for name, b in (("lm", 2),):
-    rows = {(r["micro_batch_size"], r["variant"]): r for r in saved["problems"][name]["rows"]}
-    assert set(rows) == {(b, v) for v in bench.variants()}
-    # Every clipped variant computes the same clipped mean gradient (entries of order 0.1).
-    for key, row in rows.items():
-      assert key[1] == "plain" or row["max_abs_diff_vs_materialize"] < 1e-6, (name, key, row)
-    assert [r["micro_batch_size"] for r in results["problems"][name]["ratios"]] == [b] * (
-        len(bench.variants()) - 1)
-  assert "| 2 | 2 | ghost | " in (tmp_path / "per_example.md").read_text()
 
 
 def test_adaptive_batch_runs_four_ways_with_the_ramp_by_tokens_and_counts_tokens(tmp_path,

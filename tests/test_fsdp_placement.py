@@ -14,6 +14,7 @@ Tolerances: float32, ``assert_close``'s 1e-5 relative to the largest entry (the 
 program sums the same terms in another order).
 """
 
+import contextlib
 import itertools
 
 import chex
@@ -178,6 +179,77 @@ def test_scan_over_layers_lm():
     _check_placement(colls, gather, scatter, len(params))
     assert_close(value, ref[0], err_msg=f"{gather}, {scatter}")
     assert_close(grads, ref[1], err_msg=f"{gather}, {scatter}")
+
+
+# The usual LLM layout: the layers' weights stacked along a leading axis, run by a lax.scan,
+# sharded on their rows, P(None, "data", None). Each case: a mesh (a data axis of 8, or an
+# Explicit data axis of 4 next to an Auto model axis), given through jax.set_mesh or mesh=,
+# and sizes drawn from a seed; cases 0 and 3 put first in the batch an integer leaf that the
+# loss never reads.
+SCAN_MESHES = {"explicit": ((8,), ("data",), (AxisType.Explicit,)),
+               "explicit_data_auto_model": ((4, 2), ("data", "model"),
+                                            (AxisType.Explicit, AxisType.Auto))}
+
+
+def _scanned_loss(params, batch):
+  def layer(h, w):
+    return jnp.tanh(h @ w) + h, None
+
+  h, _ = jax.lax.scan(layer, batch["x"], params["w"])
+  return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+def _scanned_case(seed, data):
+  rng = np.random.default_rng(seed)
+  layers, width = int(rng.integers(2, 5)), data * int(rng.integers(1, 4))
+  n = int(rng.choice([2, 4]))
+  rows = data * n * int(rng.integers(1, 3))
+  k = jax.random.split(jax.random.key(seed), 4)
+  params = {"w": jax.random.normal(k[0], (layers, width, width)) / width,
+            "head": jax.random.normal(k[1], (width, 2)) / width**0.5}
+  batch = {"x": jax.random.normal(k[2], (rows, width)), "y": jax.random.normal(k[3], (rows, 2))}
+  if seed % 3 == 0:
+    batch["a_ids"] = jnp.arange(rows, dtype=jnp.int32)  # first in the tree, never read
+  return params, batch, n
+
+
+@pytest.mark.parametrize(("seed", "mesh_kind", "scatter"), [
+    (seed, m, s) for seed, (m, s) in enumerate(itertools.product(SCAN_MESHES,
+                                                                 ("micro_batch", "step")))])
+def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind, scatter):
+  """``param_gather="micro_batch"`` on a scan over stacked layers: the compiled program's
+  all-gather of the stack sits inside the micro-batch loop and runs once per micro-batch,
+  none outside it; loss and gradients equal the full batch's."""
+  shape, names, types = SCAN_MESHES[mesh_kind]
+  mesh = jax.make_mesh(shape, names, axis_types=types)
+  params, batch, n = _scanned_case(seed, shape[0])
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(_scanned_loss))(params, batch)
+  specs = {"w": P(None, "data", None), "head": P()}
+  sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+  placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  through_set_mesh = seed % 3 != 1
+  step = jax.jit(jaxaccum.value_and_grad(
+      _scanned_loss, num_micro_batches=n, data_axis="data", param_gather="micro_batch",
+      grad_scatter=scatter, **({} if through_set_mesh else {"mesh": mesh})))
+  with jax.set_mesh(mesh) if through_set_mesh else contextlib.nullcontext():
+    colls = jaxaccum.collectives(step, sharded, placed)
+    value, grads = step(sharded, placed)
+  gathers = colls.select("all-gather")
+  assert len(gathers) >= 1 and colls.count("all-gather", in_loop=False) == 0, str(colls)
+  assert {c.loop_depth for c in gathers} == {1}, str(colls)
+  assert {c.executions for c in gathers} == {n}, str(colls)
+  # What is gathered in each micro-batch is the whole stack (float32), nothing else.
+  assert colls.bytes("all-gather") == params["w"].size * 4, str(colls)
+  assert colls.count("reduce-scatter", in_loop=scatter == "micro_batch") >= 1, str(colls)
+  assert colls.count("reduce-scatter", in_loop=scatter != "micro_batch") == 0, str(colls)
+  # The program's computations, split by the same loop walk: each op's line is in its own.
+  inside, outside = colls.computations(in_loop=True), colls.computations(in_loop=False)
+  assert not set(inside) & set(outside) and {**inside, **outside} == colls.computations()
+  for c in colls:
+    assert c.line in map(str.strip, (inside if c.in_loop else outside)[c.computation]), c
+  assert_close(value, ref_loss)
+  assert_close(grads, ref_grads)
+  assert grads["w"].sharding.spec == sharded["w"].sharding.spec
 
 
 def test_bad_values_and_options_without_data_axis():

@@ -185,3 +185,40 @@ def test_field_newer_xla_writes_is_dropped():
       "  thread_dim_limit_z: 64\n  collective_memory_granularity: 2097152")
   mesh = jaxaccum.target_mesh(text, (1,))
   assert mesh.devices.flat[0].device_kind == "NVIDIA H200"
+
+
+@pytest.mark.parametrize("through_set_mesh", [True, False])
+def test_fsdp_gathers_of_scanned_layers_stay_in_the_loop(through_set_mesh):
+  """``param_gather="micro_batch"`` on a scan over stacked layers (weights ``(L, D, D)``
+  sharded ``P(None, "data", None)``), compiled for 8 described H100s on an Explicit mesh:
+  the stack's all-gather runs in every micro-batch, none before the loop, for both
+  ``grad_scatter`` placements (the same rule ``tests/test_fsdp_placement.py`` checks on CPU)."""
+  base = jaxaccum.target_mesh("h100", (8,), ("data",))
+  mesh = jax.sharding.Mesh(base.devices, base.axis_names,
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  layers, width, rows, n = 4, 512, 1024, 4
+  sds = lambda shape, spec, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=NamedSharding(mesh, spec))
+  params = {"w": sds((layers, width, width), P(None, "data", None)),
+            "head": sds((width, 8), P())}
+  batch = {"x": sds((rows, width), P("data")), "y": sds((rows, 8), P("data"), jnp.float32)}
+
+  def loss(p, b):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + h, None), b["x"], p["w"])
+    return jnp.mean(jnp.square((h @ p["head"]).astype(jnp.float32) - b["y"]))
+
+  for scatter in ("micro_batch", "step"):
+    step = jax.jit(jaxaccum.value_and_grad(
+        loss, num_micro_batches=n, data_axis="data", param_gather="micro_batch",
+        grad_scatter=scatter, **({} if through_set_mesh else {"mesh": mesh})))
+    if through_set_mesh:
+      with jax.set_mesh(mesh):
+        found = jaxaccum.collectives(step.lower(params, batch).compile())
+    else:
+      found = jaxaccum.collectives(step.lower(params, batch).compile())
+    gathers = found.select("all-gather")
+    assert len(gathers) >= 1 and found.count("all-gather", in_loop=False) == 0, found
+    assert {c.executions for c in gathers} == {n}, found
+    assert found.bytes("all-gather") == layers * width * width * 2, found
+    assert found.count("reduce-scatter", in_loop=scatter == "micro_batch") >= 1, found
+    assert found.count("reduce-scatter", in_loop=scatter != "micro_batch") == 0, found
