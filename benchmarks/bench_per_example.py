@@ -300,10 +300,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _tiny() -> dict[str, Any]:
-  """The tiny mode's problem (``--tiny``): the LM at its smallest (the MLP runs the same
-  code)."""
-  return {"configs": {"lm": LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1)},
-          "sizes": {"lm": (2,)}}
+  """The tiny mode's problems (``--tiny``): the LM and the CNN at their smallest (the MLP
+  runs the same code as the LM)."""
+  return {"configs": {"lm": LMConfig(batch=4, seq=6, vocab=11, d_model=8, layers=1),
+                      "cnn": CNNConfig(batch=4, channels=2)},
+          "sizes": {"lm": (2,), "cnn": (2,)}}
 
 
 if __name__ == "__main__":

@@ -198,8 +198,9 @@ def _features(out: pathlib.Path):
 
 
 def _per_example(out: pathlib.Path):
-  """The tiny LM at b = 2: every variant ran, and every clipped variant computes the same
-  clipped mean gradient as materialising the per-example gradients (entries of order 0.1)."""
+  """The tiny LM and CNN at b = 2: every variant ran, and every clipped variant computes the
+  same clipped mean gradient as materialising the per-example gradients (entries of order
+  0.1)."""
   bench = _load("benchmarks/bench_per_example.py")
   saved = json.loads((out / "per_example.json").read_text())
   assert saved["problems"]["lm"]["config"] == repr(
@@ -211,6 +212,10 @@ def _per_example(out: pathlib.Path):
   assert [r["micro_batch_size"] for r in saved["problems"]["lm"]["ratios"]] == [2] * (
       len(bench.variants()) - 1)
   assert "| 2 | 2 | ghost | " in (out / "per_example.md").read_text()
+  cnn = {(r["micro_batch_size"], r["variant"]): r for r in saved["problems"]["cnn"]["rows"]}
+  assert set(cnn) == {(2, v) for v in bench.variants()}
+  for key, row in cnn.items():
+    assert key[1] == "plain" or row["max_abs_diff_vs_materialize"] < 1e-6, (key, row)
 
 
 def _evaluate(out: pathlib.Path):
