@@ -52,7 +52,7 @@ from __future__ import annotations
 import os
 import sys
 
-if "--tiny" in sys.argv or os.environ.get("BENCH_TINY") == "1":
+if "--tiny" in sys.argv or os.environ.get("BENCH_TINY", "") not in ("", "0"):
   # The dry run checks the programs, not their speed: LLVM's optimizations off cut its
   # compile times by about 2.5x on a CPU.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -63,6 +63,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -76,11 +77,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from jaxaccum import _plan  # noqa: E402 (the planner's reading of compiled memory: one rule)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "gpu"
 GIB = 2.0**30
 PEAK_TFLOPS = 989.0  # H200 SXM (and H100 SXM) bf16 dense, from the specification
+TINY_BUDGET = 3_000_000  # bytes: the dry run's plan needs N > 1 (the full step takes ~7 MiB)
 OVERHEAD_GOAL = 1.03
 PLAN_GOAL = 0.10
 FLAGS = {
@@ -222,10 +223,17 @@ def make_optax_microbatch_step(cfg: LMConfig, n: int):
 
 
 def memory_of(compiled, platform: str | None = None) -> dict[str, float]:
-  """Compiled memory in bytes, read as ``jaxaccum.plan`` reads it: ``peak`` is XLA's
-  ``peak_memory_in_bytes`` off the CPU, ``argument + output + temp - alias`` on it."""
-  m = _plan._memory(compiled, platform or jax.devices()[0].platform)
-  return {k.removesuffix("_bytes"): float(v) for k, v in m.items()}
+  """Compiled memory in bytes, read as ``jaxaccum.plan`` reads it (``PlanCandidate``):
+  ``peak`` is XLA's ``peak_memory_in_bytes`` off the CPU (it counts temporaries there),
+  ``argument + output + temp - alias`` on the CPU (where it leaves them out)."""
+  m = compiled.memory_analysis()
+  out = {k: float(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias",
+                                                               "temp")}
+  xla_peak = float(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  total = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  cpu = (platform or jax.devices()[0].platform) == "cpu"
+  out["peak"] = xla_peak if not cpu and xla_peak > 0 else total
+  return out
 
 
 def compile_timed(jitted, *args, options: dict[str, Any] | None = None):
@@ -474,15 +482,8 @@ def run(*, tiny: bool, prediction: dict[str, Any] | None, repeats: int, warmup: 
   start = time.perf_counter()
   cfg = TINY_CONFIG if tiny else GPU_CONFIG
   mem0 = device_memory()
-  if prediction is None:  # plan for the device present (CPU: a budget under the full batch)
-    budget = None
-    if mem0 is None:
-      full = jaxaccum.plan_step(lambda n: make_step(cfg, n), param_shapes(cfg),
-                                jax.eval_shape(optimizer().init, param_shapes(cfg)),
-                                batch_shape(cfg), batch_argnums=2,
-                                memory_budget_bytes=2**62, verbose=False)
-      budget = int(full.peak_bytes) * 3 // 4
-    prediction = predict(cfg, target=None, budget=budget)
+  if prediction is None:  # plan for the device present (a CPU reports no memory limit)
+    prediction = predict(cfg, target=None, budget=TINY_BUDGET if mem0 is None else None)
   if prediction["config"] != dataclasses.asdict(cfg):
     raise ValueError(f"the prediction is for {prediction['config']}, this run is "
                      f"{dataclasses.asdict(cfg)}: make it with the same --tiny setting.")
@@ -636,41 +637,66 @@ def flags_markdown(f: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def prediction_markdown(out: dict[str, Any]) -> str:
+  """The prediction's note, the planner's table and (with ``--flags``) the flags' memory."""
+  text = (f"# The planner's prediction for bench_gpu_lm.py\n\n{out['note']}.\n\n"
+          f"{out['num_params']:,} parameters, config {out['config']}.\n\n"
+          f"```\n{out['table']}\n```\n")
+  if "flags" in out:
+    text += (f"\nThe step at N = {out['num_micro_batches']} compiled with XLA's GPU flags "
+             f"(compiled memory; step time not measured yet):\n\n{flags_markdown(out['flags'])}")
+  return text
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tiny", action="store_true", default=os.environ.get("BENCH_TINY") == "1",
-                      help="the CPU dry run: a tiny model, every method (also BENCH_TINY=1)")
+  parser.add_argument("--tiny", action="store_true",
+                      default=os.environ.get("BENCH_TINY", "") not in ("", "0"),
+                      help="the CPU dry run: a tiny model, every method, results in a "
+                      "temporary folder unless --out-dir (also BENCH_TINY=1)")
   parser.add_argument("--predict", action="store_true",
                       help="only plan (compile, never run) and write plan_<target>.json")
   parser.add_argument("--target", default=None, help="described GPU for --predict (h200)")
-  parser.add_argument("--budget", type=int, default=None, help="--predict's budget in bytes")
+  parser.add_argument("--budget", type=int, default=None,
+                      help="--predict's budget in bytes (default: the device's; --tiny on a "
+                      f"CPU: {TINY_BUDGET:,})")
   parser.add_argument("--flags", action="store_true",
                       help="with --predict: also compile the step with each XLA flag")
   parser.add_argument("--prediction", type=pathlib.Path, default=None)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=None, help="default 5 (--tiny: 1)")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--time-budget", type=float, default=180.0)
   parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                      help=f"default: {RESULTS} (--tiny: a fresh temporary folder)")
   args = parser.parse_args(argv)
+  if args.out_dir is None:
+    args.out_dir = (pathlib.Path(tempfile.mkdtemp(prefix="jaxaccum-bench-tiny-")) if args.tiny
+                    else RESULTS)
   cfg = TINY_CONFIG if args.tiny else GPU_CONFIG
   suffix = "_tiny" if args.tiny else ""
   args.out_dir.mkdir(parents=True, exist_ok=True)
   if args.predict:
-    out = predict(cfg, target=args.target, budget=args.budget)
+    budget = args.budget
+    if budget is None and args.target is None and device_memory() is None:
+      budget = TINY_BUDGET
+    out = predict(cfg, target=args.target, budget=budget)
     if args.flags:
       out["flags"] = flag_memory(cfg, out["num_micro_batches"], target=args.target)
-    name = f"plan_{args.target or 'here'}{suffix}.json"
-    (args.out_dir / name).write_text(json.dumps(out, indent=1, default=float))
+    name = f"plan_{args.target or 'here'}{suffix}"
+    (args.out_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
+    (args.out_dir / f"{name}.md").write_text(prediction_markdown(out))
     print(out["table"])
     if "flags" in out:
       print(flags_markdown(out["flags"]))
     return out
   prediction = json.loads(args.prediction.read_text()) if args.prediction else None
-  results = run(tiny=args.tiny, prediction=prediction, repeats=args.repeats,
+  repeats = args.repeats or (1 if args.tiny else 5)
+  results = run(tiny=args.tiny, prediction=prediction, repeats=repeats,
                 warmup=args.warmup, time_budget=args.time_budget, peak_tflops=args.peak_tflops)
   _common.write_results(args.out_dir, f"bench_gpu_lm{suffix}", results, markdown)
   print(markdown(results))
+  print(f"results in {args.out_dir}")
   return results
 
 

@@ -19,7 +19,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if [ "${DRY_RUN:-0}" = "1" ]; then
   export JAX_PLATFORMS=cpu
-  "$py" benchmarks/bench_gpu_lm.py --tiny --predict --budget "${DRY_BUDGET:-3000000}" \
+  "$py" benchmarks/bench_gpu_lm.py --tiny --predict \
     --out-dir "$out" >"$out/plan.txt" 2>&1 || { tail -20 "$out/plan.txt"; exit 1; }
   exec "$py" benchmarks/bench_gpu_lm.py --tiny --prediction "$out/plan_here_tiny.json" \
     --repeats 2 --out-dir "$out"
