@@ -35,11 +35,13 @@ tried last (goal: out of memory). Without ``--prediction`` the plan is made in p
 the device present.
 
 ``--tiny`` (or ``BENCH_TINY=1``): a 2-layer, d=32 model on 16 sequences of 32 tokens that
-runs every method, the flags and the prediction check on a CPU in seconds (the dry run the
-test suite runs). ``--time-budget S``: methods still to compile once S seconds have passed
-are skipped and listed. The dry run compiles with ``--xla_backend_optimization_level=0``
-(added to ``XLA_FLAGS``): it checks the programs, not their speed. Output:
-``bench_gpu_lm{,_tiny}.{json,md}`` in ``--out-dir``.
+runs every method, the flags and the prediction check on a CPU in about a minute (the dry
+run the test suite runs). ``--time-budget S``: methods still to compile once 0.65 S seconds
+have passed are skipped and listed, and the repeats fit in the rest. A plot of tokens per
+second and peak memory per method goes with the tables. The dry run compiles with
+``--xla_backend_optimization_level=0`` (added to ``XLA_FLAGS``): it checks the programs, not
+their speed. Output:
+``bench_gpu_lm{,_tiny}.{json,md,png}`` in ``--out-dir``.
 
   # on a CPU host, in the environment with the gpu-plan extra:
   JAX_PLATFORMS=cpu .venv-gpu/bin/python benchmarks/bench_gpu_lm.py --predict --target h200
@@ -290,7 +292,8 @@ def first_call(m: Method) -> None:
 
 
 def build_methods(cfg: LMConfig, shared: Shared, n: int, counts: list[int],
-                  deadline: float, skipped: list[str], full_limit: float | None) -> list[Method]:
+                  deadline: float, skipped: list[str], full_limit: float | None,
+                  full_predicted: float | None = None) -> list[Method]:
   """Compiles every method (in order of priority, until ``deadline``); returns them."""
   tokens = shared.tokens
   B, T = cfg.batch, cfg.seq
@@ -322,14 +325,21 @@ def build_methods(cfg: LMConfig, shared: Shared, n: int, counts: list[int],
                                           make_optax_microbatch_step(cfg, n), tokens, n))
   add(f"optax.MultiSteps N={n}", lambda: multisteps(cfg, shared, n))
   add(f"naive loop N={n}", lambda: naive_loop(cfg, shared, n))
-  for k in counts:
-    if k != n:
-      add(f"jaxaccum N={k}", one_call(f"jaxaccum N={k}", make_step(cfg, k), tokens, k))
+  more = [k for k in counts if k != n]  # 2N, then the flags, then 4N (in order of priority)
+  for k in more[:1]:
+    add(f"jaxaccum N={k}", one_call(f"jaxaccum N={k}", make_step(cfg, k), tokens, k))
   for label, options in FLAGS.items():
     add(f"jaxaccum N={n} + {label}",
         one_call(f"jaxaccum N={n} + {label}", make_step(cfg, n), tokens, n, options))
+  for k in more[1:]:
+    add(f"jaxaccum N={k}", one_call(f"jaxaccum N={k}", make_step(cfg, k), tokens, k))
 
   def full():
+    if full_limit is not None and full_predicted is not None and full_predicted > full_limit:
+      m = Method("full batch", 1, B * T, {"peak": float(full_predicted)}, 0.0, lambda: None)
+      m.result["skipped"] = (f"does not fit: predicted peak {full_predicted / GIB:.2f} GiB > "
+                             f"the device's {full_limit / GIB:.2f} GiB (not compiled)")
+      return m
     compiled, secs = compile_timed(make_step(cfg, 1), *state, tokens)
     mem = memory_of(compiled)
     m = Method("full batch", 1, B * T, mem, secs, shared.one_call(compiled, tokens))
@@ -491,10 +501,12 @@ def run(*, tiny: bool, prediction: dict[str, Any] | None, repeats: int, warmup: 
   counts = [k for k in (n, 2 * n, 4 * n) if cfg.batch % k == 0]
   shared = Shared(cfg)
   skipped: list[str] = []
-  deadline = start + time_budget * 0.6  # leave time for the repeats and the half check
+  deadline = start + time_budget * 0.65  # leave time for the repeats and the half check
 
+  full_predicted = next((c["peak_bytes"] for c in prediction["candidates"]
+                         if c["num_micro_batches"] == 1), None)
   methods = build_methods(cfg, shared, n, counts, deadline, skipped,
-                          None if mem0 is None else mem0["bytes_limit"])
+                          None if mem0 is None else mem0["bytes_limit"], full_predicted)
   to_time = [m for m in methods if "skipped" not in m.result]
   to_time.sort(key=lambda m: (m.name != f"jaxaccum N={n}", m.memory["peak"]))
   for m in to_time:  # first calls, by increasing compiled memory: the allocator's peaks
@@ -630,6 +642,34 @@ def markdown(r: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def plot(r: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+  """Tokens per second and peak memory (the allocator's where measured, else compiled) per
+  method, side by side; methods not run are left out."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [(name, m) for name, m in r["methods"].items() if "step_s" in m]
+  names = [name for name, _ in rows]
+  fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.6), sharey=True)
+  ys = range(len(rows))
+  ax_t.barh(ys, [m["tokens_per_s"] for _, m in rows], color="tab:blue")
+  ax_t.set_yticks(list(ys), names)
+  ax_t.invert_yaxis()
+  ax_t.set_xlabel("tokens / s")
+  peaks = [m.get("device_peak_bytes") or m["memory"]["peak"] for _, m in rows]
+  ax_m.barh(ys, [p / GIB for p in peaks], color="tab:orange")
+  ax_m.set_xlabel("peak memory (GiB; device peak where measured, else compiled)")
+  env = r["environment"]
+  fig.suptitle(f"{r['num_params'] / 1e6:.3g}M-parameter LM, {env['device_kind']}, "
+               f"jax {env['jax']}, {env['date']}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def flags_markdown(f: dict[str, Any]) -> str:
   lines = ["| XLA flags | peak | temp | compile (s) |", "|---|---:|---:|---:|"]
   for label, m in f.items():
@@ -695,6 +735,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   results = run(tiny=args.tiny, prediction=prediction, repeats=repeats,
                 warmup=args.warmup, time_budget=args.time_budget, peak_tflops=args.peak_tflops)
   _common.write_results(args.out_dir, f"bench_gpu_lm{suffix}", results, markdown)
+  try:
+    plot(results, args.out_dir / f"bench_gpu_lm{suffix}.png")
+  except ImportError as e:  # the figures are written; only the plot needs matplotlib
+    print(f"no plot: {e}")
   print(markdown(results))
   print(f"results in {args.out_dir}")
   return results

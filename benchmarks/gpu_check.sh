@@ -30,12 +30,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   | tee -a "$out/devices.txt"
 if "$py" -c "import pytest" 2>/dev/null; then
   # float32 tolerances of 1e-5 need full-precision matmuls (GPUs default to TF32).
-  JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TESTS_TIMEOUT:-90}" \
+  JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TESTS_TIMEOUT:-100}" \
     "$py" -m pytest -q -o addopts="-p no:cacheprovider" \
     tests/test_transform.py tests/test_weighted.py 2>&1 | tee "$out/tests.txt" | tail -3
 else
   echo "pytest is not installed on this machine: tests not run" | tee "$out/tests.txt"
 fi
-timeout "${BENCH_TIMEOUT:-170}" "$py" benchmarks/bench_gpu_lm.py \
+timeout "${BENCH_TIMEOUT:-180}" "$py" benchmarks/bench_gpu_lm.py \
   --prediction benchmarks/results/gpu/plan_h200.json --time-budget "${BENCH_BUDGET:-140}" \
   --out-dir "$out" 2>&1 | tee "$out/bench_gpu_lm.txt" | tail -40
