@@ -660,7 +660,7 @@ def plot(r: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
   ax_t.set_xlabel("tokens / s")
   peaks = [m.get("device_peak_bytes") or m["memory"]["peak"] for _, m in rows]
   ax_m.barh(ys, [p / GIB for p in peaks], color="tab:orange")
-  ax_m.set_xlabel("peak memory (GiB; device peak where measured, else compiled)")
+  ax_m.set_xlabel("peak memory, GiB (the device's where measured)")
   env = r["environment"]
   fig.suptitle(f"{r['num_params'] / 1e6:.3g}M-parameter LM, {env['device_kind']}, "
                f"jax {env['jax']}, {env['date']}", fontsize=10)
