@@ -64,7 +64,8 @@ PROPERTIES = ("norms", "sum", "bound", "crash")
 OP_WEIGHTS = {
     "dense": 1.0, "tied": 0.7, "neg": 0.6, "slice": 1.0, "gather": 1.0, "scale": 0.6,
     "layernorm": 0.6, "div": 0.5, "bcast": 0.6, "conv": 0.7, "scan": 0.7, "rp": 0.25,
-    "complex_w": 0.25, "complex_act": 0.25,
+    "complex_w": 0.25, "complex_act": 0.25, "tied_vector": 0.5, "penalty": 0.4,
+    "scan_tied": 0.4, "masked": 0.4, "wrapped": 0.4, "gather_t": 0.5,
 }
 ACTIVATIONS = {"tanh": jnp.tanh, "gelu": jax.nn.gelu, "relu": jax.nn.relu, "sin": jnp.sin,
                "id": lambda z: z}
@@ -186,6 +187,14 @@ def _row_slices(d: int) -> dict[str, Callable[[Any], Any]]:
       "[1::2][::2]": lambda w: w[1::2][::2], "[1::2][1::2]": lambda w: w[1::2][1::2],
       "[2D:][::2]": lambda w: w[2 * d:][::2], "[::2][:D]": lambda w: w[::2][:d],
       "[1:][::2][:D]": lambda w: w[1:][::2][:d], "[D:][::3]": lambda w: w[d:][::3][:d],
+      # After reshapes: (4, D, .)[1] holds rows D:2D; (D, 4 .)[:, :k] holds rows 4i (and
+      # [:, k:2k] rows 4i + 1); (2, 2D, .)[1, ::2] rows 2D, 2D + 2, ...
+      "r(4,D)[1]": lambda w: w.reshape(4, d, -1)[1],
+      "r(D,4.)[:,:k]": lambda w: w.reshape(d, -1)[:, :w.shape[1]].reshape(d, w.shape[1]),
+      "r(D,4.)[:,k:2k]": lambda w: w.reshape(d, -1)[:, w.shape[1]:2 * w.shape[1]],
+      "r(2,2D)[1,::2]": lambda w: w.reshape(2, 2 * d, -1)[1, ::2],
+      # Reversed: rows 4D-1 down to 3D, and 4D-1, 4D-5, ...
+      "[::-1][:D]": lambda w: w[::-1][:d], "[::-2][::2]": lambda w: w[::-2][::2],
   }
 
 
@@ -327,9 +336,83 @@ def _complex_act(b: _Builder) -> None:
   b.add("complex_act", fn)
 
 
+def _tied_vector(b: _Builder) -> None:
+  s = b.param("tv", (b.d,), 0.3, offset=1.0)
+  variant = b.choice(["x*s+a(x)*s", "x*s*s", "x*s+s"])
+  an, act = b.act()
+
+  def fn(p, h, data):
+    if variant == "x*s+a(x)*s":
+      return act(h * p[s] + jnp.tanh(h) * p[s])
+    if variant == "x*s*s":
+      return act(h * p[s] * p[s])
+    return act(h * p[s] + p[s])
+
+  b.add(f"tied_vector({variant},{an})", fn)
+
+
+def _penalty(b: _Builder) -> None:
+  # A weight decay written into the per-example loss: every example's gradient holds 2 c W.
+  w = b.param("w", (b.d, b.d))
+  an, act = b.act()
+  b.add(f"penalty(x@W + 0.1*|W|^2,{an})",
+        lambda p, h, data: act(h @ p[w]) + 0.1 * jnp.sum(p[w] ** 2))
+
+
+def _scan_tied(b: _Builder) -> None:
+  # A stacked weight scanned over and also used outside the scan (its first layer).
+  layers = int(b.rng.integers(2, 4))
+  w = b.param("stack", (layers, b.d, b.d), 1.0 / math.sqrt(b.d))
+  an, act = b.act()
+
+  def fn(p, h, data):
+    h = jax.lax.scan(lambda c, m: (act(c @ m), None), h, p[w])[0]
+    return jnp.tanh(h @ p[w][0].T)
+
+  b.add(f"scan_tied(L={layers},{an})", fn)
+
+
+def _masked(b: _Builder) -> None:
+  # A weight under a fixed mask (jnp.where: select_n), as in pruning.
+  w = b.param("w", (b.d, b.d))
+  mask = b.rng.random((b.d, b.d)) < 0.6
+  an, act = b.act()
+  b.add(f"masked(where(m,W,0),{an})",
+        lambda p, h, data: act(h @ jnp.where(mask, p[w], 0.0).astype(h.dtype)))
+
+
+def _wrapped(b: _Builder) -> None:
+  # A dense layer inside jax.checkpoint or a nested jit.
+  w = b.param("w", (b.d, b.d))
+  variant = b.choice(["checkpoint", "jit"])
+  an, act = b.act()
+
+  def layer(h, m):
+    return act(h @ m)
+
+  wrapped = jax.checkpoint(layer) if variant == "checkpoint" else jax.jit(layer)
+  b.add(f"wrapped({variant},{an})", lambda p, h, data: wrapped(h, p[w]))
+
+
+def _gather_t(b: _Builder) -> None:
+  # A gather from a transposed table (columns of a (D, V) weight), then its tied head use.
+  e = b.param("embT", (b.d, b.v), 1.0)
+  tied = b.rng.random() < 0.5
+
+  def fn(p, h, data):
+    ids = data["ids"] + 0 if b.oob else data["ids"] % b.v
+    g = jnp.take(p[e].T, ids, axis=0, mode="clip")
+    h = h + g
+    return jnp.tanh(h + (jax.nn.softmax(h @ p[e]) @ p[e].T if tied else 0.0))
+
+  b.add(f"gather_t(take(E.T,clip){',tied' if tied else ''}{',oob' if b.oob else ''})", fn)
+
+
 _OPS = {"dense": _dense, "tied": _tied, "neg": _neg, "slice": _slice, "gather": _gather,
         "scale": _scale, "layernorm": _layernorm, "div": _div, "bcast": _bcast, "conv": _conv,
-        "scan": _scan, "rp": _rp, "complex_w": _complex_w, "complex_act": _complex_act}
+        "scan": _scan, "rp": _rp, "complex_w": _complex_w, "complex_act": _complex_act,
+        "tied_vector": _tied_vector, "penalty": _penalty, "scan_tied": _scan_tied,
+        "masked": _masked, "wrapped": _wrapped, "gather_t": _gather_t}
 
 
 def _cast(tree: Any, cdt: Any) -> Any:
