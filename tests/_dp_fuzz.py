@@ -19,6 +19,10 @@ Three properties, for each method:
 - ``bound``: the sensitivity bound measured directly: each example alone, as a batch of one
   with ``reduce="sum"``, gives a gradient of norm at most ``C * (1 + ROUNDING_BOUND)``.
 
+A case whose reference is ill-conditioned in its compute dtype (the same per-example
+gradients computed under ``jax.vmap`` give norms that differ by more than a quarter of
+:data:`NORM_RTOL`) is checked on the bound only.
+
 ``method="ghost"`` may refuse a use it cannot analyse with a ``ValueError``; that is
 recorded as ``"refused"``, never a failure. Any other exception is a failure (``"crash"``).
 """
@@ -421,16 +425,17 @@ def _cast(tree: Any, cdt: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def generate(seed: int, exclude: tuple[str, ...] = ()) -> Case:
+def generate(seed: int, exclude: tuple[str, ...] = (), small: bool = False) -> Case:
   """The seeded case ``seed``: a random model, data, compute dtype and micro-batch count.
 
-  ``exclude`` removes ops by name (see :data:`OP_WEIGHTS`), e.g. known failures.
+  ``exclude`` removes ops by name (see :data:`OP_WEIGHTS`), e.g. known failures. ``small``:
+  at most two ops and 8 rows (cheaper to compile, for the suite's short budget).
   """
   rng = np.random.default_rng(seed)
   d = int(rng.choice([2, 3, 4, 6, 8]))
   t = int(rng.choice([1, 2, 3, 4, 6]))
   v = int(rng.choice([3, 5, 12]))
-  rows = int(rng.choice([4, 6, 8, 12, 16]))
+  rows = int(rng.choice([4, 6, 8] if small else [4, 6, 8, 12, 16]))
   n = int(rng.choice([k for k in range(1, rows + 1) if rows % k == 0]))
   bf16 = rng.random() < 0.25
   cdt = jnp.bfloat16 if bf16 else jnp.float32
@@ -438,7 +443,7 @@ def generate(seed: int, exclude: tuple[str, ...] = ()) -> Case:
   b = _Builder(rng, d, t, v, cdt, oob)
   names = [k for k in OP_WEIGHTS if k not in exclude and not (bf16 and k.startswith("complex"))]
   weights = np.array([OP_WEIGHTS[k] for k in names])
-  for _ in range(int(rng.integers(1, 5))):
+  for _ in range(int(rng.integers(1, 3 if small else 5))):
     _OPS[str(rng.choice(names, p=weights / weights.sum()))](b)
 
   # Data: inputs over many orders of magnitude, positions that (nearly) cancel sometimes.
@@ -485,8 +490,8 @@ def generate(seed: int, exclude: tuple[str, ...] = ()) -> Case:
   batch = {"x": x, "ids": ids, "y": y, "tgt": tgt}
   desc = (*b.desc, f"head={head}" + (f"({tied})" if tied else ""),
           f"scale={scale:.1e}", f"loss_scale={loss_scale:.1e}") + (("cancel",) if cancel else ())
-  return Case(f"seed{seed}", dict(b.params), loss, batch, n, "bfloat16" if bf16 else "float32",
-              None, desc)
+  return Case(f"seed{seed}{'-small' if small else ''}", dict(b.params), loss, batch, n,
+              "bfloat16" if bf16 else "float32", None, desc)
 
 
 # --- The reference and the checker ---------------------------------------------------------
@@ -507,11 +512,26 @@ def _row(batch: dict, j: int) -> dict:
   return jax.tree.map(lambda a: np.asarray(a)[j:j + 1], batch)
 
 
-def reference(case: Case) -> tuple[list[Any], np.ndarray]:
-  """Each example's gradient (``jax.grad`` on the example alone) and its float64 norm."""
+def reference(case: Case) -> tuple[list[Any], np.ndarray, float]:
+  """Each example's gradient (``jax.grad`` on the example alone) and its float64 norm; and
+  how far the norms move when the same gradients are computed under ``jax.vmap``.
+
+  The last is the largest relative difference between the two: where a loss is
+  ill-conditioned in float32 (``sin`` of an argument of 1e5, whose last bit depends on the
+  order of a dot product's sums), batching alone changes a gradient by more than any
+  tolerance, and no method can be compared with the reference there.
+  """
   g = jax.jit(jax.grad(case.loss))
   grads = [jax.device_get(g(case.params, _row(case.batch, j))) for j in range(case.rows)]
-  return grads, np.array([norm64(x) for x in grads])
+  norms = np.array([norm64(x) for x in grads])
+  rows = jax.tree.map(lambda a: np.asarray(a)[:, None], case.batch)
+  batched = jax.device_get(jax.jit(jax.vmap(jax.grad(case.loss), in_axes=(None, 0)))(
+      case.params, rows))
+  again = np.array([norm64(jax.tree.map(lambda a, j=j: a[j], batched))
+                    for j in range(case.rows)])
+  with np.errstate(invalid="ignore", divide="ignore"):
+    moved = np.abs(again - norms) / np.maximum(norms, 1e-30)
+  return grads, norms, float(np.max(np.where(np.isnan(moved), np.inf, moved)))
 
 
 def _diff_norm(a: Any, b: Any) -> float:
@@ -526,7 +546,7 @@ def _clipped_reference(grads: list[Any], norms: np.ndarray, c: float) -> Any:
 
 
 def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_sum: Any,
-                scale: float) -> dict:
+                scale: float, ill_conditioned: bool) -> dict:
   """One method on one case: its status, the measured errors and the failed properties."""
   clip = jaxaccum.clip_per_example(c, method)
   out: dict[str, Any] = {"method": method, "status": "ok", "failed": [], "notes": []}
@@ -562,10 +582,9 @@ def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_su
   out["contribution_over_c"] = float(np.nanmax(np.where(np.isfinite(ratio), ratio, np.inf)))
   out["worst_contribution"] = {"example": int(np.nanargmax(ratio)),
                                "true_norm": float(ref_norms[int(np.nanargmax(ratio))])}
-  tol = NORM_RTOL[case.compute]
-  if not out["norm_rel_err"] <= tol:
+  if not ill_conditioned and not out["norm_rel_err"] <= NORM_RTOL[case.compute]:
     out["failed"].append("norms")
-  if not out["sum_rel_err"] <= SUM_RTOL[case.compute]:
+  if not ill_conditioned and not out["sum_rel_err"] <= SUM_RTOL[case.compute]:
     out["failed"].append("sum")
   if not out["contribution_over_c"] <= 1 + ROUNDING_BOUND:
     out["failed"].append("bound")
@@ -597,13 +616,16 @@ def check(case: Case, methods: tuple[str, ...] = METHODS) -> dict:
   (``"norms"``, ``"sum"``, ``"bound"``, ``"crash"``); ``report["skipped"]`` says why a case
   was not checked (a reference norm that is not finite, or every norm 0).
   """
-  grads, ref_norms = reference(case)
+  grads, ref_norms, moved = reference(case)
   report: dict[str, Any] = {"case": case.name, "ops": list(case.ops), "compute": case.compute,
                             "rows": case.rows, "num_micro_batches": case.num_micro_batches,
-                            "methods": {}}
+                            "reference_moved": moved, "methods": {}}
   if not np.all(np.isfinite(ref_norms)):
     report["skipped"] = "a reference norm is not finite"
     return report
+  # Ill-conditioned: the norms and the sum are not compared, the bound (which needs no
+  # reference) still is.
+  report["ill_conditioned"] = not moved <= NORM_RTOL[case.compute] / 4
   c = float(case.max_norm) if case.max_norm is not None else clip_norm_for(ref_norms)
   if not c > 0:
     report["skipped"] = "every reference norm is 0"
@@ -614,7 +636,8 @@ def check(case: Case, methods: tuple[str, ...] = METHODS) -> dict:
   report.update(max_norm=c, clipped=int(np.sum(ref_norms > c)),
                 ref_norms=[float(n) for n in ref_norms])
   for m in methods:
-    report["methods"][m] = _run_method(case, m, c, ref_norms, ref_sum, scale)
+    report["methods"][m] = _run_method(case, m, c, ref_norms, ref_sum, scale,
+                                       report["ill_conditioned"])
   return report
 
 
@@ -626,7 +649,8 @@ def failures(report: dict) -> dict[str, list[str]]:
 def describe(report: dict) -> str:
   """One paragraph about a failed case, for an assertion message or the CLI."""
   lines = [f"{report['case']} ({report['compute']}, {report['rows']} rows, "
-           f"{report['num_micro_batches']} micro-batches, C={report.get('max_norm')}): "
+           + ("ill-conditioned: bound only, " if report.get("ill_conditioned") else "")
+           + f"{report['num_micro_batches']} micro-batches, C={report.get('max_norm')}): "
            + " ; ".join(report["ops"])]
   for m, r in report.get("methods", {}).items():
     if not r["failed"]:

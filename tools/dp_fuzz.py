@@ -36,7 +36,9 @@ def summarise(reports: list[dict], methods: tuple[str, ...]) -> dict:
   """Counts and extremes over ``reports`` (the cases' reports from ``_dp_fuzz.check``)."""
   checked = [r for r in reports if "skipped" not in r]
   out: dict = {"cases": len(reports), "checked": len(checked),
-               "skipped": len(reports) - len(checked), "failed_cases": 0, "methods": {}}
+               "skipped": len(reports) - len(checked),
+               "ill_conditioned": sum(1 for r in checked if r.get("ill_conditioned")),
+               "failed_cases": 0, "methods": {}}
   for m in methods:
     rs = [(r["case"], r["methods"][m]) for r in checked if m in r["methods"]]
     status: dict[str, int] = {}
@@ -60,7 +62,8 @@ def summarise(reports: list[dict], methods: tuple[str, ...]) -> dict:
 
 def print_summary(s: dict) -> None:
   print(f"\n{s['cases']} cases: {s['checked']} checked, {s['skipped']} skipped "
-        f"(non-finite or all-zero reference), {s['failed_cases']} failed")
+        f"(non-finite or all-zero reference), {s['failed_cases']} failed; "
+        f"{s['ill_conditioned']} ill-conditioned in their compute dtype (bound only)")
   print(f"rounding bound: C * (1 + {_dp_fuzz.ROUNDING_BOUND:g}); norm rtol "
         f"{_dp_fuzz.NORM_RTOL}; sum rtol {_dp_fuzz.SUM_RTOL}")
   for m, x in s["methods"].items():
