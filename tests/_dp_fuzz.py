@@ -502,10 +502,15 @@ def norm64(tree: Any) -> float:
   total = 0.0
   for x in jax.tree.leaves(tree):
     a = np.asarray(x)
-    if np.issubdtype(a.dtype, np.inexact):
-      total += float(np.sum(np.abs(a.astype(np.complex128 if np.iscomplexobj(a)
-                                            else np.float64)) ** 2))
+    if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 is not a NumPy inexact type
+      total += float(np.sum(np.abs(_wide(a)) ** 2))
   return math.sqrt(total)
+
+
+def _wide(a: Any) -> np.ndarray:
+  """``a`` in complex128 if complex, else float64 (bfloat16 included)."""
+  a = np.asarray(a)
+  return a.astype(np.complex128) if np.iscomplexobj(a) else a.astype(np.float64)
 
 
 def _row(batch: dict, j: int) -> dict:
@@ -535,14 +540,13 @@ def reference(case: Case) -> tuple[list[Any], np.ndarray, float]:
 
 
 def _diff_norm(a: Any, b: Any) -> float:
-  return norm64(jax.tree.map(lambda x, y: np.asarray(x).astype(np.complex128)
-                             - np.asarray(y).astype(np.complex128), a, b))
+  return norm64(jax.tree.map(lambda x, y: _wide(x) - _wide(y), a, b))
 
 
 def _clipped_reference(grads: list[Any], norms: np.ndarray, c: float) -> Any:
   factors = [min(1.0, c / n) if n > 0 else 1.0 for n in norms]
-  return jax.tree.map(lambda *g: sum(f * np.asarray(x).astype(np.complex128)
-                                     for f, x in zip(factors, g, strict=True)), *grads)
+  return jax.tree.map(lambda *g: sum(f * _wide(x) for f, x in zip(factors, g, strict=True)),
+                      *grads)
 
 
 def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_sum: Any,
