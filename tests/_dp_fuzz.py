@@ -600,17 +600,19 @@ def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_su
 def clip_norm_for(norms: np.ndarray) -> float:
   """A clip norm that clips about two thirds of the examples and leaves the others.
 
-  Between the ``u``-th and ``u + 1``-th smallest nonzero norms (``u`` a third of them, at
-  least 1), so that some examples are clipped and some not; half the norm where they tie.
-  0 if every norm is 0.
+  The geometric mean of two consecutive nonzero norms (in sorted order) that differ by more
+  than 0.1%, the pair nearest the first third, so that some examples are clipped and some
+  not, and no norm lies within rounding of ``C``. Half the smallest norm where all are
+  within 0.1% of their neighbours; 0 if every norm is 0.
   """
   s = np.sort(norms[norms > 0])
   if s.size == 0:
     return 0.0
-  if s.size == 1:
+  gaps = [k for k in range(1, s.size) if s[k] > s[k - 1] * 1.001]
+  if not gaps:
     return float(s[0]) / 2
-  u = max(1, s.size // 3)
-  return float(np.sqrt(s[u - 1] * s[u])) if s[u - 1] < s[u] else float(s[u]) / 2
+  k = min(gaps, key=lambda k: abs(k - s.size / 3))
+  return float(np.sqrt(s[k - 1] * s[k]))
 
 
 def check(case: Case, methods: tuple[str, ...] = METHODS) -> dict:
