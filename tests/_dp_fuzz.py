@@ -703,6 +703,55 @@ def _gram_cancellation() -> Case:
               {"x": x.astype(np.float32)}, 2, ops=("positions x, -x(1+1e-4)", "x@W@v"))
 
 
+def _cancelling(rows: int, d: int, scale: float = 1e3,
+                eps: float = 1e-4) -> tuple[np.ndarray, np.ndarray]:
+  """``a`` and ``-a (1 + eps r)``: two activations whose sum is about ``eps`` of either."""
+  a = _normal(10, (rows, 1, d), scale)
+  return a, (-a * (1 + eps * _normal(11, (rows, 1, 1)))).astype(np.float32)
+
+
+def _gram_cancellation_gather() -> Case:
+  # The index Gram of a gather (50 rows, 3 tokens): the same id at two positions whose
+  # cotangents nearly cancel, so sum_{t,u} [i_t = i_u] <g_t, g_u> is a difference of large
+  # terms.
+  a, b = _cancelling(8, 2)
+  ids = np.stack([np.arange(8), np.arange(8), 20 + np.arange(8)], 1).astype(np.int32)
+
+  def loss(p, bt):
+    return jnp.sum(p["emb"][bt["ids"]] * bt["y"])
+
+  y = np.concatenate([a, b, _normal(12, (8, 1, 2))], 1)
+  return Case("gram_cancellation_gather", {"emb": _normal(0, (50, 2))}, loss,
+              {"ids": ids, "y": y}, 2, ops=("E[ids] . y, y_1 = -y_0 (1 + 1e-4)",))
+
+
+def _gram_cancellation_scan() -> Case:
+  # The Gram form inside a scan body (stacked weights as xs), positions x and -x (1 + 1e-3)
+  # (closer, and float32 no longer gives the reference's gradient to 1e-3 either).
+  a, b = _cancelling(8, 8, eps=1e-3)
+
+  def loss(p, bt):
+    h = jax.lax.scan(lambda c, w: (c @ w, None), bt["x"], p["w"])[0]
+    return jnp.sum(h @ p["v"])
+
+  return Case("gram_cancellation_scan", {"w": _normal(0, (2, 8, 8), 0.4), "v": _normal(1, (8,))},
+              loss, {"x": np.concatenate([a, b], 1)}, 2,
+              ops=("scan(x @ W_l), x_1 = -x_0 (1 + 1e-3)",))
+
+
+def _gram_cancellation_tied() -> Case:
+  # One weight at two sites whose gradients nearly cancel: the cross term 2 <G_s, G_t> is
+  # minus the sum of the two squares to 1e-4.
+  a, b = _cancelling(8, 8)
+
+  def loss(p, bt):
+    return jnp.sum((bt["x"] @ p["w"] + bt["x2"] @ p["w"]) @ p["v"])
+
+  return Case("gram_cancellation_tied", {"w": _normal(0, (8, 8)), "v": _normal(1, (8,))}, loss,
+              {"x": np.concatenate([a, a], 1), "x2": np.concatenate([b, b], 1)}, 2,
+              ops=("x @ W + x2 @ W, x2 = -x (1 + 1e-4)",))
+
+
 def _promise_in_bounds_gather() -> Case:
   # E[ids] (PROMISE_IN_BOUNDS) with an id past the end: the forward pass clamps it, the
   # backward pass drops it.
@@ -829,6 +878,9 @@ def _nested_strided_slices() -> Case:
 
 REGRESSIONS: dict[str, Callable[[], Case]] = {
     "negation": _negation, "gram_cancellation": _gram_cancellation,
+    "gram_cancellation_gather": _gram_cancellation_gather,
+    "gram_cancellation_scan": _gram_cancellation_scan,
+    "gram_cancellation_tied": _gram_cancellation_tied,
     "promise_in_bounds_gather": _promise_in_bounds_gather, "underflow": _underflow,
     "tiny_norms": _tiny_norms, "complex_params": _complex_params,
     "complex_activations": _complex_activations, "reduce_precision": _reduce_precision,
