@@ -9,6 +9,8 @@ contribution over ``C`` and the largest relative error of a norm. The JSON repor
 case's results) is rewritten after each case, so an interrupted run keeps what it found.
 
   python tools/dp_fuzz.py --cases 1000 --seed 0 --out fuzz-dp-report.json
+  python tools/dp_fuzz.py --known          # the named known cases of issue 39
+  python tools/dp_fuzz.py --only 17,42     # some seeds again
 
 The exit status is 1 if any case failed.
 """
@@ -83,13 +85,17 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--methods", default=",".join(_dp_fuzz.METHODS))
   ap.add_argument("--exclude", default="", help="ops left out, comma-separated (e.g. rp,neg)")
   ap.add_argument("--only", default="", help="run these seeds only, comma-separated")
+  ap.add_argument("--known", action="store_true",
+                  help="run the named known cases (tests/_dp_fuzz.py REGRESSIONS) instead")
   ap.add_argument("--time-budget", type=float, default=0.0,
                   help="stop starting new cases after this many seconds (0: no limit)")
   args = ap.parse_args(argv)
   methods = tuple(m for m in args.methods.split(",") if m)
   exclude = tuple(o for o in args.exclude.split(",") if o)
-  seeds = ([int(s) for s in args.only.split(",")] if args.only
-           else list(range(args.seed, args.seed + args.cases)))
+  seeds: list = ([int(s) for s in args.only.split(",")] if args.only
+                 else list(range(args.seed, args.seed + args.cases)))
+  if args.known:
+    seeds = sorted(_dp_fuzz.REGRESSIONS)
   reports: list[dict] = []
   start = time.time()
   out = Path(args.out)
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"time budget reached after {k} cases")
       break
     t = time.time()
-    report = _dp_fuzz.check(_dp_fuzz.generate(seed, exclude), methods)
+    case = (_dp_fuzz.REGRESSIONS[seed]() if args.known
+            else _dp_fuzz.generate(seed, exclude))
+    report = _dp_fuzz.check(case, methods)
     report["seconds"] = round(time.time() - t, 2)
     reports.append(report)
     if _dp_fuzz.failures(report):
