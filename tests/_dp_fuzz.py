@@ -833,6 +833,19 @@ def _bf16_compute() -> Case:
               ops=("bf16 MLP",))
 
 
+def _bf16_parameters() -> Case:
+  # Parameters stored in bfloat16 (not cast): the gradient comes back in bfloat16, so the
+  # clipped gradient is rounded after the clip; the bound must hold all the same (or the
+  # documented bound must say how far bfloat16 leaves may go past C).
+  def loss(p, b):
+    h = jnp.sin(b["x"].astype(jnp.bfloat16) @ p["w"])
+    return jnp.sum((h * b["y"].astype(jnp.bfloat16)).astype(jnp.float32))
+
+  return Case("bf16_parameters", {"w": _normal(0, (4, 4)).astype(jnp.bfloat16)}, loss,
+              {"x": _normal(1, (6, 3, 4)), "y": _normal(2, (6, 3, 4))}, 2, "bfloat16",
+              ops=("bf16 leaf: sin(x @ W_bf16)",))
+
+
 def _fill_drops_index() -> Case:
   # mode="fill" with ids past the end and below -rows: those positions add no gradient.
   ids = np.array([[0, 9, 2, 9], [-9, 1, 1, 3], [4, 4, 12, 0], [2, -1, 5, 5]], np.int32)
@@ -884,7 +897,8 @@ REGRESSIONS: dict[str, Callable[[], Case]] = {
     "promise_in_bounds_gather": _promise_in_bounds_gather, "underflow": _underflow,
     "tiny_norms": _tiny_norms, "complex_params": _complex_params,
     "complex_activations": _complex_activations, "reduce_precision": _reduce_precision,
-    "bf16_compute": _bf16_compute, "fill_drops_index": _fill_drops_index,
+    "bf16_compute": _bf16_compute, "bf16_parameters": _bf16_parameters,
+    "fill_drops_index": _fill_drops_index,
     "broadcast_weight": _broadcast_weight, "divide_by_parameter": _divide_by_parameter,
     "nested_strided_slices": _nested_strided_slices,
 }
