@@ -1,11 +1,15 @@
 """A differential fuzz of ``clip_per_example``: generated models against per-example ``jax.grad``.
 
 :func:`generate` builds a seeded case: a per-example loss made of random compositions of
-uses of parameters (dense, transposed, weight on the left, tied, negated, sliced, gathered,
-scaled, normalised, divided by a parameter, broadcast, convolved, scanned, rounded,
-complex), several activations, inputs scaled over many orders of magnitude, float32 or
-bfloat16 compute (the parameters stay float32 and are cast inside the loss). The loss of a
-batch is the sum of its rows' losses, so one row alone is one example.
+uses of parameters (dense, transposed, weight on the left, tied, negated, sliced (nested,
+strided, reversed, after reshapes), gathered (every mode, ids out of range), scaled,
+normalised, divided by a parameter, broadcast, masked, convolved, scanned (and tied outside
+the scan), inside ``jit`` or ``checkpoint``, rounded by ``reduce_precision``, complex, a
+weight decay inside the loss), several activations, inputs scaled over many orders of
+magnitude, positions that nearly cancel, float32 or bfloat16 compute (the parameters stay
+float32 and are cast inside the loss). The loss of a batch is the sum of its rows' losses,
+so one row alone is one example. :data:`REGRESSIONS` holds named cases written by hand:
+each known way the ghost analysis went wrong, and the shapes behind bugs it could have.
 
 :func:`check` runs each ``method`` of ``clip_per_example`` on the case and compares it with
 a reference that never goes through jaxaccum: each example's gradient by ``jax.grad`` of the
@@ -46,11 +50,13 @@ import jaxaccum
 # min(1, C / |g|) and the product c * g are each rounded once in float32 (2**-24 relative
 # each), the norm's sum a few times more; 1e-5 covers that with room. It is the same for
 # bfloat16 compute: the parameters (and so the gradients the clip scales) are float32, so a
-# clip applied to them rounds as in float32 (materialize reaches 1.00000 C). jaxaccum does
-# not publish a bound of its own yet; if it does, this constant should read it.
+# clip applied to them rounds as in float32 (materialize reaches 1.00000 C). Parameters
+# stored in bfloat16 are another matter: their clipped gradient is rounded to bfloat16 (the
+# ``bf16_parameters`` case). jaxaccum does not publish a bound of its own yet; if it does,
+# this constant should read it.
 ROUNDING_BOUND = 1e-5
 
-# Norms against the reference, relative. float32 compute: the goal of issue 39 (1e-3). In
+# Norms against the reference, relative. float32 compute: the ghost path's goal (1e-3). In
 # bfloat16 compute the reference gradient is itself rounded to bfloat16 at every op (8
 # significant bits), and the methods round in other places than a per-example jax.grad
 # (a ghost norm reads bf16 activations and cotangents, not the bf16-rounded gradient), so
@@ -672,7 +678,7 @@ def describe(report: dict) -> str:
   return "\n".join(lines)
 
 
-# --- Known cases (issue 39), as explicit regression cases ---------------------------------
+# --- Known cases, as explicit regression cases -------------------------------------------
 
 
 def _normal(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:

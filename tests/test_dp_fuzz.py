@@ -3,9 +3,9 @@
 Each generated case runs ``method="auto"``, ``"ghost"`` (where it does not refuse) and
 ``"materialize"`` against per-example ``jax.grad``: the norms in ``example_grad_norms``, the
 clipped sum, and the sensitivity bound measured on each example alone (a batch of one with
-``reduce="sum"``: norm at most ``C * (1 + ROUNDING_BOUND)``). The known cases of issue 39
-and the cases behind the planted bugs it lists run as named cases. ``make fuzz-dp`` runs the
-long fuzz (``tools/dp_fuzz.py``).
+``reduce="sum"``: norm at most ``C * (1 + ROUNDING_BOUND)``). The known ways the ghost
+analysis went wrong, and the shapes behind bugs it could have, run as named cases.
+``make fuzz-dp`` runs the long fuzz (``tools/dp_fuzz.py``).
 """
 
 import jax.numpy as jnp

@@ -9,7 +9,7 @@ contribution over ``C`` and the largest relative error of a norm. The JSON repor
 case's results) is rewritten after each case, so an interrupted run keeps what it found.
 
   python tools/dp_fuzz.py --cases 1000 --seed 0 --out fuzz-dp-report.json
-  python tools/dp_fuzz.py --known          # the named known cases of issue 39
+  python tools/dp_fuzz.py --known          # the named known cases
   python tools/dp_fuzz.py --only 17,42     # some seeds again
 
 The exit status is 1 if any case failed.
