@@ -555,7 +555,15 @@ def _clipped_reference(grads: list[Any], norms: np.ndarray, c: float) -> Any:
                       *grads)
 
 
-def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_sum: Any,
+def _over_c(grad: Any, c: float | dict) -> float:
+  """An example's contribution over its clip norm: ``|g| / C``, or with per-layer norms
+  (``c`` a dict over the parameters' leaves) the largest ``|g_l| / C_l``."""
+  if not isinstance(c, dict):
+    return norm64(grad) / c
+  return max(norm64(grad[k]) / c[k] for k in c)
+
+
+def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray, ref_sum: Any,
                 scale: float, ill_conditioned: bool) -> dict:
   """One method on one case: its status, the measured errors and the failed properties."""
   clip = jaxaccum.clip_per_example(c, method)
@@ -568,7 +576,7 @@ def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_su
       grads, info = step(case.params, case.batch)
       one = jax.jit(jaxaccum.grad(case.loss, num_micro_batches=1, reduce="sum",
                                   per_example_transform=clip))
-      alone = [norm64(one(case.params, _row(case.batch, j))) for j in range(case.rows)]
+      alone = [_over_c(one(case.params, _row(case.batch, j)), c) for j in range(case.rows)]
     except ValueError as e:
       if method == "ghost":
         out["status"] = "refused"
@@ -588,7 +596,7 @@ def _run_method(case: Case, method: str, c: float, ref_norms: np.ndarray, ref_su
   out["worst_norm"] = {"example": int(rel.argmax()), "true": float(ref_norms[rel.argmax()]),
                        "reported": float(norms[rel.argmax()])}
   out["sum_rel_err"] = _diff_norm(grads, ref_sum) / scale if scale > 0 else 0.0
-  ratio = np.array(alone) / c
+  ratio = np.array(alone)
   out["contribution_over_c"] = float(np.nanmax(np.where(np.isfinite(ratio), ratio, np.inf)))
   out["worst_contribution"] = {"example": int(np.nanargmax(ratio)),
                                "true_norm": float(ref_norms[int(np.nanargmax(ratio))])}
@@ -621,7 +629,7 @@ def clip_norm_for(norms: np.ndarray) -> float:
   return float(np.sqrt(s[k - 1] * s[k]))
 
 
-def check(case: Case, methods: tuple[str, ...] = METHODS) -> dict:
+def check(case: Case, methods: tuple[str, ...] = METHODS, per_layer: bool = False) -> dict:
   """Runs ``methods`` on ``case`` against the reference; returns a JSON-able report.
 
   ``report["methods"][m]["failed"]`` lists the properties that method broke
@@ -647,6 +655,16 @@ def check(case: Case, methods: tuple[str, ...] = METHODS) -> dict:
   scale = float(np.sum(np.minimum(ref_norms, c)))
   report.update(max_norm=c, clipped=int(np.sum(ref_norms > c)),
                 ref_norms=[float(n) for n in ref_norms])
+  if per_layer:  # each leaf its own clip norm (clip_per_example with a pytree of norms)
+    leaf = {k: np.array([norm64(g[k]) for g in grads]) for k in case.params}
+    c = {k: float(np.float32(clip_norm_for(n) or 1.0)) for k, n in leaf.items()}
+    factors = [{k: min(1.0, c[k] / leaf[k][e]) if leaf[k][e] > 0 else 1.0 for k in c}
+               for e in range(case.rows)]
+    ref_sum = {k: sum(f[k] * _wide(g[k]) for f, g in zip(factors, grads, strict=True))
+               for k in c}
+    scale = float(sum(np.sqrt(sum(min(leaf[k][e], c[k]) ** 2 for k in c))
+                      for e in range(case.rows)))
+    report.update(max_norm=c, clipped=int(sum(np.sum(n > c[k]) for k, n in leaf.items())))
   for m in methods:
     report["methods"][m] = _run_method(case, m, c, ref_norms, ref_sum, scale,
                                        report["ill_conditioned"])

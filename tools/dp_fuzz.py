@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--methods", default=",".join(_dp_fuzz.METHODS))
   ap.add_argument("--exclude", default="", help="ops left out, comma-separated (e.g. rp,neg)")
   ap.add_argument("--only", default="", help="run these seeds only, comma-separated")
+  ap.add_argument("--per-layer", action="store_true",
+                  help="clip each parameter leaf to its own norm (a pytree of clip norms)")
   ap.add_argument("--known", action="store_true",
                   help="run the named known cases (tests/_dp_fuzz.py REGRESSIONS) instead")
   ap.add_argument("--time-budget", type=float, default=0.0,
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     case = (_dp_fuzz.REGRESSIONS[seed]() if args.known
             else _dp_fuzz.generate(seed, exclude))
-    report = _dp_fuzz.check(case, methods)
+    report = _dp_fuzz.check(case, methods, per_layer=args.per_layer)
     report["seconds"] = round(time.time() - t, 2)
     reports.append(report)
     if _dp_fuzz.failures(report):
