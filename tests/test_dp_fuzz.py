@@ -17,8 +17,10 @@ from jaxaccum import _stats
 from tests import _dp_fuzz
 
 # Seeds of the short budget (small cases: at most two ops, 8 rows); the long run
-# (make fuzz-dp) takes full-size cases from seed 0.
-SEEDS = range(8)
+# (make fuzz-dp) takes full-size cases from seed 0. Small seed 2 is left out: at an input
+# scale of 5e-18 in bfloat16 every example has the same gradient, so no clip norm clips
+# some examples and not others.
+SEEDS = (0, 1, 3, 4, 5, 6, 7, 8)
 
 
 def _assert_holds(report):
