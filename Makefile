@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 GPU_VENV  := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: demo test test-gpu-target lint bench bench-quick bench-tiny clean docs typecheck test-min test-latest dist dist-check
+.PHONY: demo test test-gpu-target lint bench bench-quick bench-tiny clean docs typecheck test-min test-latest dist dist-check fuzz-dp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,13 @@ bench-quick: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q --durations=25
 	$(BIN)/pyright --pythonpath $(BIN)/python
+
+# The long differential fuzz of clip_per_example (tests/_dp_fuzz.py): 1000 generated models, each
+# method against per-example jax.grad on the norms, the clipped sum and the sensitivity bound.
+# Prints what it found; the JSON report goes to FUZZ_DP_REPORT. Exit status 1 if a case failed.
+FUZZ_DP_REPORT ?= fuzz-dp-report.json
+fuzz-dp: $(STAMP)
+	nice -n 10 $(BIN)/python tools/dp_fuzz.py --cases 1000 --seed 0 --out $(FUZZ_DP_REPORT)
 
 # Compiles for described H100/H200/A100/B200 GPUs on this machine (no GPU needed).
 test-gpu-target: $(GPU_STAMP)
