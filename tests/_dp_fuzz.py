@@ -55,6 +55,14 @@ import jaxaccum
 # ``bf16_parameters`` case). jaxaccum does not publish a bound of its own yet; if it does,
 # this constant should read it.
 ROUNDING_BOUND = 1e-5
+# Where an example's own gradient is a sum of terms that cancel to 1 / kappa of their size,
+# float32 resolves it only to about 2^-24 kappa, in the reference (jax.grad) and in every
+# method alike: docs/dp-sgd.md ("What the sensitivity bound rests on") documents the bound
+# C * (1 + 2^-22 kappa) there. Each case says its kappa (1: no such cancellation).
+CANCELLATION_BOUND = 2.0 ** -22
+# ... and its norms, against the reference's, to about 2^-20 kappa relative (the reference,
+# float32's jax.grad, is itself that uncertain there).
+CANCELLATION_NORM_RTOL = 2.0 ** -20
 
 # Norms against the reference, relative. float32 compute: the ghost path's goal (1e-3). In
 # bfloat16 compute the reference gradient is itself rounded to bfloat16 at every op (8
@@ -92,6 +100,7 @@ class Case:
   num_micro_batches: int = 1
   compute: str = "float32"  # or "bfloat16": the dtype the loss computes in
   max_norm: float | None = None  # None: from the reference norms (clip_norm_for)
+  kappa: float = 1.0  # how far an example's gradient cancels (see CANCELLATION_BOUND)
   ops: tuple[str, ...] = ()  # what the generator put in, for the report
 
   @property
@@ -600,11 +609,13 @@ def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray,
   out["contribution_over_c"] = float(np.nanmax(np.where(np.isfinite(ratio), ratio, np.inf)))
   out["worst_contribution"] = {"example": int(np.nanargmax(ratio)),
                                "true_norm": float(ref_norms[int(np.nanargmax(ratio))])}
-  if not ill_conditioned and not out["norm_rel_err"] <= NORM_RTOL[case.compute]:
+  norm_rtol = max(NORM_RTOL[case.compute], CANCELLATION_NORM_RTOL * case.kappa)
+  if not ill_conditioned and not out["norm_rel_err"] <= norm_rtol:
     out["failed"].append("norms")
-  if not ill_conditioned and not out["sum_rel_err"] <= SUM_RTOL[case.compute]:
+  sum_rtol = max(SUM_RTOL[case.compute], CANCELLATION_NORM_RTOL * case.kappa)
+  if not ill_conditioned and not out["sum_rel_err"] <= sum_rtol:
     out["failed"].append("sum")
-  if not out["contribution_over_c"] <= 1 + ROUNDING_BOUND:
+  if not out["contribution_over_c"] <= 1 + ROUNDING_BOUND + CANCELLATION_BOUND * case.kappa:
     out["failed"].append("bound")
   if out["failed"]:
     out["status"] = "fail"
@@ -724,7 +735,8 @@ def _gram_cancellation() -> Case:
     return jnp.sum((b["x"] @ p["w"]) @ p["v"])
 
   return Case("gram_cancellation", {"w": _normal(2, (8, 8)), "v": _normal(3, (8,))}, loss,
-              {"x": x.astype(np.float32)}, 2, ops=("positions x, -x(1+1e-4)", "x@W@v"))
+              {"x": x.astype(np.float32)}, 2, ops=("positions x, -x(1+1e-4)", "x@W@v"),
+              kappa=1e4)
 
 
 def _cancelling(rows: int, d: int, scale: float = 1e3,
@@ -746,7 +758,7 @@ def _gram_cancellation_gather() -> Case:
 
   y = np.concatenate([a, b, _normal(12, (8, 1, 2))], 1)
   return Case("gram_cancellation_gather", {"emb": _normal(0, (50, 2))}, loss,
-              {"ids": ids, "y": y}, 2, ops=("E[ids] . y, y_1 = -y_0 (1 + 1e-4)",))
+              {"ids": ids, "y": y}, 2, ops=("E[ids] . y, y_1 = -y_0 (1 + 1e-4)",), kappa=1e4)
 
 
 def _gram_cancellation_scan() -> Case:
@@ -760,7 +772,7 @@ def _gram_cancellation_scan() -> Case:
 
   return Case("gram_cancellation_scan", {"w": _normal(0, (2, 8, 8), 0.4), "v": _normal(1, (8,))},
               loss, {"x": np.concatenate([a, b], 1)}, 2,
-              ops=("scan(x @ W_l), x_1 = -x_0 (1 + 1e-3)",))
+              ops=("scan(x @ W_l), x_1 = -x_0 (1 + 1e-3)",), kappa=1e3)
 
 
 def _gram_cancellation_tied() -> Case:
@@ -773,7 +785,7 @@ def _gram_cancellation_tied() -> Case:
 
   return Case("gram_cancellation_tied", {"w": _normal(0, (8, 8)), "v": _normal(1, (8,))}, loss,
               {"x": np.concatenate([a, a], 1), "x2": np.concatenate([b, b], 1)}, 2,
-              ops=("x @ W + x2 @ W, x2 = -x (1 + 1e-4)",))
+              ops=("x @ W + x2 @ W, x2 = -x (1 + 1e-4)",), kappa=1e4)
 
 
 def _promise_in_bounds_gather() -> Case:
