@@ -1436,7 +1436,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
 def _little_saved(taps: dict, probes: dict, fallback: dict, leaves: Sequence[Any]) -> bool:
   """Whether ghost norms would save little over materialising: a third or more of the
   parameters (by bytes) are used at ``"direct"`` sites (convolution kernels, elementwise
-  scales), whose norm is formed from the leaf-sized per-example gradient, so that the ghost step holds about as much as materialising and runs another
+  scales), whose norm is formed from the leaf-sized per-example gradient, so that the ghost
+  step holds about as much as materialising and runs another
   pass besides (a small CNN, half its parameters in kernels: 1.5x the plain step's time
   with ghost norms, 0.65x materialised, and the same temporaries)."""
   size = {k: math.prod(np.shape(leaves[k])) * jnp.dtype(jnp.asarray(leaves[k]).dtype).itemsize
