@@ -10,11 +10,14 @@ stability limit at ``B`` rows is roughly ``2B / (B + d + 1)``: at ``k = 8``, 1.3
 the smallest batches cannot reach it, large ones reach it in the fewest steps. Compared:
 the controller at its defaults and at the settings the adaptive-batch guide recommends per
 regime. Results go to ``benchmarks/results/adaptive_grid.{json,md}``. ``BENCH_QUICK=1``
-(or ``--quick``) runs one seed on the two settings of ``d = 16`` at the smaller rate.
+(or ``--quick``) runs one seed on the two settings of ``d = 16`` at the smaller rate and
+writes nothing. ``--tiny`` (or ``BENCH_TINY=1``): one seed, one small setting with a near
+target, the defaults only, results in a temporary folder (``--out-dir`` picks another).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -60,7 +63,7 @@ def controllers() -> dict[str, jaxaccum.AdaptiveBatch]:
 
 def write_markdown(out: dict[str, Any], path: pathlib.Path) -> None:
   env = out["env"]
-  names = list(controllers())
+  names = list(next(iter(out["goals"].values())))  # the controllers run
   lines = [
       "# AdaptiveBatch on a grid of linear-regression settings",
       "",
@@ -92,10 +95,19 @@ def write_markdown(out: dict[str, Any], path: pathlib.Path) -> None:
   path.write_text("\n".join(lines))
 
 
-def main() -> None:
-  quick = os.environ.get("BENCH_QUICK") == "1" or "--quick" in sys.argv
-  seeds = [0] if quick else [0, 1, 2]
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK")
+                      == "1", help="one seed, two settings, nothing written (also BENCH_QUICK=1)")
+  ba._common.add_tiny(parser)
+  parser.add_argument("--out-dir", type=pathlib.Path)
+  args = parser.parse_args(argv)
+  quick, tiny = args.quick, args.tiny
+  seeds = [0] if quick or tiny else [0, 1, 2]
   grid, ctrls = settings(quick), controllers()
+  if tiny:
+    grid = {"d=8 sigma=1.0 lr=0.05": dict(d=8, sigma=1.0, lr=0.05, target=1.0, max_steps=50)}
+    ctrls = {"controller (defaults)": ctrls["controller (defaults)"]}
   out: dict[str, Any] = {"env": ba._common.device_info(), "settings": grid, "seeds": seeds,
                          "tables": {}, "goals": {}}
   t0 = time.perf_counter()
@@ -107,11 +119,13 @@ def main() -> None:
     print(f"{sname}: defaults {g['steps_ratio']}, {g['samples_ratio']}, met={g['met']} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
   out["seconds"] = time.perf_counter() - t0
-  if quick:
+  if quick and not tiny:
     return  # a smoke run: the committed results are the full grid's
-  ba.RESULTS.mkdir(exist_ok=True)
-  (ba.RESULTS / "adaptive_grid.json").write_text(json.dumps(out, indent=1))
-  write_markdown(out, ba.RESULTS / "adaptive_grid.md")
+  where = ba._common.out_dir_for(tiny, args.out_dir, ba.RESULTS)
+  where.mkdir(parents=True, exist_ok=True)
+  (where / "adaptive_grid.json").write_text(json.dumps(out, indent=1))
+  write_markdown(out, where / "adaptive_grid.md")
+  print(f"results in {where}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ micro-batches, each row real with probability ``p`` (the rest padding, masked ou
 Both give the same clipped mean (the largest difference is reported). Timed round-robin in
 this one process after a warm-up; medians. Results go to
 ``benchmarks/results/dp_padding.{json,md}``. ``BENCH_QUICK=1`` (or ``--quick``) runs fewer
-repeats and the materialised method only at one fraction.
+repeats and the materialised method only at one fraction; ``--tiny`` (or ``BENCH_TINY=1``)
+that one case on a batch of 32 rows, one repeat, results in a temporary folder.
 """
 
 from __future__ import annotations
@@ -70,19 +71,19 @@ def _steps(method: str):
 
 
 def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
-        out_dir: pathlib.Path = RESULTS) -> dict[str, Any]:
+        out_dir: pathlib.Path = RESULTS, batch: int = B) -> dict[str, Any]:
   repeats = repeats or (5 if quick else 15)
   warmup = warmup or 1
   params = _params(jax.random.key(0))
-  x = jax.random.normal(jax.random.key(1), (B, SIZES[0]))
-  y = jax.random.randint(jax.random.key(2), (B,), 0, SIZES[-1])
+  x = jax.random.normal(jax.random.key(1), (batch, SIZES[0]))
+  y = jax.random.randint(jax.random.key(2), (batch,), 0, SIZES[-1])
   rng = np.random.default_rng(0)
   cases = [("materialize", 0.25)] if quick else [
       (m, p) for m in ("ghost", "materialize") for p in (0.25, 0.5, 0.9)]
   rows = []
   for method, p in cases:
     steps = _steps(method)
-    mask = jnp.asarray(rng.random(B) < p)
+    mask = jnp.asarray(rng.random(batch) < p)
     outs = {name: _common.block(f(params, (x, y), mask)) for name, f in steps.items()}
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
         jax.tree.leaves(outs["all N"]), jax.tree.leaves(outs["padding last"]), strict=True))
@@ -92,11 +93,11 @@ def run(*, quick: bool, repeats: int | None = None, warmup: int | None = None,
         repeats=repeats, warmup=warmup)
     real = int(mask.sum())
     med = {name: 1e3 * _common.median(t) for name, t in times.items()}
-    rows.append({"method": method, "real_rows": real, "k": max(1, -(-real // (B // N))),
+    rows.append({"method": method, "real_rows": real, "k": max(1, -(-real // (batch // N))),
                  "all_n_ms": med["all N"], "padding_last_ms": med["padding last"],
                  "ratio": med["padding last"] / med["all N"], "max_diff": diff})
   results = {"environment": _common.device_info(), "quick": quick, "repeats": repeats,
-             "warmup": warmup, "batch": B, "micro_batches": N, "rows": rows}
+             "warmup": warmup, "batch": batch, "micro_batches": N, "rows": rows}
   _common.write_results(out_dir, "dp_padding", results, markdown)
   return results
 
@@ -117,7 +118,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
   _common.main(__doc__, run, markdown, quick_help="fewer repeats, one case",
-               out_dir=RESULTS, argv=argv)
+               out_dir=RESULTS, tiny=lambda: {"batch": 32}, argv=argv)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -690,10 +689,7 @@ def prediction_markdown(out: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tiny", action="store_true",
-                      default=os.environ.get("BENCH_TINY", "") not in ("", "0"),
-                      help="the CPU dry run: a tiny model, every method, results in a "
-                      "temporary folder unless --out-dir (also BENCH_TINY=1)")
+  _common.add_tiny(parser)  # the CPU dry run: a tiny model, every method
   parser.add_argument("--predict", action="store_true",
                       help="only plan (compile, never run) and write plan_<target>.json")
   parser.add_argument("--target", default=None, help="described GPU for --predict (h200)")
@@ -710,9 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--out-dir", type=pathlib.Path, default=None,
                       help=f"default: {RESULTS} (--tiny: a fresh temporary folder)")
   args = parser.parse_args(argv)
-  if args.out_dir is None:
-    args.out_dir = (pathlib.Path(tempfile.mkdtemp(prefix="jaxaccum-bench-tiny-")) if args.tiny
-                    else RESULTS)
+  args.out_dir = _common.out_dir_for(args.tiny, args.out_dir, RESULTS)
   cfg = TINY_CONFIG if args.tiny else GPU_CONFIG
   suffix = "_tiny" if args.tiny else ""
   args.out_dir.mkdir(parents=True, exist_ok=True)

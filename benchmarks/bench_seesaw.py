@@ -22,10 +22,12 @@ tokens in at least 30% fewer steps (means over seeds); on linear regression, wit
 the reference's final risk in at most 0.6x its steps.
 
   nice -n 10 python benchmarks/bench_seesaw.py          # about 15 minutes on 2 shared cores
-  BENCH_TINY=1 python benchmarks/bench_seesaw.py        # seconds: the pipeline, tiny sizes
+  python benchmarks/bench_seesaw.py --tiny              # seconds: the pipeline, tiny sizes
 
 Writes ``benchmarks/results/seesaw.{json,md}`` and ``seesaw_lm.png`` (runs cached in
-``seesaw_runs.json``; ``--fresh`` ignores the cache).
+``seesaw_runs.json``; ``--fresh`` ignores the cache). ``--tiny`` (or ``BENCH_TINY=1``): one
+seed, the tiny LM (cosine and Seesaw only) and one small regression, written as
+``seesaw_tiny.*`` to a temporary folder (``--out-dir`` picks another).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import sys
 import time
@@ -55,7 +56,7 @@ import seesaw_lm as sl  # noqa: E402
 import jaxaccum  # noqa: E402
 
 OUT_DIR = ROOT / "benchmarks" / "results"
-TINY = os.environ.get("BENCH_TINY") == "1"
+TINY = "--tiny" in sys.argv or _common.tiny_from_env()  # the sizes below depend on it
 SEEDS = (0,) if TINY else (0, 1, 2)
 LM = sl.TINY if TINY else sl.Config()
 GUARD = 1.0  # the noise guard's multiple of B_simple
@@ -307,10 +308,15 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out-dir", type=pathlib.Path, default=OUT_DIR)
+  _common.add_tiny(parser)
+  parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                      help=f"default: {OUT_DIR} (--tiny: a fresh temporary folder)")
   parser.add_argument("--fresh", action="store_true", help="ignore the cached LM runs")
   args = parser.parse_args(argv)
-  out = args.out_dir
+  if args.tiny != TINY:
+    parser.error("--tiny sets the sizes when the module loads: give it on the command line "
+                 "(or BENCH_TINY=1)")
+  out = _common.out_dir_for(TINY, args.out_dir, OUT_DIR)
   out.mkdir(parents=True, exist_ok=True)
   cache_path = out / ("seesaw_tiny_runs.json" if TINY else "seesaw_runs.json")
   cache = {} if args.fresh or not cache_path.exists() else json.loads(cache_path.read_text())
@@ -331,6 +337,7 @@ def main(argv=None) -> None:
   _common.write_results(out, name, res, markdown)
   lm_plot(cache, out / f"{name}_lm.png")
   print(markdown(res))
+  print(f"results in {out}")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@ problems, one timed repeat, results in a temporary folder); each is run here as 
 it, in a subprocess, so that a broken benchmark fails the suite. Those that compile for
 described GPUs need the ``gpu-plan`` environment: ``tests_gpu_target/test_benchmarks.py``
 runs their tiny modes. Every script must finish, write its results where the tiny mode says
-and leave ``benchmarks/results`` alone; for four of them the results are read further (no timing is
-checked): ``bench_accumulation.py``'s report and plots, ``bench_features.py``'s first losses
-and ``bench_evaluate.py``'s values against hand references, ``bench_per_example.py``'s
-clipped gradients against each other.
+and leave ``benchmarks/results`` alone; the results are read further (no timing is checked):
+``bench_accumulation.py``'s report and plots, ``bench_features.py``'s first losses and
+``bench_evaluate.py``'s values against hand references, ``bench_per_example.py``'s and
+``bench_dp_padding.py``'s clipped gradients against each other, and the tables of
+``bench_adaptive_grid.py``, ``bench_seesaw.py`` and ``bench_gpu_lm.py``. The last one runs
+here only its plan (``--predict``): ``tests/test_gpu_check.py`` runs its whole dry run, the
+plan read back by the run, with ``--out-dir``.
 """
 
 import ast
+import dataclasses
 import json
 import os
 import pathlib
@@ -36,11 +40,15 @@ RESULTS = BENCHMARKS / "results"
 TINY = {
     "bench_accumulation.py": (),
     "bench_adaptive.py": (),
+    "bench_adaptive_grid.py": (),
     "bench_adaptive_lm.py": (),
+    "bench_dp_padding.py": (),
     "bench_evaluate.py": (),
     "bench_features.py": (),
+    "bench_gpu_lm.py": ("--predict",),  # the run itself: tests/test_gpu_check.py
     "bench_per_example.py": (),
     "bench_pipeline.py": (),
+    "bench_seesaw.py": (),
     "bench_sharding.py": (),
 }
 # Compiled for described GPUs: run by tests_gpu_target/test_benchmarks.py.
@@ -235,8 +243,55 @@ def _evaluate(out: pathlib.Path):
   assert "| jaxaccum.evaluate | 4 |" in (out / "evaluate.md").read_text()
 
 
-CHECKS = {"bench_accumulation.py": _accumulation, "bench_evaluate.py": _evaluate,
-          "bench_features.py": _features, "bench_per_example.py": _per_example}
+def _dp_padding(out: pathlib.Path):
+  """The one tiny case (materialised clipping, 32 rows in 8 micro-batches): the padding placed
+  last, over the first k micro-batches only, gives the clipped mean of all N."""
+  saved = json.loads((out / "dp_padding.json").read_text())
+  assert saved["batch"] == 32 and saved["micro_batches"] == 8 and saved["repeats"] == 1
+  [row] = saved["rows"]
+  assert row["method"] == "materialize" and 0 < row["real_rows"] <= 32
+  assert row["k"] == max(1, -(-row["real_rows"] // 4)) and row["max_diff"] < 1e-6, row
+  assert "| materialize | " in (out / "dp_padding.md").read_text()
+
+
+def _adaptive_grid(out: pathlib.Path):
+  """The tiny setting: the fixed sweep and the defaults' row, and its goal read off them."""
+  bench = _load("benchmarks/bench_adaptive_grid.py")
+  saved = json.loads((out / "adaptive_grid.json").read_text())
+  assert saved["seeds"] == [0] and set(saved["settings"]) == set(saved["tables"])
+  [(name, table)] = saved["tables"].items()
+  assert set(table) == {f"fixed k={k}" for k in bench.ba.FIXED} | {"controller (defaults)"}
+  g = saved["goals"][name]["controller (defaults)"]
+  fixed = [r["steps"] for n, r in table.items() if n.startswith("fixed") and r["steps"]]
+  assert g["best_steps"] == min(fixed)
+  assert f"| {name} | " in (out / "adaptive_grid.md").read_text()
+
+
+def _seesaw(out: pathlib.Path):
+  """The tiny LM (cosine and Seesaw, one seed) and one regression, tables and plot."""
+  saved = json.loads((out / "seesaw_tiny.json").read_text())
+  assert saved["tiny"] is True and saved["seeds"] == [0]
+  assert set(saved["lm"]["rows"]) == {"cosine", "seesaw"} and len(saved["linreg"]) == 1
+  assert saved["lm"]["rows"]["cosine"]["steps_ratio"] == 1.0
+  assert (out / "seesaw_tiny.md").read_text().startswith("# Seesaw")
+  assert _is_png(out / "seesaw_tiny_lm.png")
+
+
+def _gpu_lm(out: pathlib.Path):
+  """The plan for the tiny model on this CPU, with the dry run's budget: it fits the budget
+  and half as many micro-batches does not."""
+  bench = _load("benchmarks/bench_gpu_lm.py")
+  plan = json.loads((out / "plan_here_tiny.json").read_text())
+  assert plan["config"] == dataclasses.asdict(bench.TINY_CONFIG)
+  assert plan["memory_budget_bytes"] == bench.TINY_BUDGET
+  assert plan["peak_bytes"] <= plan["memory_budget_bytes"] < plan["half"]["peak_bytes"]
+  assert plan["half"]["num_micro_batches"] == plan["num_micro_batches"] // 2
+
+
+CHECKS = {"bench_accumulation.py": _accumulation, "bench_adaptive_grid.py": _adaptive_grid,
+          "bench_dp_padding.py": _dp_padding, "bench_evaluate.py": _evaluate,
+          "bench_features.py": _features, "bench_gpu_lm.py": _gpu_lm,
+          "bench_per_example.py": _per_example, "bench_seesaw.py": _seesaw}
 
 
 @pytest.mark.parametrize("script", sorted(TINY))
