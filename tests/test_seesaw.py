@@ -4,10 +4,7 @@ compiled program while k changes, every row used once (RowFeeder), MultiSteps wi
 noise guard, an orbax round trip, and the errors."""
 
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import chex
 import jax
@@ -389,11 +386,3 @@ def test_update_errors():
     guarded.update(guarded.init(), samples=4)
   with pytest.raises(ValueError, match=r"b2 must be a float in \[0, 1\), got b2=1.5"):
     RULE.b2(0, 1.5)
-
-
-def test_benchmark_tiny_mode_runs(tmp_path):
-  env = dict(os.environ, BENCH_TINY="1", PYTHONPATH=str(ROOT))
-  subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_seesaw.py"),
-                  "--out-dir", str(tmp_path)], check=True, env=env, capture_output=True)
-  assert (tmp_path / "seesaw_tiny.md").read_text().startswith("# Seesaw")
-  assert (tmp_path / "seesaw_tiny_lm.png").exists()
