@@ -4,7 +4,6 @@ compiled program while k changes, every row used once (RowFeeder), MultiSteps wi
 noise guard, an orbax round trip, and the errors."""
 
 import math
-import pathlib
 
 import chex
 import jax
@@ -17,8 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def hand(schedule, n, *, init, cap, optimizer="adam", r=2, start=0):
