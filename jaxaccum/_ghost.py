@@ -1359,6 +1359,19 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       book = True
       plan = _Plan.of({}, sites, gid)
       objectives, vjp, outs, acts = forward(plan)
+  if rows > 1 and margin > 0 and not book:
+    # Per-layer clip norms through a second pass in a narrow dtype: the pass's rounding is
+    # relative to the whole cotangent, not to each group's part, and a small group's
+    # contribution was measured above its own norm by more than the margin (1.016 C_g).
+    if auto:
+      return None
+    raise ValueError(
+        "clip_per_example(method='ghost') with a pytree of clip norms cannot bound each "
+        "group's contribution in this program: its layers sit in a lax.scan body, so the "
+        "clipped sum is a second backward pass, and it computes in a dtype narrower than "
+        "float32, whose rounding is relative to the whole gradient, not to each group's "
+        "part. Use method='auto' (which materialises here) or method='materialize', or one "
+        "clip norm for the whole gradient.")
   probe_keys = list(plan.probes)
   where = {key: j for j, key in enumerate(probe_keys)}
   # The first backward pass: each example's wide squared norm (the weights' cotangents it

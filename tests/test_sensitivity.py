@@ -243,3 +243,32 @@ def test_auto_materialises_where_ghost_norms_save_little():
                                 per_example_transform=jaxaccum.clip_per_example(
                                     0.5, "materialize")))
     chex.assert_trees_all_close(auto(params, batch), ref(params, batch), rtol=1e-5, atol=1e-6)
+
+
+def _bf16_scan(p, batch):
+  x, y = batch
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.astype(jnp.bfloat16)), None),
+                      x.astype(jnp.bfloat16), p["enc"]["w"])
+  return jnp.sum(((h @ p["head"].astype(jnp.bfloat16)).astype(jnp.float32) - y) ** 2)
+
+
+def test_per_layer_norms_in_a_narrow_scanned_program():
+  # A second backward pass in bfloat16 rounds relative to the whole gradient: with a pytree
+  # of clip norms "ghost" refuses such a program, "auto" materialises it, and each group
+  # stays within its own norm.
+  params = _mlp_params(4, scan=True)
+  rng = np.random.default_rng(4)
+  batch = (rng.normal(size=(6, 4)).astype(np.float32),
+           rng.normal(size=(6, 3)).astype(np.float32))
+  limits = {"enc": 0.05, "head": 2.0}
+  with pytest.raises(ValueError, match="cannot bound each group's contribution"):
+    jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=2, per_example_transform=(
+        jaxaccum.clip_per_example(limits, "ghost"))))(params, batch)
+  one = jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=1, reduce="sum",
+                              per_example_transform=jaxaccum.clip_per_example(limits)))
+  for j in range(6):
+    got = one(params, jax.tree.map(lambda a, j=j: a[j:j + 1], batch))
+    for name, c in limits.items():
+      norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                         for x in jax.tree.leaves(got[name])))
+      assert norm <= c * (1 + 1e-5), (name, norm, c)
