@@ -100,11 +100,11 @@ class Case:
   num_micro_batches: int = 1
   compute: str = "float32"  # or "bfloat16": the dtype the loss computes in
   max_norm: float | None = None  # None: from the reference norms (clip_norm_for)
+  ops: tuple[str, ...] = ()  # what the generator put in, for the report
   kappa: float = 1.0  # how far an example's gradient cancels (see CANCELLATION_BOUND)
   # the rounding of the clipped sum's own dtype: bfloat16 parameters round it to 2^-8 under
   # every method (docs/dp-sgd.md); float32 ones as ROUNDING_BOUND says
   rounding: float = ROUNDING_BOUND
-  ops: tuple[str, ...] = ()  # what the generator put in, for the report
 
   @property
   def rows(self) -> int:
