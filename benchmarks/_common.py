@@ -161,3 +161,40 @@ def main(doc: str, run: Callable[..., dict[str, Any]], markdown: Callable[..., s
                 **(tiny() if args.tiny else {}))
   print(markdown(results))
   print(f"results in {where}")
+
+
+def rms_norm(x, scale):
+  """RMSNorm in float32, returned in ``x``'s dtype."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+  return (y * scale).astype(x.dtype)
+
+
+def scanned_lm_loss(params, tokens, heads: int):
+  """Next-token cross-entropy of the decoder-only LM of the GPU benchmarks, its layers in
+  one ``lax.scan`` over stacked weights (``params["layers"]``), computed in the parameters'
+  dtype, logits in float32."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  b, t = inputs.shape
+  d, h = params["embed"].shape[1], heads
+  x = params["embed"][inputs] + params["pos"][:t]
+  causal = jnp.tril(jnp.ones((t, t), bool))
+
+  def layer(x, p):
+    q, k, v = jnp.split(rms_norm(x, p["norm1"]) @ p["qkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
+    s = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(d // h)
+    a = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1).astype(x.dtype)
+    x = x + jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d) @ p["out"]
+    x = x + jax.nn.gelu(rms_norm(x, p["norm2"]) @ p["up"]) @ p["down"]
+    return x, None
+
+  x, _ = jax.lax.scan(layer, x, params["layers"])
+  logits = (rms_norm(x, params["norm_f"]) @ params["unembed"]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

@@ -71,7 +71,6 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -110,12 +109,6 @@ TINY_CONFIG = LMConfig(batch=16, seq=32, vocab=256, d_model=32, heads=2, layers=
 # ----------------------------------------------------------------------------- the model
 
 
-def _rms_norm(x, scale):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-  return (y * scale).astype(x.dtype)
-
-
 def param_shapes(cfg: LMConfig) -> dict[str, Any]:
   """The parameters as float32 ShapeDtypeStructs (layers stacked for the scan)."""
   d, L, f32 = cfg.d_model, cfg.layers, jnp.float32
@@ -148,27 +141,11 @@ def batch_shape(cfg: LMConfig, rows: int | None = None) -> jax.ShapeDtypeStruct:
 
 def make_loss(cfg: LMConfig) -> Callable[[Any, jax.Array], jax.Array]:
   """Next-token cross-entropy; float32 parameters, computed in bf16 (logits in float32)."""
-  d, h = cfg.d_model, cfg.heads
+  h = cfg.heads
 
   def loss_fn(params, tokens):
     p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    b, t = inputs.shape
-    x = p["embed"][inputs] + p["pos"][:t]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-
-    def layer(x, lp):
-      q, k, v = jnp.split(_rms_norm(x, lp["norm1"]) @ lp["qkv"], 3, axis=-1)
-      q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
-      s = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(d // h)
-      a = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1).astype(x.dtype)
-      x = x + jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d) @ lp["out"]
-      x = x + jax.nn.gelu(_rms_norm(x, lp["norm2"]) @ lp["up"]) @ lp["down"]
-      return x, None
-
-    x, _ = jax.lax.scan(layer, x, p["layers"])
-    logits = (_rms_norm(x, p["norm_f"]) @ p["unembed"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return _common.scanned_lm_loss(p, tokens, h)
 
   return loss_fn
 

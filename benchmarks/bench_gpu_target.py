@@ -51,7 +51,6 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -94,12 +93,6 @@ class MLPConfig:
   classes: int = 10
 
 
-def _rms_norm(x, scale):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-  return (y * scale).astype(x.dtype)
-
-
 def lm_problem(cfg: LMConfig):
   """``(loss_fn, params, batch)`` as ShapeDtypeStructs: bf16 parameters, int32 tokens."""
   d, L = cfg.d_model, cfg.layers
@@ -116,23 +109,7 @@ def lm_problem(cfg: LMConfig):
   h = cfg.heads
 
   def loss_fn(params, tokens):
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    b, t = inputs.shape
-    x = params["embed"][inputs] + params["pos"][:t]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-
-    def layer(x, p):
-      q, k, v = jnp.split(_rms_norm(x, p["norm1"]) @ p["qkv"], 3, axis=-1)
-      q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
-      s = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(d // h)
-      a = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1).astype(x.dtype)
-      x = x + jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d) @ p["out"]
-      x = x + jax.nn.gelu(_rms_norm(x, p["norm2"]) @ p["up"]) @ p["down"]
-      return x, None
-
-    x, _ = jax.lax.scan(layer, x, params["layers"])
-    logits = (_rms_norm(x, params["norm_f"]) @ params["unembed"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return _common.scanned_lm_loss(params, tokens, h)
 
   return loss_fn, params, tokens
 
