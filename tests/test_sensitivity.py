@@ -116,7 +116,7 @@ def _per_layer_reference(loss, params, batch, limits):
   total = None
   rows = jax.tree.leaves(batch)[0].shape[0]
   for j in range(rows):
-    g = jax.grad(loss)(params, jax.tree.map(lambda a: np.asarray(a)[j:j + 1], batch))
+    g = jax.grad(loss)(params, jax.tree.map(lambda a, j=j: np.asarray(a)[j:j + 1], batch))
     clipped = {}
     for name, c in limits.items():
       leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g[name])]
