@@ -115,7 +115,7 @@ def test_optax_step_schedule_indexed_by_samples():
 # --- generated schedules ---------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_generated_step_schedules_match_the_hand_rule(data):
   bounds = sorted(set(data.draw(st.lists(st.integers(1, 5000), min_size=1, max_size=6))))
@@ -133,7 +133,7 @@ def test_generated_step_schedules_match_the_hand_rule(data):
   check_against_hand(rule, counts)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(warm=st.integers(0, 300), total=st.integers(400, 100_000), alpha=st.floats(0, 0.5),
        init=st.integers(1, 4), levels=st.integers(0, 6),
        optimizer=st.sampled_from(["adam", "sgd"]), seed=st.integers(0, 2**31))
