@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxaccum import _sharding, _stats
+from jaxaccum import _reduce, _sharding, _stats
 from jaxaccum._types import PyTree
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -983,11 +983,10 @@ def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 def _widened(x: Any) -> Any:
-  """``x`` in float32 where it is a real floating value of fewer bits (else as is)."""
+  """``x`` in the dtype the core accumulates it in (float32 for a narrower floating value,
+  else as is: :func:`jaxaccum._reduce.accumulator_dtype_for`)."""
   x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
-    return x.astype(jnp.float32)
-  return x
+  return x.astype(_reduce.accumulator_dtype_for(x.dtype, None))
 
 
 def _bind_wide(eqn: Any, args: Sequence[Any]) -> Any:
