@@ -1288,7 +1288,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
         "parameter entering the scan as xs). Use method='auto' to materialise the "
         "per-example gradient of such parameters only, or method='materialize'.")
-  if auto and _little_saved(taps, probes, fallback, leaves):
+  if auto and _little_saved(taps, probes, leaves):
     return None
   fb_keys = list(fallback)
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
@@ -1445,16 +1445,16 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   return outs, jax.tree.unflatten(treedef, grads), total
 
 
-def _little_saved(taps: dict, probes: dict, fallback: dict, leaves: Sequence[Any]) -> bool:
+def _little_saved(taps: dict, probes: dict, leaves: Sequence[Any]) -> bool:
   """Whether ghost norms would save little over materialising: a third or more of the
   parameters (by bytes) are used at ``"direct"`` sites (convolution kernels, elementwise
   scales), whose norm is formed from the leaf-sized per-example gradient, so that the ghost
-  step holds about as much as materialising and runs another
-  pass besides (a small CNN, half its parameters in kernels: 1.5x the plain step's time
-  with ghost norms, 0.65x materialised, and the same temporaries)."""
+  step holds about as much as materialising and runs another pass besides: a small CNN,
+  half its parameters in kernels, took 1.5x the plain step's time with ghost norms, 0.65x
+  materialised, with the same temporaries. Leaves without a rule are materialised by both
+  programs and weigh on neither side."""
   size = {k: math.prod(np.shape(leaves[k])) * jnp.dtype(jnp.asarray(leaves[k]).dtype).itemsize
           for k in range(len(leaves)) if _inexact(leaves[k])}
-  del fallback  # materialised in both programs: it weighs on neither side
   formed = {s.leaf for s in (*taps.values(), *probes.values()) if s.kind == "direct"}
   total = sum(size.values())
   return total > 0 and 3 * sum(size[k] for k in formed if k in size) >= total
