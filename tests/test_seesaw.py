@@ -44,18 +44,26 @@ def check_against_hand(rule, counts):
   np.testing.assert_allclose(lrs, [lr for _, lr in want], rtol=1e-6, atol=0)
   small = [n for n in counts if n < 2**31]
   if small:
-    arr = jnp.asarray(small, jnp.int32)
-    assert jax.jit(jax.vmap(rule.micro_batches))(arr).tolist() == ks[:len(small)]
-    states = jax.vmap(lambda n: rule.update(rule.init(), samples=n))(arr.astype(jnp.float32))
-    assert jax.jit(jax.vmap(rule.micro_batches))(states).tolist() == ks[:len(small)]
-    ab = jaxaccum.AdaptiveBatch(8).init()
-    for n, k in zip(small[:8], ks, strict=False):  # the controller's exact counter
-      ab_state = ab._replace(samples_hi=jnp.int32(n >> 24),
-                             samples_lo=jnp.int32(n & (2**24 - 1)))
-      assert int(jax.jit(rule.micro_batches)(ab_state)) == k
+    # Every jitted path in one program (one compilation per rule): int32 and float32
+    # counts, SeesawState, and the controller's exact two-word counter (AdaptiveBatchState).
     exact = [n for n in small if n < 2**24]  # float32 counts, exact below 2**24
-    got = jax.jit(jax.vmap(rule.micro_batches))(jnp.asarray(exact, jnp.float32)).tolist()
-    assert got == ks[:len(exact)]
+    ab = jaxaccum.AdaptiveBatch(8).init()
+
+    @jax.jit
+    def paths(ints, floats, his, los):
+      k = jax.vmap(rule.micro_batches)
+      states = jax.vmap(lambda n: rule.update(rule.init(), samples=n))(ints.astype(jnp.float32))
+      ab_states = jax.vmap(lambda hi, lo: ab._replace(samples_hi=hi, samples_lo=lo))(his, los)
+      return k(ints), k(states), k(ab_states), k(floats)
+
+    arr = np.asarray(small, np.int64)
+    by_int, by_state, by_counter, by_float = paths(
+        jnp.asarray(arr, jnp.int32), jnp.asarray(exact, jnp.float32),
+        jnp.asarray(arr >> 24, jnp.int32), jnp.asarray(arr & (2**24 - 1), jnp.int32))
+    assert by_int.tolist() == ks[:len(small)]
+    assert by_state.tolist() == ks[:len(small)]
+    assert by_counter.tolist() == ks[:len(small)]
+    assert by_float.tolist() == ks[:len(exact)]
 
 
 # --- hand-picked references ------------------------------------------------------------------
