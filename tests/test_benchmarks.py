@@ -13,9 +13,9 @@ and leave ``benchmarks/results`` alone; the results are read further (no timing 
 ``bench_accumulation.py``'s report and plots, ``bench_features.py``'s first losses and
 ``bench_evaluate.py``'s values against hand references, ``bench_per_example.py``'s and
 ``bench_dp_padding.py``'s clipped gradients against each other, and the tables of
-``bench_adaptive_grid.py``, ``bench_seesaw.py`` and ``bench_gpu_lm.py``. The last one runs
-here only its plan (``--predict``): ``tests/test_gpu_check.py`` runs its whole dry run, the
-plan read back by the run, with ``--out-dir``.
+``bench_adaptive_grid.py`` and ``bench_seesaw.py``. ``bench_gpu_lm.py``'s tiny mode runs in
+``tests/test_gpu_check.py``, as the GPU check's dry run: its plan (``--predict``), then the
+run on that plan.
 """
 
 import ast
@@ -45,7 +45,6 @@ TINY = {
     "bench_dp_padding.py": (),
     "bench_evaluate.py": (),
     "bench_features.py": (),
-    "bench_gpu_lm.py": ("--predict",),  # the run itself: tests/test_gpu_check.py
     "bench_per_example.py": (),
     "bench_pipeline.py": (),
     "bench_seesaw.py": (),
@@ -54,6 +53,9 @@ TINY = {
 # Compiled for described GPUs: run by tests_gpu_target/test_benchmarks.py.
 GPU_TARGET_TINY = {"bench_gpu_target.py": (), "bench_overlap.py": (),
                    "bench_pipeline.py": ("--target-only",)}
+# Run tiny by another test: the GPU check's dry run (tests/test_gpu_check.py) runs
+# bench_gpu_lm.py's --tiny --predict and then its run on that prediction.
+RUN_ELSEWHERE = {"bench_gpu_lm.py": "tests/test_gpu_check.py"}
 
 
 def private_uses(source: str) -> list[str]:
@@ -122,7 +124,7 @@ def test_benchmarks_and_examples_use_only_public_names(path):
 
 def test_every_benchmark_has_a_tiny_check():
   scripts = {p.name for p in BENCHMARKS.glob("bench_*.py")}
-  assert scripts == set(TINY) | set(GPU_TARGET_TINY), (
+  assert scripts == set(TINY) | set(GPU_TARGET_TINY) | set(RUN_ELSEWHERE), (
       "give each benchmark a tiny mode and list it in TINY (or GPU_TARGET_TINY)")
 
 
@@ -277,20 +279,9 @@ def _seesaw(out: pathlib.Path):
   assert _is_png(out / "seesaw_tiny_lm.png")
 
 
-def _gpu_lm(out: pathlib.Path):
-  """The plan for the tiny model on this CPU, with the dry run's budget: it fits the budget
-  and half as many micro-batches does not."""
-  bench = _load("benchmarks/bench_gpu_lm.py")
-  plan = json.loads((out / "plan_here_tiny.json").read_text())
-  assert plan["config"] == dataclasses.asdict(bench.TINY_CONFIG)
-  assert plan["memory_budget_bytes"] == bench.TINY_BUDGET
-  assert plan["peak_bytes"] <= plan["memory_budget_bytes"] < plan["half"]["peak_bytes"]
-  assert plan["half"]["num_micro_batches"] == plan["num_micro_batches"] // 2
-
-
 CHECKS = {"bench_accumulation.py": _accumulation, "bench_adaptive_grid.py": _adaptive_grid,
           "bench_dp_padding.py": _dp_padding, "bench_evaluate.py": _evaluate,
-          "bench_features.py": _features, "bench_gpu_lm.py": _gpu_lm,
+          "bench_features.py": _features,
           "bench_per_example.py": _per_example, "bench_seesaw.py": _seesaw}
 
 

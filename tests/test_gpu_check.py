@@ -54,7 +54,9 @@ def test_dry_run_runs_every_method_and_checks_the_plan(tmp_path):
     assert m["tokens_per_step"] == (tokens // n if name.startswith("micro-batch") else tokens)
   # The plan: its peak fits its budget, half as many micro-batches does not, and the step
   # compiled by the run (a CPU has no allocator statistics) has the predicted memory.
+  assert plan["memory_budget_bytes"] == bench_gpu_lm.TINY_BUDGET
   assert plan["peak_bytes"] <= plan["memory_budget_bytes"] < plan["half"]["peak_bytes"]
+  assert plan["half"]["num_micro_batches"] == n // 2
   check = r["plan_check"]
   assert check["measured_peak_bytes"] == pytest.approx(plan["peak_bytes"], rel=0.10)
   assert check["meets_goal"] and check["half"]["fits"] is False
