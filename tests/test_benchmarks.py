@@ -19,7 +19,6 @@ run on that plan.
 """
 
 import ast
-import dataclasses
 import json
 import os
 import pathlib
@@ -290,3 +289,18 @@ def test_benchmark_tiny_mode_runs(script, tmp_path):
   out = run_tiny(script, TINY[script], tmp_path)
   if script in CHECKS:
     CHECKS[script](out)
+
+
+def test_compare_revisions_pairs_leaves_by_path():
+  compare = _load("benchmarks/compare_revisions.py")
+  run = lambda t, m: {"models": {"mlp": {"rows": [  # noqa: E731
+      {"n": 2, "methods": {"jaxaccum": {"step_s": t, "temp": m, "compile_s": 9.0}}},
+      {"n": 4, "methods": {"jaxaccum": {"step_s": 2 * t, "temp": m}}}]}}}
+  base = [run(1.0, 100), run(3.0, 100), run(2.0, 100)]
+  head = [run(2.0, 50), run(2.0, 50), run(8.0, 50)]
+  rows = {(r["where"], r["what"]): r for r in compare.compare(base, head)}
+  assert set(rows) == {(f"models/mlp/rows/{i}/methods/jaxaccum", w)
+                       for i in (0, 1) for w in ("step_s", "temp")}  # compile_s not paired
+  r = rows[("models/mlp/rows/0/methods/jaxaccum", "step_s")]
+  assert (r["base"], r["head"], r["ratio"]) == (2.0, 2.0, 1.0)  # medians, then the ratio
+  assert rows[("models/mlp/rows/1/methods/jaxaccum", "temp")]["ratio"] == 0.5

@@ -1,0 +1,181 @@
+"""The package's shape, read from its source: what ``tests/test_architecture.py`` holds to.
+
+Run ``python tools/architecture.py`` for the report: the keyword options of the main
+entry points, the longest functions, the uses of another module's private names, the import
+floors (each module imports only modules on lower floors) and who imports the ghost
+analysis. Everything is read with :mod:`ast`; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxaccum"
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+  name: str  # dotted, e.g. "jaxaccum._core._transform"
+  path: pathlib.Path
+  tree: ast.Module
+
+  @property
+  def is_package(self) -> bool:
+    return self.path.name == "__init__.py"
+
+
+def modules(package: pathlib.Path = PACKAGE) -> dict[str, Module]:
+  """Every module of the package, by dotted name."""
+  found = {}
+  for path in sorted(package.rglob("*.py")):
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    found[".".join(parts)] = Module(".".join(parts), path, ast.parse(path.read_text()))
+  return found
+
+
+def _absolute(mod: Module, node: ast.ImportFrom) -> str:
+  if not node.level:
+    return node.module or ""
+  base = mod.name.split(".")
+  if not mod.is_package:
+    base = base[:-1]
+  base = base[:len(base) - node.level + 1]
+  return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(mod: Module, names: dict[str, Module]) -> set[str]:
+  """The package modules that ``mod`` imports (``from x import y`` counts ``x.y`` when
+  that is a module, else ``x``)."""
+  out = set()
+  for node in ast.walk(mod.tree):
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names if a.name in names}
+    elif isinstance(node, ast.ImportFrom):
+      source = _absolute(mod, node)
+      for a in node.names:
+        full = f"{source}.{a.name}"
+        if full in names:
+          out.add(full)
+        elif source in names:
+          out.add(source)
+  out.discard(mod.name)
+  return out
+
+
+def private_uses(mod: Module, names: dict[str, Module]) -> list[str]:
+  """Where ``mod`` reads another module's private name: ``from x import _y`` (``_y`` not a
+  module) or ``x._y`` with ``x`` an imported package module."""
+  aliases, found = {}, []
+  for node in ast.walk(mod.tree):
+    if isinstance(node, ast.ImportFrom):
+      source = _absolute(mod, node)
+      for a in node.names:
+        full = f"{source}.{a.name}"
+        if full in names:
+          aliases[a.asname or a.name] = full
+        elif source in names and a.name.startswith("_") and source != mod.name:
+          found.append(f"{mod.name}:{node.lineno} {source}.{a.name}")
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name in names and a.asname:
+          aliases[a.asname] = a.name
+  for node in ast.walk(mod.tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr.startswith("_")
+        and not node.attr.startswith("__") and f"{aliases[node.value.id]}.{node.attr}"
+        not in names):
+      found.append(f"{mod.name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+  return found
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) -> int:
+  body = fn.body
+  if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)):
+    body = body[1:]
+  lines = set()
+  for stmt in body:
+    for i in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1):
+      text = source[i - 1].strip()
+      if text and not text.startswith("#"):
+        lines.add(i)
+  return len(lines)
+
+
+def function_lengths(mods: dict[str, Module]) -> list[tuple[int, str]]:
+  """``(code lines, "module.function")`` for every function, longest first: the body after
+  the docstring, nested functions included, blank and comment lines not."""
+  out = []
+  for mod in mods.values():
+    source = mod.path.read_text().splitlines()
+    for node in ast.walk(mod.tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        out.append((_body_lines(node, source), f"{mod.name}.{node.name}"))
+  return sorted(out, reverse=True)
+
+
+def floors(mods: dict[str, Module]) -> dict[str, int]:
+  """Each module's import floor: 0 imports no package module, else one more than the
+  highest module it imports. Raises ``ValueError`` on an import circle."""
+  graph = {name: imports(mod, mods) for name, mod in mods.items()}
+  done: dict[str, int] = {}
+
+  def floor(name: str, path: tuple[str, ...]) -> int:
+    if name in path:
+      raise ValueError(f"import circle: {' -> '.join(path[path.index(name):] + (name,))}")
+    if name not in done:
+      below = [floor(d, path + (name,)) for d in graph[name] if not _is_parent(d, name)]
+      done[name] = 1 + max(below, default=-1)
+    return done[name]
+
+  for name in graph:
+    floor(name, ())
+  return done
+
+
+def _is_parent(package: str, name: str) -> bool:
+  """A package's ``__init__`` re-exports its modules: its children import it only for
+  those names, which are below them."""
+  return name.startswith(package + ".")
+
+
+def keyword_options(mods: dict[str, Module], module: str, function: str) -> list[str]:
+  """The keyword-only parameters of ``module.function``."""
+  for node in ast.walk(mods[module].tree):
+    if isinstance(node, ast.FunctionDef) and node.name == function:
+      return [a.arg for a in node.args.kwonlyargs]
+  raise LookupError(f"{module}.{function}")
+
+
+def importers(mods: dict[str, Module], target: str) -> set[str]:
+  """The modules that import ``target`` (or one of its sub-modules)."""
+  return {name for name, mod in mods.items()
+          if any(i == target or i.startswith(target + ".") for i in imports(mod, mods))
+          and not (name == target or name.startswith(target + "."))}
+
+
+def report() -> str:
+  mods = modules()
+  api = next(n for n in mods if n.endswith("._api") or n == "jaxaccum._api")
+  lines = [f"value_and_grad keyword options: {len(keyword_options(mods, api, 'value_and_grad'))}"]
+  lengths = function_lengths(mods)
+  lines.append("longest functions: " + ", ".join(f"{n} {c}" for c, n in lengths[:6]))
+  uses = [u for mod in mods.values() for u in private_uses(mod, mods)]
+  lines.append(f"uses of another module's private names: {len(uses)}")
+  lines += [f"  {u}" for u in uses]
+  fl = floors(mods)
+  lines.append(f"modules: {len(mods)}; import floors: {max(fl.values()) + 1}")
+  ghost = [n for n in mods if n.rsplit(".", 1)[-1] == "_ghost"]
+  for g in ghost:
+    lines.append(f"importers of {g}: {sorted(importers(mods, g))}")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.stdout.write(report() + "\n")
