@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _adaptive
+from jaxaccum._batch_size import _adaptive
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 

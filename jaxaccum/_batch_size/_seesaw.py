@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _adaptive, _ramp, _split
+from jaxaccum import _split
+from jaxaccum._batch_size import _adaptive, _ramp
+from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
-from jaxaccum._noise import NoiseScale, NoiseScaleState
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _LO_BITS = _adaptive._LO_BITS  # the counter's layout: samples_hi * 2**24 + samples_lo

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _api, _multisteps, _split
+from jaxaccum import _api, _split
+from jaxaccum._batch_size import _multisteps
+from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
-from jaxaccum._noise import NoiseScale, NoiseScaleState
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # The sample counter is samples_hi * 2**24 + samples_lo with 0 <= samples_lo < 2**24: every
