@@ -16,35 +16,23 @@ from __future__ import annotations
 
 import bisect
 import decimal
+import functools
 import math
-import numbers
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum import _validate
 from jaxaccum._batch_size import _adaptive
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT32_MAX = _validate.INT32_MAX
 
 
-def _is_int(value: Any) -> TypeGuard[numbers.Integral]:
-  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_int(name: str, value: Any, *, low: int, what: str) -> int:
-  if not _is_int(value):
-    raise TypeError(
-        f"batch_size_ramp: {name} must be a Python int ({what}), got {value!r} of type "
-        f"{type(value).__name__}.")
-  if not low <= int(value) <= _INT32_MAX:
-    raise ValueError(
-        f"batch_size_ramp: {name} must be an int in [{low}, 2**31 - 1] ({what}), got "
-        f"{name}={value}.")
-  return int(value)
+_check_int = functools.partial(_validate.check_int32, "batch_size_ramp")
 
 
 def batch_size_ramp(
@@ -154,7 +142,7 @@ def batch_size_ramp(
   values_np = np.asarray(values, np.int32)
 
   def schedule(step: jax.typing.ArrayLike) -> jax.Array:
-    if _is_int(step):
+    if _validate.is_int(step):
       step = min(max(int(step), -1), _INT32_MAX)
     step = jnp.asarray(step)
     if step.shape != ():
@@ -349,17 +337,17 @@ def batch_size_ramp_by_count(
         f"{schedule!r} of type {type(schedule).__name__}.")
   for name, size in (("micro_batch_size", micro_batch_size),
                      ("num_micro_batches", num_micro_batches)):
-    if size is not None and (not _is_int(size) or size < 1):
+    if size is not None and (not _validate.is_int(size) or size < 1):
       raise ValueError(
           f"batch_size_ramp_by_count: {name} must be a positive int or None, got "
           f"{name}={size!r}.")
   checked = []
   for threshold, value in pairs:
-    if not _is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
+    if not _validate.is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
           f"or tokens seen), got {threshold!r} in schedule {text}.")
-    if not _is_int(value) or not 1 <= int(value) <= _INT32_MAX:
+    if not _validate.is_int(value) or not 1 <= int(value) <= _INT32_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
           f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
@@ -398,7 +386,7 @@ def batch_size_ramp_by_count(
   def ramp(count: Any) -> jax.Array:
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _is_int(count):  # exact in Python, whatever its size
+    if _validate.is_int(count):  # exact in Python, whatever its size
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, int(count)) - 1, 0)])
     if isinstance(count, (float, np.floating)):
       if not math.isfinite(count):

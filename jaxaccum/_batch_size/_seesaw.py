@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _split
+from jaxaccum import _validate
 from jaxaccum._batch_size import _adaptive, _ramp
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT32_MAX = _validate.INT32_MAX
 _LO_BITS = _adaptive._LO_BITS  # the counter's layout: samples_hi * 2**24 + samples_lo
 _LO = 1 << _LO_BITS
 _OPTIMIZERS = ("adam", "sgd")
@@ -56,16 +56,7 @@ class SeesawState(NamedTuple):
   noise: NoiseScaleState
 
 
-def _check_int(name: str, value: Any, *, low: int, what: str, example: str) -> int:
-  if not _ramp._is_int(value):
-    raise TypeError(
-        f"seesaw: {name} must be a Python int ({what}), got {_split.describe(value)}. For "
-        f"example {name}={example}.")
-  if value < low:
-    raise ValueError(
-        f"seesaw: {name} must be an int >= {low} ({what}), got {name}={value}. For example "
-        f"{name}={example}.")
-  return int(value)
+_check_int = functools.partial(_validate.check_int, "seesaw")
 
 
 def _value(schedule: Callable[[Any], Any], n: int) -> float:
@@ -77,7 +68,7 @@ def _value(schedule: Callable[[Any], Any], n: int) -> float:
   except (TypeError, ValueError):
     raise TypeError(
         f"seesaw: schedule({n}) must return a scalar learning rate, got "
-        f"{_split.describe(out)}.") from None
+        f"{_validate.describe(out)}.") from None
   return value
 
 
@@ -159,7 +150,7 @@ class Seesaw:
       raise ValueError("seesaw: the count is nan; pass the samples (or tokens) seen.")
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _ramp._is_int(count):  # exact in Python, whatever its size
+    if _validate.is_int(count):  # exact in Python, whatever its size
       return jnp.int32(max(bisect.bisect_right(self.thresholds, int(count)) - 1, 0))
     return self._ramp(count) - 1
 
@@ -180,7 +171,7 @@ class Seesaw:
               + jnp.asarray(count.samples_lo, jnp.float32))
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _ramp._is_int(count):
+    if _validate.is_int(count):
       return int(count)
     return count
 
@@ -198,8 +189,7 @@ class Seesaw:
     times the samples per step, ``b2 ** (k / init)`` spans the same samples (Marek et al.
     2025, arXiv 2507.07101). ``b2`` is the value tuned at ``init_micro_batches``.
     """
-    if isinstance(b2, (bool, np.bool_)) or not isinstance(b2, numbers.Real) or not (
-        0 <= b2 < 1):
+    if not _validate.is_real(b2) or not 0 <= b2 < 1:
       raise ValueError(f"Seesaw.b2: b2 must be a float in [0, 1), got b2={b2!r}; e.g. 0.95.")
     ratio = jnp.asarray(self._ks, jnp.float32)[self.level(count)] / jnp.float32(
         self.init_micro_batches)
@@ -245,14 +235,14 @@ class Seesaw:
     if not isinstance(state, SeesawState):
       raise TypeError(
           "Seesaw.update takes the SeesawState from init() or the previous update, got "
-          f"{_split.describe(state)}.")
+          f"{_validate.describe(state)}.")
     if not isinstance(info, AccumInfo) and (info is not None or samples is None
                                             or self.noise_guard is not None):
       need = (f"noise_guard={self.noise_guard} needs" if self.noise_guard is not None
               else "without samples=, it counts")
       raise TypeError(
           f"Seesaw.update: {need} the step's jaxaccum.AccumInfo, got info="
-          f"{_split.describe(info)}. Build the step with with_info=True and pass its info"
+          f"{_validate.describe(info)}. Build the step with with_info=True and pass its info"
           " (and samples= to count tokens), or pass samples= alone without a noise guard.")
     if samples is None:
       samples = info.batch_size if isinstance(info, AccumInfo) else 0  # checked above
@@ -366,7 +356,7 @@ def seesaw(
   if not callable(schedule):
     raise TypeError(
         f"seesaw: schedule must be a callable samples -> learning rate, got "
-        f"{_split.describe(schedule)}. For a step-indexed optax schedule at B0 samples per "
+        f"{_validate.describe(schedule)}. For a step-indexed optax schedule at B0 samples per "
         "step, pass schedule=lambda n: sched(n // B0).")
   init = _check_int("init_micro_batches", init_micro_batches, low=1,
                     what="the micro-batches per step the reference was tuned at", example="2")
@@ -395,10 +385,10 @@ def seesaw(
   if horizon > _ramp._COUNT_MAX:
     raise ValueError(f"seesaw: total={total} must be below 2**62.")
   if noise_guard is not None:
-    if isinstance(noise_guard, (bool, np.bool_)) or not isinstance(noise_guard, numbers.Real):
+    if not _validate.is_real(noise_guard):
       raise TypeError(
           f"seesaw: noise_guard must be None or a float > 0 (a multiple of B_simple), got "
-          f"{_split.describe(noise_guard)}. For example noise_guard=1.0.")
+          f"{_validate.describe(noise_guard)}. For example noise_guard=1.0.")
     if not (math.isfinite(noise_guard) and noise_guard > 0):
       raise ValueError(
           f"seesaw: noise_guard must be None or a finite float > 0 (a multiple of "
