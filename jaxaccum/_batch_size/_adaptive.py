@@ -24,15 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _api, _split, _validate
-from jaxaccum._batch_size import _multisteps
+from jaxaccum._batch_size import _counter, _multisteps
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
 
 _INT32_MAX = _validate.INT32_MAX
-# The sample counter is samples_hi * 2**24 + samples_lo with 0 <= samples_lo < 2**24: every
-# word is an exact int32, and float32 holds each step's addend below 2**24 exactly.
-_LO_BITS = 24
-_LO = 1 << _LO_BITS
 _RULES = ("norm_test", "b_simple")
 _LR_SCALINGS = ("none", "sqrt", "linear", "adascale")
 
@@ -123,20 +119,6 @@ def _refuse_if_concrete(short: jax.Array, k: jax.Array, pieces: jax.Array) -> No
         f"active_micro_batches exceeds the transform's num_micro_batches, which clips it. "
         f"Lower max_micro_batches to at most the transform's num_micro_batches "
         f"(AdaptiveBatch.check(transform, batch_size=...) verifies it).")
-
-
-def _add_samples(hi: jax.Array, lo: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(hi, lo)`` plus ``x`` samples (a float32 integer, below ``2**55``), exactly."""
-  x_hi = jnp.floor(x / _LO)  # exact: a power of two
-  x_lo = (x - x_hi * _LO).astype(jnp.int32)  # exact integer in [0, 2**24)
-  lo = lo + x_lo  # < 2**25: no overflow
-  carry = lo >> _LO_BITS
-  lo = lo & (_LO - 1)
-  room = _INT32_MAX - hi
-  add = jnp.minimum(x_hi, jnp.float32(2.0 ** 31 - 128)).astype(jnp.int32) + carry
-  full = add > room
-  return (jnp.where(full, _INT32_MAX, hi + jnp.where(full, 0, add)),
-          jnp.where(full, _LO - 1, lo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,8 +483,8 @@ class AdaptiveBatch:
     noise_state = self.noise_scale.update(state.noise, info)
 
     # Counters.
-    hi, lo = _add_samples(jnp.asarray(state.samples_hi, jnp.int32),
-                          jnp.asarray(state.samples_lo, jnp.int32), jnp.round(big))
+    hi, lo = _counter.add_samples(jnp.asarray(state.samples_hi, jnp.int32),
+                                  jnp.asarray(state.samples_lo, jnp.int32), jnp.round(big))
     steps = jnp.asarray(state.steps, jnp.int32)
     steps = jnp.where(ran & (steps < _INT32_MAX), steps + 1, steps)
     progress, progress_error = _kahan_add(
@@ -573,13 +555,12 @@ class AdaptiveBatch:
 
     :meth:`sample_count` gives the exact count as a Python int.
     """
-    return (jnp.asarray(state.samples_hi, jnp.float32) * jnp.float32(_LO)
-            + jnp.asarray(state.samples_lo, jnp.float32))
+    return _counter.samples(state)
 
   @staticmethod
   def sample_count(state: AdaptiveBatchState) -> int:
     """The exact sample count as a Python int (``state`` must be concrete, not traced)."""
-    return int(state.samples_hi) * _LO + int(state.samples_lo)
+    return _counter.sample_count(state)
 
   def lr_scale(self, state: AdaptiveBatchState) -> jax.Array:
     """The factor for the base learning rate at the current ``k`` (float32), as

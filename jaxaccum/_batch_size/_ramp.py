@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum import _validate
-from jaxaccum._batch_size import _adaptive
+from jaxaccum._batch_size import _counter
 
 _INT32_MAX = _validate.INT32_MAX
 
@@ -173,8 +173,7 @@ def batch_size_ramp(
 # ----------------------------------------------------------------- ramps by samples or tokens
 
 _WORD = 2**31  # a count is two int32 words, high * 2**31 + low with 0 <= low < 2**31
-_COUNT_MAX = _WORD * _WORD - 1  # 2**62 - 1: the largest threshold the two words hold
-_CTRL_LO = 1 << _adaptive._LO_BITS  # the low word of AdaptiveBatchState
+COUNT_MAX = _WORD * _WORD - 1  # 2**62 - 1: the largest threshold the two words hold
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 _THRESHOLD = re.compile(r"^([0-9]+(?:\.[0-9]*)?)([KMBT]?)$", re.IGNORECASE)
 
@@ -214,12 +213,8 @@ def _parse_schedule(schedule: str) -> list[tuple[int, int]]:
 def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
   """A traced count as ``(high, low)`` int32 words (``high * 2**31 + low``), floored and
   clipped to [-1, 2**62 - 1]; -1 is ``(-1, 0)``."""
-  if isinstance(count, _adaptive.AdaptiveBatchState):
-    # The controller's exact counter, samples_hi * 2**24 + samples_lo, in our two words.
-    hi = jnp.maximum(jnp.asarray(count.samples_hi, jnp.int32), 0)
-    lo = jnp.clip(jnp.asarray(count.samples_lo, jnp.int32), 0, _CTRL_LO - 1)
-    shift = 31 - _adaptive._LO_BITS  # the controller's layout, from one place
-    return hi >> shift, ((hi & ((1 << shift) - 1)) << _adaptive._LO_BITS) | lo
+  if _counter.has_counter(count):  # a controller's exact counter, in our two words
+    return _counter.words31(count)
   count = jnp.asarray(count)
   if count.shape != ():
     raise TypeError(
@@ -343,7 +338,7 @@ def batch_size_ramp_by_count(
           f"{name}={size!r}.")
   checked = []
   for threshold, value in pairs:
-    if not _validate.is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
+    if not _validate.is_int(threshold) or not 0 <= int(threshold) <= COUNT_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
           f"or tokens seen), got {threshold!r} in schedule {text}.")
@@ -395,7 +390,7 @@ def batch_size_ramp_by_count(
             "or tokens seen, a finite number; pass the count as an int (e.g. "
             "AdaptiveBatch.sample_count(state), or the controller's state itself), or "
             "check the float that produced it.")
-      count = -1 if count < 0 else min(math.floor(count), _COUNT_MAX)
+      count = -1 if count < 0 else min(math.floor(count), COUNT_MAX)
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, count) - 1, 0)])
     high, low = _count_words(count)
     reached = (high > high_np) | ((high == high_np) & (low >= low_np))

@@ -27,13 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum import _validate
-from jaxaccum._batch_size import _adaptive, _ramp
+from jaxaccum._batch_size import _counter, _ramp
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
 
 _INT32_MAX = _validate.INT32_MAX
-_LO_BITS = _adaptive._LO_BITS  # the counter's layout: samples_hi * 2**24 + samples_lo
-_LO = 1 << _LO_BITS
 _OPTIMIZERS = ("adam", "sgd")
 _PROBES = 257  # points at which the reference is checked for a rise
 
@@ -121,9 +119,9 @@ class Seesaw:
     object.__setattr__(self, "_ks", np.asarray(self.ks, np.int32))
     object.__setattr__(self, "_ramp", _ramp.batch_size_ramp_by_count(
         dict(zip(self.thresholds, range(1, len(self.ks) + 1), strict=True))))
-    th = np.asarray(self.thresholds, np.int64)
-    object.__setattr__(self, "_th_hi", np.minimum(th >> _LO_BITS, _INT32_MAX).astype(np.int32))
-    object.__setattr__(self, "_th_lo", (th & (_LO - 1)).astype(np.int32))
+    th_hi, th_lo = _counter.split(self.thresholds)
+    object.__setattr__(self, "_th_hi", th_hi)
+    object.__setattr__(self, "_th_lo", th_lo)
 
   def __repr__(self) -> str:
     return (f"Seesaw(init_micro_batches={self.init_micro_batches}, max_micro_batches="
@@ -166,9 +164,8 @@ class Seesaw:
   def schedule_count(self, count: Any) -> Any:
     """The count as the reference is called with it: a Python int stays one, a state's
     exact counter becomes float32 (relative error below ``6e-8``), an array is unchanged."""
-    if isinstance(count, (SeesawState, _adaptive.AdaptiveBatchState)):
-      return (jnp.asarray(count.samples_hi, jnp.float32) * jnp.float32(_LO)
-              + jnp.asarray(count.samples_lo, jnp.float32))
+    if _counter.has_counter(count):
+      return _counter.samples(count)
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
     if _validate.is_int(count):
@@ -253,8 +250,8 @@ class Seesaw:
           f"{tuple(count.shape)}.")
     count = jnp.where(jnp.isfinite(count) & (count > 0), jnp.round(count), 0.0)
     level = self.level(state)
-    hi, lo = _adaptive._add_samples(jnp.asarray(state.samples_hi, jnp.int32),
-                                    jnp.asarray(state.samples_lo, jnp.int32), count)
+    hi, lo = _counter.add_samples(jnp.asarray(state.samples_hi, jnp.int32),
+                                  jnp.asarray(state.samples_lo, jnp.int32), count)
     max_level = jnp.asarray(state.max_level, jnp.int32)
     noise = state.noise
     if self.noise_guard is not None and isinstance(info, AccumInfo):  # checked above
@@ -273,7 +270,7 @@ class Seesaw:
   @staticmethod
   def sample_count(state: SeesawState) -> int:
     """The exact count of a concrete state as a Python int."""
-    return int(state.samples_hi) * _LO + int(state.samples_lo)
+    return _counter.sample_count(state)
 
 
 def seesaw(
@@ -382,7 +379,7 @@ def seesaw(
                        what=f"the count at the end of training, above decay_start={start}",
                        example=str(max(start * 10, 10**6)))
   horizon = total if total is not None else _INT32_MAX
-  if horizon > _ramp._COUNT_MAX:
+  if horizon > _ramp.COUNT_MAX:
     raise ValueError(f"seesaw: total={total} must be below 2**62.")
   if noise_guard is not None:
     if not _validate.is_real(noise_guard):
