@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _api, _split, _validate
+from jaxaccum import _split, _validate
 from jaxaccum._batch_size import _counter, _multisteps
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
@@ -370,12 +370,16 @@ class AdaptiveBatch:
             "in rows); with with_info=False its state.info is always empty.")
       return self
     vg = getattr(transform, "value_and_grad", transform)  # a Grad wraps a ValueAndGrad
-    if not isinstance(vg, _api.ValueAndGrad):
+    # A ValueAndGrad, known by what it holds (the wing sits below the API): its class runs
+    # the core (a jitted wrapper's does not) and its options differentiate (an Evaluate's
+    # do not).
+    opts = getattr(vg, "options", None)
+    if not (callable(getattr(type(vg), "run", None)) and opts is not None
+            and not opts.evaluating):
       raise TypeError(
           "AdaptiveBatch.check takes what jaxaccum.value_and_grad or jaxaccum.grad "
           "returned (not a jitted wrapper), or a jaxaccum.MultiSteps; got "
           f"{_validate.describe(transform)}.")
-    opts = vg.options
     if not opts.with_info:
       raise ValueError(
           "AdaptiveBatch needs the step's statistics: build the transform with "
