@@ -273,6 +273,56 @@ class Seesaw:
     return _counter.sample_count(state)
 
 
+def _check_no_rise(schedule: Callable[[Any], Any], start: int, horizon: int,
+                   peak: float) -> None:
+  """Raises if the reference rises after its peak ``schedule(start) = peak`` (or is not
+  finite), probed at 257 evenly spaced counts and at ``start + 2**i`` up to ``horizon``."""
+  probes = sorted({start + (horizon - start) * i // (_PROBES - 1) for i in range(_PROBES)}
+                  | {start + 2**i for i in range(63) if start + 2**i <= horizon})
+  previous_n, previous = start, peak
+  for n in probes[1:]:
+    value = _value(schedule, n)
+    if not math.isfinite(value):
+      raise ValueError(f"seesaw: the reference is not finite: schedule({n})={value}.")
+    if value > previous:
+      raise ValueError(
+          f"seesaw: the reference rises from schedule({previous_n})={previous} to "
+          f"schedule({n})={value}; Seesaw replaces decay, so the schedule must not rise "
+          f"after decay_start={start}. If it warms up, pass decay_start= the count at which "
+          "the warm-up ends (e.g. warmup_steps * B0 for a step-indexed schedule).")
+    previous_n, previous = n, value
+
+
+def _levels(schedule: Callable[[Any], Any], start: int, horizon: int, peak: float, *,
+            init: int, cap: int, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The ramp's ``(thresholds, ks)``: level ``i`` begins at the first count ``n`` with
+  ``schedule(n) * r**i <= peak`` (bisection on ``[start, horizon]``) and runs ``init *
+  r**i`` micro-batches, at most ``cap``; a drop of several levels at once is one level."""
+  thresholds, ks = [0], [init]
+  k, j = init, 0
+  while k < cap:
+    j += 1
+    scale = float(r) ** j
+    if not _value(schedule, horizon) * scale <= peak:
+      break  # the reference never decays this far
+    low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
+    if _value(schedule, low) * scale <= peak:
+      high = low
+    while high - low > 1:
+      mid = (low + high) // 2
+      if _value(schedule, mid) * scale <= peak:
+        high = mid
+      else:
+        low = mid
+    k = min(k * r, cap)
+    if high == thresholds[-1]:  # a drop of several levels at once
+      ks[-1] = k
+    else:
+      thresholds.append(high)
+      ks.append(k)
+  return tuple(thresholds), tuple(ks)
+
+
 def seesaw(
     schedule: Callable[[Any], Any],
     *,
@@ -398,46 +448,10 @@ def seesaw(
     raise ValueError(
         f"seesaw: the reference must be positive at its peak, got schedule({start})={peak}. "
         "If it warms up from 0, pass decay_start= the count at which the warm-up ends.")
-  # The reference must not rise after its peak: probe it.
-  probes = sorted({start + (horizon - start) * i // (_PROBES - 1) for i in range(_PROBES)}
-                  | {start + 2**i for i in range(63) if start + 2**i <= horizon})
-  previous_n, previous = start, peak
-  for n in probes[1:]:
-    value = _value(schedule, n)
-    if not math.isfinite(value):
-      raise ValueError(f"seesaw: the reference is not finite: schedule({n})={value}.")
-    if value > previous:
-      raise ValueError(
-          f"seesaw: the reference rises from schedule({previous_n})={previous} to "
-          f"schedule({n})={value}; Seesaw replaces decay, so the schedule must not rise "
-          f"after decay_start={start}. If it warms up, pass decay_start= the count at which "
-          "the warm-up ends (e.g. warmup_steps * B0 for a step-indexed schedule).")
-    previous_n, previous = n, value
-
-  # Level i begins at the first n with schedule(n) * r**i <= peak (bisection).
-  thresholds, ks = [0], [init]
-  k, j = init, 0
-  while k < cap:
-    j += 1
-    scale = float(r) ** j
-    if not _value(schedule, horizon) * scale <= peak:
-      break  # the reference never decays this far
-    low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
-    if _value(schedule, low) * scale <= peak:
-      high = low
-    while high - low > 1:
-      mid = (low + high) // 2
-      if _value(schedule, mid) * scale <= peak:
-        high = mid
-      else:
-        low = mid
-    k = min(k * r, cap)
-    if high == thresholds[-1]:  # a drop of several levels at once
-      ks[-1] = k
-    else:
-      thresholds.append(high)
-      ks.append(k)
+  _check_no_rise(schedule, start, horizon, peak)
+  thresholds, ks = _levels(schedule, start, horizon, peak, init=init, cap=cap, r=r)
   return Seesaw(schedule=schedule, init_micro_batches=init, max_micro_batches=cap,
                 optimizer=optimizer, ramp_factor=r, decay_start=start, total=total,
                 noise_guard=noise_guard, noise_decay=float(noise_decay),
-                thresholds=tuple(thresholds), ks=tuple(ks))
+                thresholds=thresholds, ks=ks)
+
