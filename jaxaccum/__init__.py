@@ -7,11 +7,22 @@ accumulation, per-micro-batch RNG keys and mutable state threaded through.
 
 from typing import TYPE_CHECKING
 
-from jaxaccum._adaptive import AdaptiveBatch as AdaptiveBatch
-from jaxaccum._adaptive import AdaptiveBatchState as AdaptiveBatchState
 from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
 from jaxaccum._api import value_and_grad as value_and_grad
+from jaxaccum._batch_size import AdaptiveBatch as AdaptiveBatch
+from jaxaccum._batch_size import AdaptiveBatchState as AdaptiveBatchState
+from jaxaccum._batch_size import MultiSteps as MultiSteps
+from jaxaccum._batch_size import MultiStepsState as MultiStepsState
+from jaxaccum._batch_size import NoiseScale as NoiseScale
+from jaxaccum._batch_size import NoiseScaleState as NoiseScaleState
+from jaxaccum._batch_size import RowFeeder as RowFeeder
+from jaxaccum._batch_size import Seesaw as Seesaw
+from jaxaccum._batch_size import SeesawState as SeesawState
+from jaxaccum._batch_size import batch_size_ramp as batch_size_ramp
+from jaxaccum._batch_size import batch_size_ramp_by_count as batch_size_ramp_by_count
+from jaxaccum._batch_size import place_active_rows as place_active_rows
+from jaxaccum._batch_size import seesaw as seesaw
 from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
 from jaxaccum._collectives import collectives as collectives
@@ -25,23 +36,12 @@ from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._local import local_value_and_grad as local_value_and_grad
-from jaxaccum._multisteps import MultiSteps as MultiSteps
-from jaxaccum._multisteps import MultiStepsState as MultiStepsState
-from jaxaccum._noise import NoiseScale as NoiseScale
-from jaxaccum._noise import NoiseScaleState as NoiseScaleState
 from jaxaccum._pipeline import pipeline as pipeline
 from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
 from jaxaccum._plan import PlanCandidate as PlanCandidate
 from jaxaccum._plan import plan as plan
 from jaxaccum._plan import plan_step as plan_step
-from jaxaccum._ramp import batch_size_ramp as batch_size_ramp
-from jaxaccum._ramp import batch_size_ramp_by_count as batch_size_ramp_by_count
-from jaxaccum._rows import RowFeeder as RowFeeder
-from jaxaccum._rows import place_active_rows as place_active_rows
-from jaxaccum._seesaw import Seesaw as Seesaw
-from jaxaccum._seesaw import SeesawState as SeesawState
-from jaxaccum._seesaw import seesaw as seesaw
 from jaxaccum._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._split import split_micro_batches as split_micro_batches
 from jaxaccum._stats import ClipPerExample as ClipPerExample

@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from jaxaccum import _api, _data_parallel, _options, _reduce, _sharding, _split, _transform
-from jaxaccum._multisteps import MultiStepsState
+from jaxaccum._batch_size import MultiStepsState
 from jaxaccum._types import AxisNames, PyTree
 
 __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")

@@ -3,6 +3,7 @@ the learning-rate scales in closed form, and the controller inside real steps (o
 program, data_axis, MultiSteps, an orbax round trip)."""
 
 import dataclasses
+import functools
 import math
 
 import chex
@@ -729,6 +730,39 @@ def test_check_and_update_errors():
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), info_for(2, 1.0, 1.0))
   with pytest.raises(TypeError, match=r"AccumInfo of one step .* use jax.lax.scan"):
     AB.update(AB.init(), stacked)
+
+
+def _wraps(transform):
+  @functools.wraps(transform)  # copies the transform's attributes, options included
+  def wrapper(*args, **kwargs):
+    return transform(*args, **kwargs)
+  return wrapper
+
+
+@pytest.mark.parametrize(("make", "takes"), [
+    (lambda: VG, True),
+    (lambda: jaxaccum.grad(weighted_loss, num_micro_batches=N, reduce="weighted",
+                           with_info=True), True),
+    (lambda: jax.jit(jaxaccum.grad(weighted_loss, num_micro_batches=N, reduce="weighted",
+                                   with_info=True)), True),  # its value_and_grad is VG's kind
+    (lambda: jaxaccum.evaluate(weighted_loss, num_micro_batches=N, reduce="weighted"), False),
+    (lambda: jax.jit(VG), False),
+    (lambda: _wraps(VG), False),
+    (lambda: functools.partial(VG), False),
+    (lambda: weighted_loss, False),
+], ids=["value_and_grad", "grad", "jit(grad)", "evaluate", "jit(value_and_grad)",
+        "functools.wraps", "partial", "plain function"])
+def test_check_takes_the_transforms_that_differentiate_and_refuses_their_wrappers(make, takes):
+  # check reads the transform's options without importing the API: what it takes is what
+  # value_and_grad and grad return, whatever copies the options' attribute.
+  transform = make()
+  if takes:
+    assert AB.check(transform) is AB
+  else:
+    with pytest.raises(TypeError, match=r"AdaptiveBatch.check takes what "
+                       r"jaxaccum.value_and_grad or jaxaccum.grad returned \(not a jitted "
+                       r"wrapper\), or a jaxaccum.MultiSteps; got "):
+      AB.check(transform)
 
 
 def test_weighted_controller_decides_in_micro_batches_whatever_the_unit_of_samples():

@@ -20,29 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _split
+from jaxaccum import _split, _validate
 from jaxaccum._types import PyTree
 
 _FILLS = ("zeros", "repeat")
-
-
-def _count(name: str, value: Any, *, high: int | None = None, hint: str = "") -> int:
-  """A concrete positive int (Python, NumPy or a concrete JAX scalar), at most ``high``."""
-  if isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and (
-      jnp.issubdtype(value.dtype, jnp.integer)):
-    try:
-      value = int(value)
-    except jax.errors.ConcretizationTypeError:
-      raise TypeError(
-          f"{name} must be a concrete int on the host, got a traced value. The loader runs "
-          "outside jit: read k once per step, e.g. k = int(controller.micro_batches(state))."
-      ) from None
-  if not _split._is_int(value) or isinstance(value, np.bool_):
-    raise TypeError(f"{name} must be a positive int, got {_split.describe(value)}.{hint}")
-  if value < 1 or (high is not None and value > high):
-    bound = f" and at most num_micro_batches={high}" if high is not None else ""
-    raise ValueError(f"{name} must be at least 1{bound}, got {name}={value}.{hint}")
-  return int(value)
 
 
 def _check_fill(fill: Any) -> str:
@@ -62,7 +43,7 @@ def _rows_of(tree: PyTree, what: str) -> int:
   for leaf in leaves:
     if np.ndim(leaf) == 0:
       raise ValueError(
-          f"{what} holds a scalar ({_split.describe(leaf)}); every leaf needs a leading "
+          f"{what} holds a scalar ({_validate.describe(leaf)}); every leaf needs a leading "
           "row axis.")
     sizes.add(np.shape(leaf)[0])
   if len(sizes) != 1:
@@ -104,8 +85,8 @@ def place_active_rows(
   ...                            active_micro_batches=2)
   array([1, 2, 0, 0, 3, 4, 0, 0, 5, 6, 0, 0])
   """
-  n = _count("num_micro_batches", num_micro_batches)
-  k = _count("active_micro_batches", active_micro_batches, high=n)
+  n = _validate.check_host_count("num_micro_batches", num_micro_batches)
+  k = _validate.check_host_count("active_micro_batches", active_micro_batches, high=n)
   fill = _check_fill(fill)
   total = _rows_of(rows, "rows")
   if total % k:
@@ -173,10 +154,10 @@ class RowFeeder:
 
   def __init__(self, rows: PyTree | Iterator[PyTree], *, num_micro_batches: int,
                micro_batch_size: int, fill: str = "zeros", position: int = 0):
-    self.num_micro_batches = _count("num_micro_batches", num_micro_batches)
-    self.micro_batch_size = _count("micro_batch_size", micro_batch_size)
+    self.num_micro_batches = _validate.check_host_count("num_micro_batches", num_micro_batches)
+    self.micro_batch_size = _validate.check_host_count("micro_batch_size", micro_batch_size)
     self.fill = _check_fill(fill)
-    if not _split._is_int(position) or position < 0:
+    if not _validate.is_int(position) or position < 0:
       raise ValueError(
           f"RowFeeder: position must be a non-negative int (rows already used), got "
           f"position={position!r}.")
@@ -249,7 +230,8 @@ class RowFeeder:
         keeps its position; an iterator has been read to its end).
       TypeError, ValueError: ``k`` is not a concrete int in ``1..N``.
     """
-    k = _count("active_micro_batches", active_micro_batches, high=self.num_micro_batches)
+    k = _validate.check_host_count("active_micro_batches", active_micro_batches,
+                                   high=self.num_micro_batches)
     rows = self._take(k * self.micro_batch_size)
     self._position += k * self.micro_batch_size
     return place_active_rows(rows, num_micro_batches=self.num_micro_batches,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _adaptive, _ramp, _split
+from jaxaccum import _validate
+from jaxaccum._batch_size import _counter, _ramp
+from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
-from jaxaccum._noise import NoiseScale, NoiseScaleState
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-_LO_BITS = _adaptive._LO_BITS  # the counter's layout: samples_hi * 2**24 + samples_lo
-_LO = 1 << _LO_BITS
+_INT32_MAX = _validate.INT32_MAX
 _OPTIMIZERS = ("adam", "sgd")
 _PROBES = 257  # points at which the reference is checked for a rise
 
@@ -55,16 +54,7 @@ class SeesawState(NamedTuple):
   noise: NoiseScaleState
 
 
-def _check_int(name: str, value: Any, *, low: int, what: str, example: str) -> int:
-  if not _ramp._is_int(value):
-    raise TypeError(
-        f"seesaw: {name} must be a Python int ({what}), got {_split.describe(value)}. For "
-        f"example {name}={example}.")
-  if value < low:
-    raise ValueError(
-        f"seesaw: {name} must be an int >= {low} ({what}), got {name}={value}. For example "
-        f"{name}={example}.")
-  return int(value)
+_check_int = functools.partial(_validate.check_int, "seesaw")
 
 
 def _value(schedule: Callable[[Any], Any], n: int) -> float:
@@ -76,7 +66,7 @@ def _value(schedule: Callable[[Any], Any], n: int) -> float:
   except (TypeError, ValueError):
     raise TypeError(
         f"seesaw: schedule({n}) must return a scalar learning rate, got "
-        f"{_split.describe(out)}.") from None
+        f"{_validate.describe(out)}.") from None
   return value
 
 
@@ -129,9 +119,9 @@ class Seesaw:
     object.__setattr__(self, "_ks", np.asarray(self.ks, np.int32))
     object.__setattr__(self, "_ramp", _ramp.batch_size_ramp_by_count(
         dict(zip(self.thresholds, range(1, len(self.ks) + 1), strict=True))))
-    th = np.asarray(self.thresholds, np.int64)
-    object.__setattr__(self, "_th_hi", np.minimum(th >> _LO_BITS, _INT32_MAX).astype(np.int32))
-    object.__setattr__(self, "_th_lo", (th & (_LO - 1)).astype(np.int32))
+    th_hi, th_lo = _counter.split(self.thresholds)
+    object.__setattr__(self, "_th_hi", th_hi)
+    object.__setattr__(self, "_th_lo", th_lo)
 
   def __repr__(self) -> str:
     return (f"Seesaw(init_micro_batches={self.init_micro_batches}, max_micro_batches="
@@ -158,7 +148,7 @@ class Seesaw:
       raise ValueError("seesaw: the count is nan; pass the samples (or tokens) seen.")
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _ramp._is_int(count):  # exact in Python, whatever its size
+    if _validate.is_int(count):  # exact in Python, whatever its size
       return jnp.int32(max(bisect.bisect_right(self.thresholds, int(count)) - 1, 0))
     return self._ramp(count) - 1
 
@@ -174,12 +164,11 @@ class Seesaw:
   def schedule_count(self, count: Any) -> Any:
     """The count as the reference is called with it: a Python int stays one, a state's
     exact counter becomes float32 (relative error below ``6e-8``), an array is unchanged."""
-    if isinstance(count, (SeesawState, _adaptive.AdaptiveBatchState)):
-      return (jnp.asarray(count.samples_hi, jnp.float32) * jnp.float32(_LO)
-              + jnp.asarray(count.samples_lo, jnp.float32))
+    if _counter.has_counter(count):
+      return _counter.samples(count)
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _ramp._is_int(count):
+    if _validate.is_int(count):
       return int(count)
     return count
 
@@ -197,8 +186,7 @@ class Seesaw:
     times the samples per step, ``b2 ** (k / init)`` spans the same samples (Marek et al.
     2025, arXiv 2507.07101). ``b2`` is the value tuned at ``init_micro_batches``.
     """
-    if isinstance(b2, (bool, np.bool_)) or not isinstance(b2, numbers.Real) or not (
-        0 <= b2 < 1):
+    if not _validate.is_real(b2) or not 0 <= b2 < 1:
       raise ValueError(f"Seesaw.b2: b2 must be a float in [0, 1), got b2={b2!r}; e.g. 0.95.")
     ratio = jnp.asarray(self._ks, jnp.float32)[self.level(count)] / jnp.float32(
         self.init_micro_batches)
@@ -244,14 +232,14 @@ class Seesaw:
     if not isinstance(state, SeesawState):
       raise TypeError(
           "Seesaw.update takes the SeesawState from init() or the previous update, got "
-          f"{_split.describe(state)}.")
+          f"{_validate.describe(state)}.")
     if not isinstance(info, AccumInfo) and (info is not None or samples is None
                                             or self.noise_guard is not None):
       need = (f"noise_guard={self.noise_guard} needs" if self.noise_guard is not None
               else "without samples=, it counts")
       raise TypeError(
           f"Seesaw.update: {need} the step's jaxaccum.AccumInfo, got info="
-          f"{_split.describe(info)}. Build the step with with_info=True and pass its info"
+          f"{_validate.describe(info)}. Build the step with with_info=True and pass its info"
           " (and samples= to count tokens), or pass samples= alone without a noise guard.")
     if samples is None:
       samples = info.batch_size if isinstance(info, AccumInfo) else 0  # checked above
@@ -262,8 +250,8 @@ class Seesaw:
           f"{tuple(count.shape)}.")
     count = jnp.where(jnp.isfinite(count) & (count > 0), jnp.round(count), 0.0)
     level = self.level(state)
-    hi, lo = _adaptive._add_samples(jnp.asarray(state.samples_hi, jnp.int32),
-                                    jnp.asarray(state.samples_lo, jnp.int32), count)
+    hi, lo = _counter.add_samples(jnp.asarray(state.samples_hi, jnp.int32),
+                                  jnp.asarray(state.samples_lo, jnp.int32), count)
     max_level = jnp.asarray(state.max_level, jnp.int32)
     noise = state.noise
     if self.noise_guard is not None and isinstance(info, AccumInfo):  # checked above
@@ -282,7 +270,57 @@ class Seesaw:
   @staticmethod
   def sample_count(state: SeesawState) -> int:
     """The exact count of a concrete state as a Python int."""
-    return int(state.samples_hi) * _LO + int(state.samples_lo)
+    return _counter.sample_count(state)
+
+
+def _check_no_rise(schedule: Callable[[Any], Any], start: int, horizon: int,
+                   peak: float) -> None:
+  """Raises if the reference rises after its peak ``schedule(start) = peak`` (or is not
+  finite), probed at 257 evenly spaced counts and at ``start + 2**i`` up to ``horizon``."""
+  probes = sorted({start + (horizon - start) * i // (_PROBES - 1) for i in range(_PROBES)}
+                  | {start + 2**i for i in range(63) if start + 2**i <= horizon})
+  previous_n, previous = start, peak
+  for n in probes[1:]:
+    value = _value(schedule, n)
+    if not math.isfinite(value):
+      raise ValueError(f"seesaw: the reference is not finite: schedule({n})={value}.")
+    if value > previous:
+      raise ValueError(
+          f"seesaw: the reference rises from schedule({previous_n})={previous} to "
+          f"schedule({n})={value}; Seesaw replaces decay, so the schedule must not rise "
+          f"after decay_start={start}. If it warms up, pass decay_start= the count at which "
+          "the warm-up ends (e.g. warmup_steps * B0 for a step-indexed schedule).")
+    previous_n, previous = n, value
+
+
+def _levels(schedule: Callable[[Any], Any], start: int, horizon: int, peak: float, *,
+            init: int, cap: int, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The ramp's ``(thresholds, ks)``: level ``i`` begins at the first count ``n`` with
+  ``schedule(n) * r**i <= peak`` (bisection on ``[start, horizon]``) and runs ``init *
+  r**i`` micro-batches, at most ``cap``; a drop of several levels at once is one level."""
+  thresholds, ks = [0], [init]
+  k, j = init, 0
+  while k < cap:
+    j += 1
+    scale = float(r) ** j
+    if not _value(schedule, horizon) * scale <= peak:
+      break  # the reference never decays this far
+    low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
+    if _value(schedule, low) * scale <= peak:
+      high = low
+    while high - low > 1:
+      mid = (low + high) // 2
+      if _value(schedule, mid) * scale <= peak:
+        high = mid
+      else:
+        low = mid
+    k = min(k * r, cap)
+    if high == thresholds[-1]:  # a drop of several levels at once
+      ks[-1] = k
+    else:
+      thresholds.append(high)
+      ks.append(k)
+  return tuple(thresholds), tuple(ks)
 
 
 def seesaw(
@@ -365,7 +403,7 @@ def seesaw(
   if not callable(schedule):
     raise TypeError(
         f"seesaw: schedule must be a callable samples -> learning rate, got "
-        f"{_split.describe(schedule)}. For a step-indexed optax schedule at B0 samples per "
+        f"{_validate.describe(schedule)}. For a step-indexed optax schedule at B0 samples per "
         "step, pass schedule=lambda n: sched(n // B0).")
   init = _check_int("init_micro_batches", init_micro_batches, low=1,
                     what="the micro-batches per step the reference was tuned at", example="2")
@@ -391,13 +429,13 @@ def seesaw(
                        what=f"the count at the end of training, above decay_start={start}",
                        example=str(max(start * 10, 10**6)))
   horizon = total if total is not None else _INT32_MAX
-  if horizon > _ramp._COUNT_MAX:
+  if horizon > _ramp.COUNT_MAX:
     raise ValueError(f"seesaw: total={total} must be below 2**62.")
   if noise_guard is not None:
-    if isinstance(noise_guard, (bool, np.bool_)) or not isinstance(noise_guard, numbers.Real):
+    if not _validate.is_real(noise_guard):
       raise TypeError(
           f"seesaw: noise_guard must be None or a float > 0 (a multiple of B_simple), got "
-          f"{_split.describe(noise_guard)}. For example noise_guard=1.0.")
+          f"{_validate.describe(noise_guard)}. For example noise_guard=1.0.")
     if not (math.isfinite(noise_guard) and noise_guard > 0):
       raise ValueError(
           f"seesaw: noise_guard must be None or a finite float > 0 (a multiple of "
@@ -410,46 +448,10 @@ def seesaw(
     raise ValueError(
         f"seesaw: the reference must be positive at its peak, got schedule({start})={peak}. "
         "If it warms up from 0, pass decay_start= the count at which the warm-up ends.")
-  # The reference must not rise after its peak: probe it.
-  probes = sorted({start + (horizon - start) * i // (_PROBES - 1) for i in range(_PROBES)}
-                  | {start + 2**i for i in range(63) if start + 2**i <= horizon})
-  previous_n, previous = start, peak
-  for n in probes[1:]:
-    value = _value(schedule, n)
-    if not math.isfinite(value):
-      raise ValueError(f"seesaw: the reference is not finite: schedule({n})={value}.")
-    if value > previous:
-      raise ValueError(
-          f"seesaw: the reference rises from schedule({previous_n})={previous} to "
-          f"schedule({n})={value}; Seesaw replaces decay, so the schedule must not rise "
-          f"after decay_start={start}. If it warms up, pass decay_start= the count at which "
-          "the warm-up ends (e.g. warmup_steps * B0 for a step-indexed schedule).")
-    previous_n, previous = n, value
-
-  # Level i begins at the first n with schedule(n) * r**i <= peak (bisection).
-  thresholds, ks = [0], [init]
-  k, j = init, 0
-  while k < cap:
-    j += 1
-    scale = float(r) ** j
-    if not _value(schedule, horizon) * scale <= peak:
-      break  # the reference never decays this far
-    low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
-    if _value(schedule, low) * scale <= peak:
-      high = low
-    while high - low > 1:
-      mid = (low + high) // 2
-      if _value(schedule, mid) * scale <= peak:
-        high = mid
-      else:
-        low = mid
-    k = min(k * r, cap)
-    if high == thresholds[-1]:  # a drop of several levels at once
-      ks[-1] = k
-    else:
-      thresholds.append(high)
-      ks.append(k)
+  _check_no_rise(schedule, start, horizon, peak)
+  thresholds, ks = _levels(schedule, start, horizon, peak, init=init, cap=cap, r=r)
   return Seesaw(schedule=schedule, init_micro_batches=init, max_micro_batches=cap,
                 optimizer=optimizer, ramp_factor=r, decay_start=start, total=total,
                 noise_guard=noise_guard, noise_decay=float(noise_decay),
-                thresholds=tuple(thresholds), ks=tuple(ks))
+                thresholds=thresholds, ks=ks)
+

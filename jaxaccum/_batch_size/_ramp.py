@@ -16,35 +16,23 @@ from __future__ import annotations
 
 import bisect
 import decimal
+import functools
 import math
-import numbers
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _adaptive
+from jaxaccum import _validate
+from jaxaccum._batch_size import _counter
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _is_int(value: Any) -> TypeGuard[numbers.Integral]:
-  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+_INT32_MAX = _validate.INT32_MAX
 
 
-def _check_int(name: str, value: Any, *, low: int, what: str) -> int:
-  if not _is_int(value):
-    raise TypeError(
-        f"batch_size_ramp: {name} must be a Python int ({what}), got {value!r} of type "
-        f"{type(value).__name__}.")
-  if not low <= int(value) <= _INT32_MAX:
-    raise ValueError(
-        f"batch_size_ramp: {name} must be an int in [{low}, 2**31 - 1] ({what}), got "
-        f"{name}={value}.")
-  return int(value)
+_check_int = functools.partial(_validate.check_int32, "batch_size_ramp")
 
 
 def batch_size_ramp(
@@ -154,7 +142,7 @@ def batch_size_ramp(
   values_np = np.asarray(values, np.int32)
 
   def schedule(step: jax.typing.ArrayLike) -> jax.Array:
-    if _is_int(step):
+    if _validate.is_int(step):
       step = min(max(int(step), -1), _INT32_MAX)
     step = jnp.asarray(step)
     if step.shape != ():
@@ -185,8 +173,7 @@ def batch_size_ramp(
 # ----------------------------------------------------------------- ramps by samples or tokens
 
 _WORD = 2**31  # a count is two int32 words, high * 2**31 + low with 0 <= low < 2**31
-_COUNT_MAX = _WORD * _WORD - 1  # 2**62 - 1: the largest threshold the two words hold
-_CTRL_LO = 1 << _adaptive._LO_BITS  # the low word of AdaptiveBatchState
+COUNT_MAX = _WORD * _WORD - 1  # 2**62 - 1: the largest threshold the two words hold
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 _THRESHOLD = re.compile(r"^([0-9]+(?:\.[0-9]*)?)([KMBT]?)$", re.IGNORECASE)
 
@@ -226,12 +213,8 @@ def _parse_schedule(schedule: str) -> list[tuple[int, int]]:
 def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
   """A traced count as ``(high, low)`` int32 words (``high * 2**31 + low``), floored and
   clipped to [-1, 2**62 - 1]; -1 is ``(-1, 0)``."""
-  if isinstance(count, _adaptive.AdaptiveBatchState):
-    # The controller's exact counter, samples_hi * 2**24 + samples_lo, in our two words.
-    hi = jnp.maximum(jnp.asarray(count.samples_hi, jnp.int32), 0)
-    lo = jnp.clip(jnp.asarray(count.samples_lo, jnp.int32), 0, _CTRL_LO - 1)
-    shift = 31 - _adaptive._LO_BITS  # the controller's layout, from one place
-    return hi >> shift, ((hi & ((1 << shift) - 1)) << _adaptive._LO_BITS) | lo
+  if _counter.has_counter(count):  # a controller's exact counter, in our two words
+    return _counter.words31(count)
   count = jnp.asarray(count)
   if count.shape != ():
     raise TypeError(
@@ -349,17 +332,17 @@ def batch_size_ramp_by_count(
         f"{schedule!r} of type {type(schedule).__name__}.")
   for name, size in (("micro_batch_size", micro_batch_size),
                      ("num_micro_batches", num_micro_batches)):
-    if size is not None and (not _is_int(size) or size < 1):
+    if size is not None and (not _validate.is_int(size) or size < 1):
       raise ValueError(
           f"batch_size_ramp_by_count: {name} must be a positive int or None, got "
           f"{name}={size!r}.")
   checked = []
   for threshold, value in pairs:
-    if not _is_int(threshold) or not 0 <= int(threshold) <= _COUNT_MAX:
+    if not _validate.is_int(threshold) or not 0 <= int(threshold) <= COUNT_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
           f"or tokens seen), got {threshold!r} in schedule {text}.")
-    if not _is_int(value) or not 1 <= int(value) <= _INT32_MAX:
+    if not _validate.is_int(value) or not 1 <= int(value) <= _INT32_MAX:
       raise ValueError(
           f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
           f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
@@ -398,7 +381,7 @@ def batch_size_ramp_by_count(
   def ramp(count: Any) -> jax.Array:
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
-    if _is_int(count):  # exact in Python, whatever its size
+    if _validate.is_int(count):  # exact in Python, whatever its size
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, int(count)) - 1, 0)])
     if isinstance(count, (float, np.floating)):
       if not math.isfinite(count):
@@ -407,7 +390,7 @@ def batch_size_ramp_by_count(
             "or tokens seen, a finite number; pass the count as an int (e.g. "
             "AdaptiveBatch.sample_count(state), or the controller's state itself), or "
             "check the float that produced it.")
-      count = -1 if count < 0 else min(math.floor(count), _COUNT_MAX)
+      count = -1 if count < 0 else min(math.floor(count), COUNT_MAX)
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, count) - 1, 0)])
     high, low = _count_words(count)
     reached = (high > high_np) | ((high == high_np) & (low >= low_np))

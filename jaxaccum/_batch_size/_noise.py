@@ -9,13 +9,12 @@ average (EMA) of each estimate and takes the ratio of the averages.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxaccum import _validate
 from jaxaccum._info import AccumInfo
 
 
@@ -85,7 +84,7 @@ class NoiseScale:
 
   def __post_init__(self):
     decay = self.decay
-    if isinstance(decay, (bool, np.bool_)) or not isinstance(decay, numbers.Real):
+    if not _validate.is_real(decay):
       raise TypeError(
           f"NoiseScale: decay must be a float in [0, 1), got {decay!r} of type "
           f"{type(decay).__name__}.")

@@ -14,7 +14,6 @@ weight, a schedule returning ``k < 1``).
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -24,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _info, _reduce, _sharding, _split, _stats
+from jaxaccum import _info, _reduce, _sharding, _stats, _validate
 from jaxaccum._types import PyTree
 
 # The defaults' leaves below (the empty AccumInfo's too, jax.Array in its fields) are numpy
@@ -138,7 +137,7 @@ def _check_weight(weight: Any, dtype: Any, *, allow_nonfinite: bool = False) -> 
   """
   what = ("the number of items (e.g. real tokens) that this micro-batch's mean loss was "
           "taken over")
-  if isinstance(weight, (bool, np.bool_)):
+  if _validate.is_bool(weight):
     raise TypeError(f"weight must be a non-negative number, {what}; got weight={weight!r}.")
   try:
     concrete = np.asarray(weight)
@@ -148,12 +147,12 @@ def _check_weight(weight: Any, dtype: Any, *, allow_nonfinite: bool = False) -> 
                      else (weight.shape, weight.dtype))
   if shape != ():
     raise TypeError(
-        f"weight must be a scalar, {what}; got weight as {_split.describe(weight)} (shape "
+        f"weight must be a scalar, {what}; got weight as {_validate.describe(weight)} (shape "
         f"{tuple(shape)}). Reduce it first, e.g. weight=jnp.sum(mask)."
     )
   if not (jnp.issubdtype(dtype_in, jnp.integer) or jnp.issubdtype(dtype_in, jnp.floating)):
     raise TypeError(
-        f"weight must have an integer or floating dtype, {what}; got {_split.describe(weight)}.")
+        f"weight must have an integer or floating dtype, {what}; got {_validate.describe(weight)}.")
   negative = ("weight must be non-negative (" + what + "), got weight={}. Pass the count of "
               "real items, 0 for a micro-batch that has none.")
   if concrete is not None:
@@ -310,12 +309,11 @@ class MultiSteps:
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise TypeError(
           f"opt must be an optax.GradientTransformation (with init and update), got "
-          f"{_split.describe(opt)}.")
+          f"{_validate.describe(opt)}.")
     self._opt = optax.with_extra_args_support(opt)
     want = ("every_k_schedule must be a positive int (micro-steps per optimizer step) or a "
             "function of the optimizer step returning one, got every_k_schedule=")
-    if isinstance(every_k_schedule, numbers.Integral) and not isinstance(
-        every_k_schedule, (bool, np.bool_)):
+    if _validate.is_int(every_k_schedule):
       if every_k_schedule < 1:
         raise ValueError(f"{want}{every_k_schedule}. Use 1 to update on every call.")
       k = int(every_k_schedule)
@@ -325,9 +323,7 @@ class MultiSteps:
     else:
       raise TypeError(
           f"{want}{every_k_schedule!r} of type {type(every_k_schedule).__name__}.")
-    if not isinstance(use_grad_mean, (bool, np.bool_)):
-      raise TypeError(f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}.")
-    self._use_grad_mean = bool(use_grad_mean)
+    self._use_grad_mean = _validate.check_bool("use_grad_mean", use_grad_mean)
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
       raise TypeError(
           "should_skip_update_fn must be a function (updates, gradient_step, params) -> "
@@ -341,23 +337,18 @@ class MultiSteps:
             "used only for the noise-scale statistics); leave it None to count sizes in calls")
     if micro_batch_size is None:
       micro_batch_size = 1
-    elif isinstance(micro_batch_size, (bool, np.bool_)) or not isinstance(
-        micro_batch_size, numbers.Real):
+    elif not _validate.is_real(micro_batch_size):
       raise TypeError(f"micro_batch_size must be {what}; got {micro_batch_size!r}.")
     elif not 0 < micro_batch_size < np.inf:
       raise ValueError(
           f"micro_batch_size must be {what}; got micro_batch_size={micro_batch_size}.")
     self._micro_batch_size = float(micro_batch_size)
-    if not isinstance(with_info, (bool, np.bool_)):
-      raise TypeError(f"with_info must be a bool, got with_info={with_info!r}.")
-    self._with_info = bool(with_info)
+    self._with_info = _validate.check_bool("with_info", with_info)
     if not self._with_info and self._micro_batch_size != 1:
       raise ValueError(
           f"micro_batch_size={micro_batch_size} is used only by the statistics; pass "
           "with_info=True as well, or leave micro_batch_size unset.")
-    if not isinstance(skip_nonfinite, (bool, np.bool_)):
-      raise TypeError(f"skip_nonfinite must be a bool, got skip_nonfinite={skip_nonfinite!r}.")
-    self._skip_nonfinite = bool(skip_nonfinite)
+    self._skip_nonfinite = _validate.check_bool("skip_nonfinite", skip_nonfinite)
     self._data_axis = _sharding.check_data_axis(data_axis)
     self._mesh = _sharding.check_mesh(mesh, self._data_axis)
     if self._data_axis is not None and self._with_info:
@@ -396,7 +387,7 @@ class MultiSteps:
   def _every_k(self, gradient_step: jax.Array) -> jax.Array:
     k = jnp.asarray(self._every_k_schedule(gradient_step))
     if k.shape != ():
-      raise TypeError(f"every_k_schedule must return a scalar, got {_split.describe(k)}.")
+      raise TypeError(f"every_k_schedule must return a scalar, got {_validate.describe(k)}.")
     if not jnp.issubdtype(k.dtype, jnp.integer):
       k = jnp.round(k)
     k = k.astype(jnp.int32)
@@ -482,7 +473,7 @@ class MultiSteps:
     if (skip.dtype, skip.shape) != (jnp.bool_, ()):
       raise ValueError(  # optax.MultiSteps raises ValueError here too
           "should_skip_update_fn must return a boolean scalar array as its first output, "
-          f"got {_split.describe(skip)}.")
+          f"got {_validate.describe(skip)}.")
     return skip, skip_state
 
   def _accumulate(self, updates: optax.Updates, state: MultiStepsState,
@@ -646,7 +637,7 @@ class MultiSteps:
             f"MultiSteps(data_axis={self._data_axis!r}) accumulates per-device gradient "
             f"pieces with a leading axis of the {jnp.shape(a)[0]} data shards, shaped "
             f"{jnp.shape(a)} for updates{jax.tree_util.keystr(path)}, got "
-            f"{_split.describe(g)}. Compute the gradients with jaxaccum.local_value_and_grad"
+            f"{_validate.describe(g)}. Compute the gradients with jaxaccum.local_value_and_grad"
             f"(loss, data_axis={self._data_axis!r}), or drop data_axis to pass reduced "
             "gradients.")
 

@@ -16,26 +16,26 @@ exactly in two int32 words, so that learning-rate schedules can count samples.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxaccum import _api, _multisteps, _split
+from jaxaccum import _split, _validate
+from jaxaccum._batch_size import _counter, _multisteps
+from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
 from jaxaccum._info import AccumInfo
-from jaxaccum._noise import NoiseScale, NoiseScaleState
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-# The sample counter is samples_hi * 2**24 + samples_lo with 0 <= samples_lo < 2**24: every
-# word is an exact int32, and float32 holds each step's addend below 2**24 exactly.
-_LO_BITS = 24
-_LO = 1 << _LO_BITS
+_INT32_MAX = _validate.INT32_MAX
 _RULES = ("norm_test", "b_simple")
 _LR_SCALINGS = ("none", "sqrt", "linear", "adascale")
+
+
+# AdaptiveBatch's counts are ints up to int32's largest; its messages start "AdaptiveBatch:".
+_check_int = functools.partial(_validate.check_int, "AdaptiveBatch", high=_INT32_MAX)
+_check_float = functools.partial(_validate.check_float, "AdaptiveBatch")
 
 
 class AdaptiveBatchState(NamedTuple):
@@ -97,46 +97,6 @@ class _DefaultInt(int):
   __slots__ = ()
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_int(name: str, value: Any, low: int, what: str, example: str) -> int:
-  if not _is_int(value):
-    raise TypeError(
-        f"AdaptiveBatch: {name} must be a Python int ({what}), got "
-        f"{_split.describe(value)}. For example {name}={example}.")
-  if not low <= value <= _INT32_MAX:
-    raise ValueError(
-        f"AdaptiveBatch: {name} must be an int >= {low} ({what}), got {name}={value}. For "
-        f"example {name}={example}.")
-  return int(value)
-
-
-def _check_real(name: str, value: Any, what: str, example: str, *, low: float,
-                strict: bool) -> float:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(
-        f"AdaptiveBatch: {name} must be a float ({what}), got {_split.describe(value)}. For "
-        f"example {name}={example}.")
-  number = float(value)
-  ok = (number > low if strict else number >= low) and math.isfinite(number)
-  if not ok:
-    bound = f"> {low}" if strict else f">= {low}"
-    raise ValueError(
-        f"AdaptiveBatch: {name} must be a finite float {bound} ({what}), got "
-        f"{name}={value}. For example {name}={example}.")
-  return number
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-  if value not in choices:
-    raise ValueError(
-        f"AdaptiveBatch: {name} must be one of {', '.join(map(repr, choices))}, got "
-        f"{name}={value!r}.")
-  return value
-
-
 def _kahan_add(total: jax.Array, error: jax.Array,
                x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``total + x`` with Kahan's compensation: ``total - error`` is the running sum to a few
@@ -159,20 +119,6 @@ def _refuse_if_concrete(short: jax.Array, k: jax.Array, pieces: jax.Array) -> No
         f"active_micro_batches exceeds the transform's num_micro_batches, which clips it. "
         f"Lower max_micro_batches to at most the transform's num_micro_batches "
         f"(AdaptiveBatch.check(transform, batch_size=...) verifies it).")
-
-
-def _add_samples(hi: jax.Array, lo: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(hi, lo)`` plus ``x`` samples (a float32 integer, below ``2**55``), exactly."""
-  x_hi = jnp.floor(x / _LO)  # exact: a power of two
-  x_lo = (x - x_hi * _LO).astype(jnp.int32)  # exact integer in [0, 2**24)
-  lo = lo + x_lo  # < 2**25: no overflow
-  carry = lo >> _LO_BITS
-  lo = lo & (_LO - 1)
-  room = _INT32_MAX - hi
-  add = jnp.minimum(x_hi, jnp.float32(2.0 ** 31 - 128)).astype(jnp.int32) + carry
-  full = add > room
-  return (jnp.where(full, _INT32_MAX, hi + jnp.where(full, 0, add)),
-          jnp.where(full, _LO - 1, lo))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,10 +244,10 @@ class AdaptiveBatch:
   lr_scaling: str = "none"
 
   def __post_init__(self):
-    kmax = _check_int("max_micro_batches", self.max_micro_batches, 1,
-                      "the largest number of micro-batches to run", "64")
-    kmin = _check_int("min_micro_batches", self.min_micro_batches, 1,
-                      "the smallest number of micro-batches to run", "1")
+    kmax = _check_int("max_micro_batches", self.max_micro_batches, low=1,
+                      what="the largest number of micro-batches to run", example="64")
+    kmin = _check_int("min_micro_batches", self.min_micro_batches, low=1,
+                      what="the smallest number of micro-batches to run", example="1")
     if kmin > kmax:
       raise ValueError(
           f"AdaptiveBatch: min_micro_batches={kmin} is larger than max_micro_batches={kmax}; "
@@ -310,13 +256,14 @@ class AdaptiveBatch:
     if k0 is None or isinstance(k0, _DefaultInt):
       k0 = _DefaultInt(min(max(kmin, 2), kmax))
     else:
-      k0 = _check_int("init_micro_batches", k0, 1, "the micro-batches of the first step", "2")
+      k0 = _check_int("init_micro_batches", k0, low=1,
+                      what="the micro-batches of the first step", example="2")
       if not kmin <= k0 <= kmax:
         raise ValueError(
             f"AdaptiveBatch: init_micro_batches={k0} must lie in [min_micro_batches, "
             f"max_micro_batches] = [{kmin}, {kmax}]; pass an init_micro_batches in that "
             "range, or init_micro_batches=None for the default max(min_micro_batches, 2).")
-    rule = _check_choice("rule", self.rule, _RULES)
+    rule = _validate.check_choice("AdaptiveBatch", "rule", self.rule, _RULES)
     theta, fraction = self.theta, self.fraction
     # Values filled in by an earlier __post_init__ (dataclasses.replace) count as not given.
     theta = None if isinstance(theta, _DefaultFloat) else theta
@@ -327,9 +274,9 @@ class AdaptiveBatch:
             f"AdaptiveBatch: fraction={fraction!r} is the parameter of rule='b_simple'; "
             "rule='norm_test' takes theta (e.g. theta=3.0). Drop fraction (fraction=None "
             "in dataclasses.replace) or pass rule='b_simple'.")
-      theta = _check_real("theta", 3.0 if theta is None else theta,
-                          "the norm test's tolerance on the gradient noise", "3.0",
-                          low=0.0, strict=True)
+      theta = _check_float("theta", 3.0 if theta is None else theta, low=0.0, strict=True,
+                           what="the norm test's tolerance on the gradient noise",
+                           example="3.0")
       theta = _DefaultFloat(theta) if self.theta is None or isinstance(
           self.theta, _DefaultFloat) else theta
     else:
@@ -338,26 +285,28 @@ class AdaptiveBatch:
             f"AdaptiveBatch: theta={theta!r} is the parameter of rule='norm_test'; "
             "rule='b_simple' takes fraction (e.g. fraction=0.25). Drop theta (theta=None in "
             "dataclasses.replace) or pass rule='norm_test'.")
-      fraction = _check_real("fraction", 0.25 if fraction is None else fraction,
-                             "the fraction of B_simple to follow", "0.25",
-                             low=0.0, strict=True)
+      fraction = _check_float("fraction", 0.25 if fraction is None else fraction, low=0.0,
+                              strict=True, what="the fraction of B_simple to follow",
+                              example="0.25")
       fraction = _DefaultFloat(fraction) if self.fraction is None or isinstance(
           self.fraction, _DefaultFloat) else fraction
     noise = NoiseScale(decay=self.decay)  # validates decay
-    warmup = _check_int("warmup_steps", self.warmup_steps, 0,
-                        "steps with finite estimates before k may change", "10")
-    cooldown = _check_int("cooldown_steps", self.cooldown_steps, 0,
-                          "the fewest completed steps between two changes of k", "5")
-    hysteresis = _check_real("hysteresis", self.hysteresis,
-                             "the relative margin the target must clear", "0.25",
-                             low=0.0, strict=False)
-    growth = _check_real("max_growth", self.max_growth, "the largest factor of one change",
-                         "2.0", low=1.0, strict=True)
-    if not isinstance(self.allow_decrease, (bool, np.bool_)):
+    warmup = _check_int("warmup_steps", self.warmup_steps, low=0,
+                        what="steps with finite estimates before k may change", example="10")
+    cooldown = _check_int("cooldown_steps", self.cooldown_steps, low=0,
+                          what="the fewest completed steps between two changes of k",
+                          example="5")
+    hysteresis = _check_float("hysteresis", self.hysteresis, low=0.0, strict=False,
+                              what="the relative margin the target must clear",
+                              example="0.25")
+    growth = _check_float("max_growth", self.max_growth, low=1.0, strict=True,
+                          what="the largest factor of one change", example="2.0")
+    if not _validate.is_bool(self.allow_decrease):
       raise TypeError(
           f"AdaptiveBatch: allow_decrease must be a bool, got "
-          f"{_split.describe(self.allow_decrease)}.")
-    lr_scaling = _check_choice("lr_scaling", self.lr_scaling, _LR_SCALINGS)
+          f"{_validate.describe(self.allow_decrease)}.")
+    lr_scaling = _validate.check_choice("AdaptiveBatch", "lr_scaling", self.lr_scaling,
+                                        _LR_SCALINGS)
     for name, value in (("max_micro_batches", kmax), ("min_micro_batches", kmin),
                         ("init_micro_batches", k0), ("theta", theta), ("fraction", fraction),
                         ("decay", noise.decay), ("warmup_steps", warmup),
@@ -421,12 +370,16 @@ class AdaptiveBatch:
             "in rows); with with_info=False its state.info is always empty.")
       return self
     vg = getattr(transform, "value_and_grad", transform)  # a Grad wraps a ValueAndGrad
-    if not isinstance(vg, _api.ValueAndGrad):
+    # A ValueAndGrad, known by what it holds (the wing sits below the API): its class runs
+    # the core (a jitted wrapper's does not) and its options differentiate (an Evaluate's
+    # do not).
+    opts = getattr(vg, "options", None)
+    if not (callable(getattr(type(vg), "run", None)) and opts is not None
+            and not opts.evaluating):
       raise TypeError(
           "AdaptiveBatch.check takes what jaxaccum.value_and_grad or jaxaccum.grad "
           "returned (not a jitted wrapper), or a jaxaccum.MultiSteps; got "
-          f"{_split.describe(transform)}.")
-    opts = vg.options
+          f"{_validate.describe(transform)}.")
     if not opts.with_info:
       raise ValueError(
           "AdaptiveBatch needs the step's statistics: build the transform with "
@@ -440,8 +393,8 @@ class AdaptiveBatch:
             f"micro_batch_size={opts.size} rows, so its num_micro_batches depends on the "
             f"batch; pass the rows of a step, check(transform, batch_size=...), so that "
             f"max_micro_batches={self.max_micro_batches} can be checked against it.")
-      size = _check_int("batch_size", batch_size, 1, "the rows of each step's batch",
-                        str(opts.size * self.max_micro_batches))
+      size = _check_int("batch_size", batch_size, low=1, what="the rows of each step's batch",
+                        example=str(opts.size * self.max_micro_batches))
       count = _split.resolve_count(size, None, opts.size)
       how = f" (batch_size={size} / micro_batch_size={opts.size})"
     if count < self.max_micro_batches:
@@ -505,11 +458,11 @@ class AdaptiveBatch:
       raise TypeError(
           "AdaptiveBatch.update takes the step's jaxaccum.AccumInfo (the third output of "
           "value_and_grad(..., with_info=True), or a MultiStepsState's .info), got "
-          f"{_split.describe(info)}. Build the step with with_info=True.")
+          f"{_validate.describe(info)}. Build the step with with_info=True.")
     if not isinstance(state, AdaptiveBatchState):
       raise TypeError(
           "AdaptiveBatch.update takes the AdaptiveBatchState from init() or the previous "
-          f"update, got {_split.describe(state)}.")
+          f"update, got {_validate.describe(state)}.")
     big = jnp.asarray(info.batch_size, jnp.float32)
     if big.shape != ():
       raise TypeError(
@@ -534,8 +487,8 @@ class AdaptiveBatch:
     noise_state = self.noise_scale.update(state.noise, info)
 
     # Counters.
-    hi, lo = _add_samples(jnp.asarray(state.samples_hi, jnp.int32),
-                          jnp.asarray(state.samples_lo, jnp.int32), jnp.round(big))
+    hi, lo = _counter.add_samples(jnp.asarray(state.samples_hi, jnp.int32),
+                                  jnp.asarray(state.samples_lo, jnp.int32), jnp.round(big))
     steps = jnp.asarray(state.steps, jnp.int32)
     steps = jnp.where(ran & (steps < _INT32_MAX), steps + 1, steps)
     progress, progress_error = _kahan_add(
@@ -606,13 +559,12 @@ class AdaptiveBatch:
 
     :meth:`sample_count` gives the exact count as a Python int.
     """
-    return (jnp.asarray(state.samples_hi, jnp.float32) * jnp.float32(_LO)
-            + jnp.asarray(state.samples_lo, jnp.float32))
+    return _counter.samples(state)
 
   @staticmethod
   def sample_count(state: AdaptiveBatchState) -> int:
     """The exact sample count as a Python int (``state`` must be concrete, not traced)."""
-    return int(state.samples_hi) * _LO + int(state.samples_lo)
+    return _counter.sample_count(state)
 
   def lr_scale(self, state: AdaptiveBatchState) -> jax.Array:
     """The factor for the base learning rate at the current ``k`` (float32), as
