@@ -532,6 +532,17 @@ LOSS_KINDS: dict[str, LossKind] = {
     "weighted": LossKind("weighted", pair=True, returns="(numerator, denominator)",
                          divisor=DENOMINATOR, weighs=True),
 }
+
+
+def count_across(count: Any, shards: int) -> Any:
+  """The micro-batches behind a mean (:data:`COUNT`) when ``shards`` data shards each run
+  ``count`` of them: a mean over ``D`` shards of ``N`` micro-batches divides by ``N x D``.
+  The in-loop scale of mean terms folded into a sum group and the static count that
+  finalize divides by both read it; the run-time count is the kept micro-batches summed
+  across the shards (the ``stats`` carry entry's ``combine``), the same number."""
+  return count * shards
+
+
 # A "mean" under an example mask (clip_per_example(example_mask=)): fun returns the mean as
 # usual; the per-example path sums the real examples' values and counts them as the
 # denominator, so the mean divides by the real examples of the whole batch.

@@ -392,7 +392,178 @@ def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
       BatchBroadcastWarning, stacklevel=2)
 
 
-# --- Step 1: scan -----------------------------------------------------------------------------
+# --- The carry: one record per entry ----------------------------------------------------------
+
+
+class Scan(NamedTuple):
+  """What the carry entries read: the options, the problem, one micro-batch's traced
+  shapes and the aux reductions. ``keep_like``: under ``skip_nonfinite``,
+  ``where(keep, new, carry)`` varies wherever ``keep`` does (a shard's own verdict), even
+  for an aux leaf that does not vary across shards, so the carry must vary as these do."""
+
+  opts: Options
+  problem: Problem
+  shapes: Micro
+  kinds: PyTree
+  keep_like: list
+
+  def acc_dtype(self, dtype: Any) -> Any:
+    return _reduce.accumulator_dtype_for(dtype, self.opts.accumulator_dtype)
+
+
+class Update(NamedTuple):
+  """One micro-batch as the carry entries' ``update`` sees it: its contribution ``out``,
+  whether it is added (``keep``, under ``skip_nonfinite``; else ``None``) and its index."""
+
+  out: Micro
+  keep: jax.Array | None
+  i: jax.Array
+
+  def add(self, c: jax.Array, v: jax.Array) -> jax.Array:
+    v = v.astype(c.dtype)
+    return c + (v if self.keep is None else jnp.where(self.keep, v, jnp.zeros_like(v)))
+
+  def select(self, new: Any, old: Any) -> Any:  # a skipped micro-batch leaves it as it was
+    if self.keep is None:
+      return new
+    return jax.tree.map(functools.partial(jnp.where, self.keep), new, old)
+
+
+class Across(NamedTuple):
+  """How the carry is reduced over the data axes ``axes`` after the loop (see
+  :func:`jaxaccum._data_parallel.combine`): per gradient leaf, the axes it is still summed
+  over and the reduce-scatters (``scatter(g, gathers)``) still to be done."""
+
+  axes: tuple
+  grad_axes: tuple
+  grad_scatters: tuple
+  reduce_is_sum: bool
+  kinds: PyTree
+  scatter: Callable[[jax.Array, tuple], jax.Array]
+
+
+class CarryEntry(NamedTuple):
+  """One field of the :class:`Carry`, in the manner of the aux
+  :class:`jaxaccum._reduce.Reduction`: its value before the loop (``init``), what one
+  micro-batch adds (``update``) and its reduction across data shards (``combine``)."""
+
+  init: Callable[[Scan], Any]
+  update: Callable[[Any, Update, Scan], Any]
+  combine: Callable[[Any, Across], Any]
+
+
+def _zero(s: Scan, x: Any, dtype: Any) -> jax.Array:
+  return _sharding.conform(jnp.zeros((), dtype), x)
+
+
+def _den_dtype(s: Scan, x: Any) -> Any:
+  return (jnp.promote_types(x.dtype, jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer)
+          else s.acc_dtype(x.dtype))
+
+
+def _grads0(s: Scan) -> tuple:
+  return tuple(_sharding.align(jax.tree.map(
+      lambda g: _sharding.conform(jnp.zeros(g.shape, s.acc_dtype(g.dtype)), g), gs),
+      s.problem.params) for gs in s.shapes.grads)
+
+
+def _combine_grads(c: tuple, a: Across) -> tuple:
+  out = []
+  scatters = a.grad_scatters or tuple(() for _ in a.grad_axes)
+  for acc in c:
+    flat, treedef = jax.tree.flatten(acc)
+    flat = [a.scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
+    out.append(jax.tree.unflatten(treedef, [
+        lax.psum(g, ax) if ax else g for g, ax in zip(flat, a.grad_axes, strict=True)]))
+  return tuple(out)
+
+
+def _aux0(s: Scan) -> PyTree:
+  def leaf(red, x):
+    # Per-micro-batch reductions (stack, concat) keep no carry: the scan emits the leaf.
+    init = None if red.per_micro_batch else red.init(x, s.opts.accumulator_dtype)
+    if init is None:
+      return None
+    # A user reduction's carry may be a pytree of any shapes: it varies as the leaf does.
+    return jax.tree.map(lambda v: _vary_as(
+        _sharding.conform(v, x) if jnp.shape(v) == x.shape else jnp.asarray(v), x,
+        *s.keep_like), init)
+  return jax.tree.map(leaf, s.kinds, s.shapes.aux)
+
+
+def _aux_update(c: PyTree, u: Update, s: Scan) -> PyTree:
+  wt = _reduce.aux_weight_term(s.opts.terms)
+  weight = None if wt is None else u.out.dens[wt]
+  return jax.tree.map(lambda k, ci, v: None if ci is None else u.select(
+      k.update(ci, jnp.asarray(v), weight, u.i), ci), s.kinds, c, u.out.aux)
+
+
+def _combine_aux(c: PyTree, a: Across) -> PyTree:
+  return jax.tree.map(lambda k, ci: ci if ci is None else k.combine(ci, a.axes, a.reduce_is_sum),
+                      a.kinds, c)
+
+
+def _stats0(s: Scan) -> Stats:
+  zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+  return jax.tree.map(lambda z: _sharding.conform(z, s.shapes.nums[0]),
+                      Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f))
+
+
+def _stats_update(c: Stats, u: Update, s: Scan) -> Stats:
+  k_i = jnp.int32(1) if u.keep is None else u.keep.astype(jnp.int32)
+  c = c._replace(kept=c.kept + k_i, skipped=c.skipped + (1 - k_i))
+  return _sample_stats(s.opts, s.problem, u.out, c, u.keep) if s.opts.with_info else c
+
+
+def _norms0(s: Scan) -> jax.Array | None:
+  if s.shapes.norms is None:
+    return None
+  return _vary_as(jnp.full((s.problem.rows, s.problem.n), jnp.nan, jnp.float32),
+                  s.shapes.norms)
+
+
+def _norms_update(c: jax.Array | None, u: Update, s: Scan) -> jax.Array | None:
+  if c is None or u.out.norms is None:  # kept or skipped by skip_nonfinite
+    return c
+  return lax.dynamic_update_index_in_dim(c, u.out.norms.astype(c.dtype), u.i, 1)
+
+
+# The carry's entries, in the order of the Carry's fields.
+CARRY: dict[str, CarryEntry] = {
+    "num": CarryEntry(  # per term: the summed value (numerator)
+        lambda s: tuple(_zero(s, x, s.acc_dtype(x.dtype)) for x in s.shapes.nums),
+        lambda c, u, s: tuple(u.add(ci, v) for ci, v in zip(c, u.out.nums, strict=True)),
+        lambda c, a: tuple(lax.psum(ci, a.axes) for ci in c)),
+    "den": CarryEntry(  # per term: the summed denominator (weighted terms), else None
+        lambda s: tuple(None if x is None else _zero(s, x, _den_dtype(s, x))
+                        for x in s.shapes.dens),
+        lambda c, u, s: tuple(None if ci is None else u.add(ci, v)
+                              for ci, v in zip(c, u.out.dens, strict=True)),
+        lambda c, a: tuple(None if ci is None else lax.psum(ci, a.axes) for ci in c)),
+    "grads": CarryEntry(  # per group: the summed gradients (FSDP: scattered, then summed)
+        _grads0,
+        lambda c, u, s: tuple(_sharding.align(jax.tree.map(u.add, ci, g), s.problem.params)
+                              for ci, g in zip(c, u.out.grads, strict=True)),
+        _combine_grads),
+    "aux": CarryEntry(_aux0, _aux_update, _combine_aux),  # each leaf as its reduction says
+    "state": CarryEntry(  # threaded; the last kept micro-batch's
+        lambda s: jax.tree.map(_sharding.conform, s.problem.state0, s.shapes.state),
+        lambda c, u, s: u.select(u.out.state, c),
+        lambda c, a: jax.tree.map(lambda x: _reduce.combine_state(x, a.axes), c)),
+    "stats": CarryEntry(_stats0, _stats_update, lambda c, a: lax.psum(c, a.axes)),
+    "norms": CarryEntry(_norms0, _norms_update, lambda c, a: gather_norms(c, a.axes)),
+}
+
+
+def combine_carry(carry: Carry, stacked: PyTree, a: Across) -> tuple[Carry, PyTree]:
+  """Step 2 (under ``data_axis``): each carry entry, and the per-micro-batch aux rows,
+  reduced across the data shards as its record says."""
+  _reduce.check_combinable(a.kinds)
+  carry = Carry(**{k: e.combine(getattr(carry, k), a) for k, e in CARRY.items()})
+  return carry, _combine_aux(stacked, a)
+
+
+# --- Step 1: the loop over the micro-batches --------------------------------------------------
 
 
 def _zeros_like_struct(s: Any) -> jax.Array:
@@ -414,100 +585,50 @@ def info_sizes(opts: Options):
   return 0 if opts.single_term and opts.terms[0].kind.weighs else None
 
 
-def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int = 1):
-  """Step 1: one ``lax.scan`` over the micro-batches. Returns ``(carry, stacked, shapes)``.
+def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
+                      shards: int = 1):
+  """Step 1: one ``lax.scan`` over the micro-batches, each adding to every entry of the
+  carry (:data:`CARRY`). Returns ``(carry, stacked, shapes, kinds)``.
 
   ``shards`` is the number of data shards running the same scan (under ``data_axis``):
   mean terms folded into a sum group divide by the micro-batches run on all of them.
   """
-  n = problem.n
-  count = jnp.asarray(n if active is None else active, jnp.int32) * shards
+  count = _reduce.count_across(
+      jnp.asarray(problem.n if active is None else active, jnp.int32), shards)
   traced, shapes = jax.make_jaxpr(problem.micro, return_shape=True)(
       jnp.int32(0), problem.state0, count)
   warn_whole_batch(opts, problem, traced.consts, shards)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows,
                                      _split.common_axis(opts.batch_axis))
-  acc = opts.accumulator_dtype
-  acc_dtype = functools.partial(_reduce.accumulator_dtype_for, accumulator_dtype=acc)
-
-  def den_dtype(s):
-    return (jnp.promote_types(s.dtype, jnp.int32) if jnp.issubdtype(s.dtype, jnp.integer)
-            else acc_dtype(s.dtype))
-
-  # Under skip_nonfinite, where(keep, new, carry) varies wherever keep does (a shard's own
-  # verdict), even for an aux leaf that does not vary across shards: so must the carry.
   keep_like = (jax.tree.leaves((shapes.nums, shapes.dens, shapes.grads))
                if opts.skip_nonfinite else [])
-
-  def aux_carry0(red, s):
-    # Per-micro-batch reductions (stack, concat) keep no carry: the scan emits the leaf.
-    init = None if red.per_micro_batch else red.init(s, acc)
-    if init is None:
-      return None
-    # A user reduction's carry may be a pytree of any shapes: it varies as the leaf does.
-    return jax.tree.map(lambda x: _vary_as(
-        _sharding.conform(x, s) if jnp.shape(x) == s.shape else jnp.asarray(x), s, *keep_like),
-        init)
-
-  weight_term = _reduce.aux_weight_term(opts.terms)
-  zero_f = jnp.zeros((), jnp.float32)
-  zero_i = jnp.zeros((), jnp.int32)
-  carry0 = Carry(
-      num=tuple(_sharding.conform(jnp.zeros((), acc_dtype(s.dtype)), s) for s in shapes.nums),
-      den=tuple(None if s is None else _sharding.conform(jnp.zeros((), den_dtype(s)), s)
-                for s in shapes.dens),
-      grads=tuple(_sharding.align(jax.tree.map(
-          lambda g: _sharding.conform(jnp.zeros(g.shape, acc_dtype(g.dtype)), g), gs),
-          problem.params) for gs in shapes.grads),
-      aux=jax.tree.map(aux_carry0, kinds, shapes.aux),
-      state=jax.tree.map(_sharding.conform, problem.state0, shapes.state),
-      stats=jax.tree.map(lambda z: _sharding.conform(z, shapes.nums[0]),
-                         Stats(zero_i, zero_i, zero_f, zero_i, zero_f, zero_f)),
-      norms=None if shapes.norms is None else _vary_as(
-          jnp.full((problem.rows, n), jnp.nan, jnp.float32), shapes.norms),
-  )
-  per_mb = jax.tree.map(lambda k, s: s if k.per_micro_batch else None, kinds, shapes.aux)
+  s = Scan(opts, problem, shapes, kinds, keep_like)
+  carry0 = Carry(**{k: e.init(s) for k, e in CARRY.items()})
 
   def run(carry: Carry, i):
     out = problem.micro(i, carry.state, count)
     finite = (out.nums, [d for d in out.dens if d is not None], out.grads)
-    keep = _stats.all_finite(finite) if opts.skip_nonfinite else None
+    u = Update(out, _stats.all_finite(finite) if opts.skip_nonfinite else None, i)
+    new = Carry(**{k: e.update(getattr(carry, k), u, s) for k, e in CARRY.items()})
+    return new, jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
 
-    def select(new, old):  # a skipped micro-batch leaves the carry as it was
-      if keep is None:
-        return new
-      return jax.tree.map(functools.partial(jnp.where, keep), new, old)
+  per_mb = jax.tree.map(lambda k, x: x if k.per_micro_batch else None, kinds, shapes.aux)
+  carry, stacked = schedule(run, carry0, problem.n, active, per_mb,
+                            peel=opts.overlap_grad_reduce, unroll=opts.unroll)
+  return carry, stacked, shapes, kinds
 
-    def add(c, v):
-      v = v.astype(c.dtype)
-      return c + (v if keep is None else jnp.where(keep, v, jnp.zeros_like(v)))
 
-    num = tuple(add(c, v) for c, v in zip(carry.num, out.nums, strict=True))
-    den = tuple(None if c is None else add(c, v)
-                for c, v in zip(carry.den, out.dens, strict=True))
-    grads = tuple(_sharding.align(jax.tree.map(add, c, g), problem.params)
-                  for c, g in zip(carry.grads, out.grads, strict=True))
-    weight = None if weight_term is None else out.dens[weight_term]
+def schedule(run: Callable[[Any, jax.Array], tuple], carry0: Any, n: int,
+             active: jax.Array | None, per_mb: PyTree, *, peel: bool,
+             unroll: int | bool) -> tuple[Any, PyTree]:
+  """Runs ``run(carry, i) -> (carry, row)`` for the micro-batches ``i`` in order; returns
+  the last carry and the stacked rows (``per_mb``: their shapes, ``None`` for none).
 
-    def aux_add(k, c, v):
-      return None if c is None else select(k.update(c, jnp.asarray(v), weight, i), c)
-
-    aux = jax.tree.map(aux_add, kinds, carry.aux, out.aux)
-    state = select(out.state, carry.state)
-    stats = carry.stats
-    k_i = jnp.int32(1) if keep is None else keep.astype(jnp.int32)
-    stats = stats._replace(kept=stats.kept + k_i, skipped=stats.skipped + (1 - k_i))
-    if opts.with_info:
-      stats = _sample_stats(opts, problem, out, stats, keep)
-    ys = jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
-    norms = carry.norms
-    if norms is not None and out.norms is not None:  # kept or skipped by skip_nonfinite
-      norms = lax.dynamic_update_index_in_dim(norms, out.norms.astype(norms.dtype), i, 1)
-    return Carry(num, den, grads, aux, state, stats, norms), ys
-
-  # overlap_grad_reduce: the last micro-batch that runs (N - 1, or k - 1 for a count k)
-  # runs after the loop, so each of its gradients is final as soon as it is added.
-  peel = opts.overlap_grad_reduce
+  A traced ``active`` count runs the first ``active`` of ``n`` (the others under a
+  ``lax.cond`` that leaves the carry and gives zero rows). ``peel`` (overlap_grad_reduce):
+  the last micro-batch that runs (``n - 1``, or ``active - 1``) runs after the loop, so
+  each of its gradients is final as soon as it is added.
+  """
   limit = None if active is None else active - 1 if peel else active
 
   def body(carry, i):
@@ -517,8 +638,7 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
     return lax.cond(i < limit, run, lambda c, _: (c, zeros), carry, i)
 
   if not peel:
-    return (*lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=opts.unroll),
-            shapes, kinds)
+    return lax.scan(body, carry0, jnp.arange(n, dtype=jnp.int32), unroll=unroll)
   carry, stacked = carry0, None
   last = jnp.int32(n - 1) if active is None else active - 1
   if n > 1:
@@ -530,14 +650,13 @@ def scan(opts: Options, problem: Problem, active: jax.Array | None, shards: int 
       return (new, i + 1), ys
 
     (carry, after), stacked = lax.scan(counted, (carry0, jnp.int32(0)),
-                                       jnp.arange(n - 1, dtype=jnp.int32), unroll=opts.unroll)
+                                       jnp.arange(n - 1, dtype=jnp.int32), unroll=unroll)
     last = after if active is None else jnp.minimum(after, last)
   carry, ys = run(carry, last)
   if stacked is None:  # N = 1: no loop, the one micro-batch is the last
-    return carry, jax.tree.map(lambda y: y[None], ys), shapes, kinds
+    return carry, jax.tree.map(lambda y: y[None], ys)
   at = None if active is None else last
-  return carry, jax.tree.map(lambda r, y, s: _insert_row(r, y, s, at), stacked, ys, per_mb), \
-      shapes, kinds
+  return carry, jax.tree.map(lambda r, y, x: _insert_row(r, y, x, at), stacked, ys, per_mb)
 
 
 def _insert_row(rows: jax.Array, row: jax.Array, like: Any, at: jax.Array | None) -> jax.Array:
@@ -690,11 +809,12 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
   if active is not None:
     active = check_active(active, problem.n)
   with jax.named_scope(SCOPES["scan"]):
-    carry, stacked, shapes, kinds = scan(opts, problem, active, shards)
+    carry, stacked, shapes, kinds = run_micro_batches(opts, problem, active, shards)
   if combine is not None:
     with jax.named_scope(SCOPES["combine"]):
       carry, stacked = combine(carry, stacked, kinds)
-  static = None if (opts.skip_nonfinite or active is not None) else problem.n * shards
+  static = (None if (opts.skip_nonfinite or active is not None)
+            else _reduce.count_across(problem.n, shards))
   with jax.named_scope(SCOPES["finalize"]):
     return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
 
