@@ -445,11 +445,14 @@ class Across(NamedTuple):
 class CarryEntry(NamedTuple):
   """One field of the :class:`Carry`, in the manner of the aux
   :class:`jaxaccum._reduce.Reduction`: its value before the loop (``init``), what one
-  micro-batch adds (``update``) and its reduction across data shards (``combine``)."""
+  micro-batch adds (``update``), its reduction across data shards (``combine``) and what
+  it gives the output after them (``finalize``; ``None`` for an entry that others read).
+  """
 
   init: Callable[[Scan], Any]
   update: Callable[[Any, Update, Scan], Any]
   combine: Callable[[Any, Across], Any]
+  finalize: Callable[[Any, Final], Any]
 
 
 def _zero(s: Scan, x: Any, dtype: Any) -> jax.Array:
@@ -528,30 +531,107 @@ def _norms_update(c: jax.Array | None, u: Update, s: Scan) -> jax.Array | None:
   return lax.dynamic_update_index_in_dim(c, u.out.norms.astype(c.dtype), u.i, 1)
 
 
+class Final(NamedTuple):
+  """What the carry entries' ``finalize`` reads: the micro-batches kept (``kept``: what a
+  mean divides by), the whole carry (for the denominators) and the per-micro-batch rows."""
+
+  opts: Options
+  problem: Problem
+  shapes: Micro
+  kinds: PyTree
+  kept: jax.Array
+  carry: Carry
+  stacked: PyTree
+
+
+def _final_values(c: tuple, f: Final) -> tuple[Any, Any]:
+  """``(value, terms)``: each term divided as its kind says, and the weighted total (the
+  terms as fun returns them under evaluate); ``terms`` is ``None`` for a single loss."""
+  opts = f.opts
+  values = []
+  for t, (ci, x) in enumerate(zip(c, f.shapes.nums, strict=True)):
+    d = _reduce.divisor(_reduce.divisor_key(t, opts.terms[t]), f.kept, f.carry.den)
+    values.append((ci if d is None else _reduce.safe_divide(ci, d)).astype(x.dtype))
+  if opts.skip_nonfinite:  # every micro-batch skipped: nothing to average
+    values = [jnp.where(f.carry.stats.kept > 0, v, jnp.nan).astype(v.dtype) for v in values]
+  if opts.single_term:
+    return values[0], None
+  value = functools.reduce(jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
+  terms = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
+  # evaluate returns each term, as fun returns them
+  return (value if f.problem.rule.differentiates else terms), terms
+
+
+def _final_grads(c: tuple, f: Final) -> PyTree:
+  if not f.problem.groups:  # nothing differentiated (evaluate): no gradients
+    return ()
+  grads = _reduce.divide_groups(f.problem.groups, c, f.kept, f.carry.den)
+  dtype = f.opts.grads_dtype
+  grads = jax.tree.map(lambda a, x: a.astype(dtype if dtype is not None else x.dtype),
+                       grads, f.shapes.grads[0])
+  return _sharding.align(grads, f.problem.params)
+
+
+def _final_aux(c: PyTree, f: Final) -> PyTree:
+  wt = _reduce.aux_weight_term(f.opts.terms)
+  div = f.carry.den[wt] if wt is not None else f.kept
+  return jax.tree.map(lambda k, ci, st, x: k.finalize(ci, st, x, div),
+                      f.kinds, c, f.stacked, f.shapes.aux)
+
+
+def _final_info(st: Stats, f: Final) -> _info.AccumInfo | None:
+  """:class:`jaxaccum.AccumInfo` from the statistics, the gradients and the norms."""
+  if not f.opts.with_info:
+    return None
+  problem, carry, kept = f.problem, f.carry, f.kept
+  # G_B as a mean: sum terms divide by the rows kept, so that samples and batch share units.
+  rows_total = jnp.float32(problem.rows) * kept.astype(jnp.float32)
+  gb = _reduce.divide_groups(problem.groups, carry.grads, kept, carry.den, rows_total,
+                             jnp.float32)
+  samples = st.samples
+  micro_sq = _reduce.safe_divide(st.sq, samples.astype(jnp.float32))
+  b = _reduce.safe_divide(samples.astype(jnp.float32), st.inv_size)
+  return _info.AccumInfo(
+      num_micro_batches=st.kept + st.skipped,
+      micro_batch_size=b,
+      batch_size=st.size,
+      micro_grad_sq_norm=micro_sq,
+      batch_grad_sq_norm=_stats.sq_norm(gb),
+      num_samples=samples,
+      skipped=st.skipped,
+      example_grad_norms=None if carry.norms is None else carry.norms.reshape(-1),
+  )
+
+
 # The carry's entries, in the order of the Carry's fields.
 CARRY: dict[str, CarryEntry] = {
     "num": CarryEntry(  # per term: the summed value (numerator)
         lambda s: tuple(_zero(s, x, s.acc_dtype(x.dtype)) for x in s.shapes.nums),
         lambda c, u, s: tuple(u.add(ci, v) for ci, v in zip(c, u.out.nums, strict=True)),
-        lambda c, a: tuple(lax.psum(ci, a.axes) for ci in c)),
+        lambda c, a: tuple(lax.psum(ci, a.axes) for ci in c),
+        _final_values),
     "den": CarryEntry(  # per term: the summed denominator (weighted terms), else None
         lambda s: tuple(None if x is None else _zero(s, x, _den_dtype(s, x))
                         for x in s.shapes.dens),
         lambda c, u, s: tuple(None if ci is None else u.add(ci, v)
                               for ci, v in zip(c, u.out.dens, strict=True)),
-        lambda c, a: tuple(None if ci is None else lax.psum(ci, a.axes) for ci in c)),
+        lambda c, a: tuple(None if ci is None else lax.psum(ci, a.axes) for ci in c),
+        lambda c, f: None),  # read by the others' finalize
     "grads": CarryEntry(  # per group: the summed gradients (FSDP: scattered, then summed)
         _grads0,
         lambda c, u, s: tuple(_sharding.align(jax.tree.map(u.add, ci, g), s.problem.params)
                               for ci, g in zip(c, u.out.grads, strict=True)),
-        _combine_grads),
-    "aux": CarryEntry(_aux0, _aux_update, _combine_aux),  # each leaf as its reduction says
+        _combine_grads, _final_grads),
+    # each leaf as its reduction says
+    "aux": CarryEntry(_aux0, _aux_update, _combine_aux, _final_aux),
     "state": CarryEntry(  # threaded; the last kept micro-batch's
         lambda s: jax.tree.map(_sharding.conform, s.problem.state0, s.shapes.state),
         lambda c, u, s: u.select(u.out.state, c),
-        lambda c, a: jax.tree.map(lambda x: _reduce.combine_state(x, a.axes), c)),
-    "stats": CarryEntry(_stats0, _stats_update, lambda c, a: lax.psum(c, a.axes)),
-    "norms": CarryEntry(_norms0, _norms_update, lambda c, a: gather_norms(c, a.axes)),
+        lambda c, a: jax.tree.map(lambda x: _reduce.combine_state(x, a.axes), c),
+        lambda c, f: c if f.opts.state_is_tuple or not c else c[0]),
+    "stats": CarryEntry(_stats0, _stats_update, lambda c, a: lax.psum(c, a.axes), _final_info),
+    "norms": CarryEntry(_norms0, _norms_update, lambda c, a: gather_norms(c, a.axes),
+                        lambda c, f: None),  # in the info
 }
 
 
@@ -694,76 +774,21 @@ def _sample_stats(opts: Options, problem: Problem, out: Micro, stats: Stats, kee
 # --- Step 3: finalize ------------------------------------------------------------------------
 
 
-def finalize(opts: Options, problem: Problem, carry: Carry, stacked: PyTree, shapes: Micro,
-             kinds: PyTree, *, kept_static: int | None):
-  """Divides what the scan summed and builds ``(value, extra, grads, info)``."""
-  kept = carry.stats.kept
-  if kept_static is not None:
-    kept = jnp.asarray(kept_static, jnp.int32)
-
-  values = []
-  for t, (c, s) in enumerate(zip(carry.num, shapes.nums, strict=True)):
-    d = _reduce.divisor(_reduce.divisor_key(t, opts.terms[t]), kept, carry.den)
-    values.append((c if d is None else _reduce.safe_divide(c, d)).astype(s.dtype))
-  if opts.skip_nonfinite:  # every micro-batch skipped: nothing to average
-    values = [jnp.where(carry.stats.kept > 0, v, jnp.nan).astype(v.dtype) for v in values]
-  if opts.single_term:
-    value = values[0]
-    terms_out = None
-  else:
-    value = functools.reduce(
-        jnp.add, [v * opts.terms[t].weight for t, v in enumerate(values)])
-    terms_out = jax.tree.unflatten(jax.tree.structure(opts.reduce), values)
-    if not problem.rule.differentiates:  # evaluate returns each term, as fun returns them
-      value = terms_out
-
-  grads: PyTree = ()  # nothing differentiated (evaluate): no gradients
-  if problem.groups:
-    grads = _reduce.divide_groups(problem.groups, carry.grads, kept, carry.den)
-    grads = jax.tree.map(
-        lambda a, s: a.astype(opts.grads_dtype if opts.grads_dtype is not None else s.dtype),
-        grads, shapes.grads[0])
-    grads = _sharding.align(grads, problem.params)
-
-  wt = _reduce.aux_weight_term(opts.terms)
-  aux_div = carry.den[wt] if wt is not None else kept
-  aux = jax.tree.map(
-      lambda k, c, st, s: k.finalize(c, st, s, aux_div),
-      kinds, carry.aux, stacked, shapes.aux)
-
-  info = None
-  if opts.with_info:
-    info = _make_info(opts, problem, carry, kept)
-    if terms_out is not None:
-      info = info._replace(terms=terms_out)
-
+def finalize_carry(opts: Options, problem: Problem, carry: Carry, stacked: PyTree,
+                   shapes: Micro, kinds: PyTree, *, kept_static: int | None):
+  """Step 3: each carry entry finalized as its record says (divided by what the
+  reductions say: micro-batches kept, total denominators); returns ``(value, extra,
+  grads, info)``, :func:`jax.value_and_grad`'s output with aux, state and the info."""
+  kept = carry.stats.kept if kept_static is None else jnp.asarray(kept_static, jnp.int32)
+  f = Final(opts, problem, shapes, kinds, kept, carry, stacked)
+  out = {k: e.finalize(getattr(carry, k), f) for k, e in CARRY.items()}
+  (value, terms), info = out["num"], out["stats"]
+  if info is not None and terms is not None:
+    info = info._replace(terms=terms)
+  extra = out["aux"]
   if problem.state0:
-    new_state = carry.state if opts.state_is_tuple else carry.state[0]
-    extra = (new_state, aux) if opts.has_aux else new_state
-  else:
-    extra = aux
-  return value, extra, grads, info
-
-
-def _make_info(opts: Options, problem: Problem, carry: Carry, kept) -> _info.AccumInfo:
-  st = carry.stats
-  # G_B as a mean: sum terms divide by the rows kept, so that samples and batch share units.
-  rows_total = jnp.float32(problem.rows) * kept.astype(jnp.float32)
-  gb = _reduce.divide_groups(problem.groups, carry.grads, kept, carry.den, rows_total,
-                             jnp.float32)
-  samples = st.samples
-  micro_sq = _reduce.safe_divide(st.sq, samples.astype(jnp.float32))
-  b = _reduce.safe_divide(samples.astype(jnp.float32), st.inv_size)
-  return _info.AccumInfo(
-      num_micro_batches=st.kept + st.skipped,
-      micro_batch_size=b,
-      batch_size=st.size,
-      micro_grad_sq_norm=micro_sq,
-      batch_grad_sq_norm=_stats.sq_norm(gb),
-      num_samples=samples,
-      skipped=st.skipped,
-      example_grad_norms=None if carry.norms is None else carry.norms.reshape(-1),
-  )
+    extra = (out["state"], extra) if opts.has_aux else out["state"]
+  return value, extra, out["grads"], info
 
 
 def gather_norms(norms: jax.Array | None, axes: tuple) -> jax.Array | None:
@@ -816,7 +841,7 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
   static = (None if (opts.skip_nonfinite or active is not None)
             else _reduce.count_across(problem.n, shards))
   with jax.named_scope(SCOPES["finalize"]):
-    return finalize(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
+    return finalize_carry(opts, problem, carry, stacked, shapes, kinds, kept_static=static)
 
 
 def check_active(active: Any, n: int) -> jax.Array:
