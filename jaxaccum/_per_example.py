@@ -216,6 +216,21 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
       (nums, dens, new_state, aux), grads, norms = _clipped(
           opts, objective, diff, xs, in_axes, clip, mask, roles)
 
+  nums, dens, aux, grads = _over_examples(opts, groups, clip, mask, keep_dim, rows,
+                                          (nums, dens, aux), grads, norms)
+  return nums, dens, new_state, aux, tuple(grads), norms
+
+
+def _over_examples(opts: Options, groups: tuple[Group, ...],
+                   clip: _stats.ClipPerExample | None, mask: jax.Array | None, keep_dim: bool,
+                   rows: int, outs: tuple, grads: Any, norms: jax.Array | None):
+  """The micro-batch's ``(nums, dens, aux, grads)`` from its examples' (``outs``: their
+  numerators, denominators and aux, each with a leading axis of examples): reduced as the
+  loss kind says (mean or sum; a weighted term sums numerators and denominators), each aux
+  leaf as its reduction says; padding (``mask``) and, under ``nan_safe``, non-finite
+  examples add nothing. ``grads``: the examples' transformed gradients, or the clip path's
+  sum."""
+  nums, dens, aux = outs
   acc = opts.accumulator_dtype
   # An example that adds nothing: padding (the mask), or a non-finite one under nan_safe.
   keep = None if mask is None else mask
@@ -260,7 +275,7 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
     return red.over_rows(x, weight, acc)
 
   aux = jax.tree_util.tree_map_with_path(aux_rows, kinds, aux)
-  return nums, dens, new_state, aux, tuple(grads), norms
+  return nums, dens, aux, grads
 
 
 # The key of ``inner``'s keyword batch under which per_example passes the example's index
