@@ -2,19 +2,29 @@
 
 The public transforms (:mod:`jaxaccum._api`), the data-parallel driver
 (:mod:`jaxaccum._data_parallel`), ``pipeline`` and the adapters all run it. It runs in three
-steps, each a function of named values:
+steps, each a map over the carry's entries (:data:`CARRY`: loss numerators and
+denominators, gradient groups, aux, state, the ``with_info`` statistics and per-example
+norms), each entry a record of ``init``, ``update``, ``combine`` and ``finalize`` in the
+manner of the aux reductions (:class:`jaxaccum._reduce.Reduction`):
 
-1. :func:`scan`: one :func:`jax.lax.scan` over the micro-batches adds each micro-batch's
-   loss terms, denominators, gradients, aux and statistics into a :class:`Carry` and
-   threads the mutable state;
+1. :func:`run_micro_batches`: one :func:`jax.lax.scan` over the micro-batches (scheduled by
+   :func:`schedule`) adds each micro-batch's contribution to every entry of a
+   :class:`Carry` and threads the mutable state;
 2. ``reduce``: under ``data_axis``, one cross-device reduction of the carry after the loop
-   (:func:`jaxaccum._data_parallel.combine`); nothing otherwise;
-3. :func:`finalize`: divides by what the reductions say (micro-batches kept, total
+   (:func:`combine_carry`, called by :func:`jaxaccum._data_parallel.combine`); nothing
+   otherwise;
+3. :func:`finalize_carry`: divides by what the reductions say (micro-batches kept, total
    denominators) and builds :func:`jax.value_and_grad`'s output.
 
+How one micro-batch contributes is a :class:`MicroRule`: forward only (``evaluate``), one
+VJP per gradient group, or a wing's rule (per-example gradients,
+:mod:`jaxaccum._per_example`, which the core does not import). What ``fun`` returns is
+checked in :mod:`jaxaccum._outputs`.
+
 The loss is one or several *terms* (:class:`jaxaccum._reduce.Term`). Terms that share a
-divisor share one gradient accumulator (a *group*): a single loss has one group, and so
-one backward pass per micro-batch, as :func:`jax.value_and_grad`.
+divisor share one gradient accumulator (a *group*, :func:`jaxaccum._reduce.make_groups`):
+a single loss has one group, and so one backward pass per micro-batch, as
+:func:`jax.value_and_grad`.
 """
 
 from __future__ import annotations
