@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from jaxaccum import _info, _outputs, _reduce, _sharding, _split, _stats
-from jaxaccum._options import Options
+from jaxaccum._options import Options, Roles
 from jaxaccum._split import describe as _describe
 from jaxaccum._types import PyTree
 
@@ -156,7 +156,7 @@ class MicroCall(NamedTuple):
   rest_pos: tuple[int, ...]
   kw: dict
   kw_keys: dict
-  roles: Any  # jaxaccum._options.Roles
+  roles: Roles
   axis: dict
 
 
@@ -323,7 +323,7 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
                  roles.batch, rule)
 
 
-def _check_roles(opts: Options, roles: Any, args: tuple, kwargs: dict, size: int) -> None:
+def _check_roles(opts: Options, roles: Roles, args: tuple, kwargs: dict, size: int) -> None:
   """Checks the key and differentiated arguments of one call (before the split)."""
   for j in roles.rng:
     _check_keys(opts, j, args[j], size, roles.batch)
@@ -333,7 +333,7 @@ def _check_roles(opts: Options, roles: Any, args: tuple, kwargs: dict, size: int
     _check_inexact(opts, j, args[j])
 
 
-def _by_role(opts: Options, rule: MicroRule, roles: Any, args: tuple,
+def _by_role(opts: Options, rule: MicroRule, roles: Roles, args: tuple,
              kwargs: dict) -> tuple[list, list]:
   """The call's array leaves for :func:`warn_whole_batch`: ``(whole, own)``, the labelled
   leaves of arguments passed whole, and the leaves of parameters, state and keys."""
