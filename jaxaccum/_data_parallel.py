@@ -506,7 +506,8 @@ def _scatter(x: jax.Array, gathers: tuple) -> jax.Array:
 
 def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName, ...],
             grad_axes: tuple, reduce_is_sum: bool, grad_scatters: tuple | None = None):
-  """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop.
+  """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop,
+  each entry as its record says (:data:`jaxaccum._transform.CARRY`).
 
   ``grad_axes`` gives, per gradient leaf, the data axes it still has to be summed over:
   all of them for a replicated parameter; those it is not sharded over for an FSDP
@@ -515,27 +516,9 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   still to be done: the accumulator then holds a full-size local gradient, reduce-scattered
   here first (over the FSDP axes), then summed over ``grad_axes`` at the shard's size.
   """
-  num = tuple(lax.psum(c, axes) for c in carry.num)
-  den = tuple(None if c is None else lax.psum(c, axes) for c in carry.den)
-  grads = []
-  scatters = grad_scatters or tuple(() for _ in grad_axes)
-  for acc in carry.grads:
-    flat, treedef = jax.tree.flatten(acc)
-    flat = [_scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
-    grads.append(jax.tree.unflatten(treedef, [
-        lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]))
-  _reduce.check_combinable(kinds)
-
-  def leaf(k, c):
-    return c if c is None else k.combine(c, axes, reduce_is_sum)
-
-  aux = jax.tree.map(leaf, kinds, carry.aux)
-  stacked = jax.tree.map(leaf, kinds, stacked)
-  state = jax.tree.map(lambda s: _reduce.combine_state(s, axes), carry.state)
-  stats = lax.psum(carry.stats, axes)
-  carry = carry._replace(num=num, den=den, grads=tuple(grads), aux=aux, state=state,
-                         stats=stats, norms=_transform.gather_norms(carry.norms, axes))
-  return carry, stacked
+  across = _transform.Across(axes, grad_axes, grad_scatters or (), reduce_is_sum, kinds,
+                             _scatter)
+  return _transform.combine_carry(carry, stacked, across)
 
 
 def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: str,

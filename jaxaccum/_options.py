@@ -18,7 +18,8 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum import _reduce, _sharding, _split, _stats
+from jaxaccum import _reduce, _sharding, _split
+from jaxaccum._per_example import check_per_example, masked_terms
 from jaxaccum._types import AxisName
 
 
@@ -291,48 +292,3 @@ def check_overlap(overlap: Any, axes: Any) -> bool:
         "data_axis='data' (the mesh axis the batch is sharded over), or drop "
         "overlap_grad_reduce.")
   return overlap
-
-
-def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_reduce.Term, ...]:
-  """Under ``clip_per_example(example_mask=)`` a mean divides by the real examples: its
-  kind becomes :data:`jaxaccum._reduce.MASKED_MEAN`."""
-  if not (isinstance(transform, _stats.ClipPerExample) and transform.example_mask):
-    return terms
-  return tuple(dataclasses.replace(t, kind=_reduce.MASKED_MEAN) if t.kind.rows_mean else t
-               for t in terms)
-
-
-def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...],
-                      batch_names: tuple[str, ...] = ()) -> Any:
-  """``per_example_transform``: a callable, and a loss whose terms share one normalisation
-  (the transform sees each example's whole gradient, so there is one divisor to apply)."""
-  if transform is None:
-    return None
-  mask = getattr(transform, "example_mask", None) if isinstance(
-      transform, _stats.ClipPerExample) else None
-  if mask is not None and mask not in batch_names:
-    raise ValueError(
-        f"clip_per_example(example_mask={mask!r}) names the keyword argument holding one "
-        f"bool per example, but batch_argnames={batch_names!r} does not name it, so it "
-        f"would not be split with the batch. Add it: batch_argnames=({mask!r},), and call "
-        f"the step with {mask}=mask.")
-  if mask is not None and not isinstance(reduce, str):
-    raise ValueError(
-        f"clip_per_example(example_mask={mask!r}) takes a single loss (reduce='mean', "
-        f"'sum' or 'weighted'), got reduce={reduce!r}: return the total of the terms as "
-        "one loss.")
-  if not callable(transform):
-    raise TypeError(
-        "per_example_transform must be a function from one example's gradient to a gradient "
-        f"of the same structure (e.g. jaxaccum.clip_per_example(1.0)), got {transform!r}.")
-  kinds = sorted({t.kind.name for t in terms})
-  pairs = [t for t in terms if t.kind.divisor.own_denominator]
-  if len(kinds) > 1 or len(pairs) > 1:
-    what = (f"mixes the kinds {kinds}" if len(kinds) > 1 else
-            f"has {len(pairs)} weighted terms, each divided by its own total denominator")
-    raise ValueError(
-        f"per_example_transform is given, but reduce={reduce!r} {what}: the transform sees "
-        "each example's whole gradient, so every term must be normalised the same way. Use "
-        "one kind for all terms (all 'mean' or all 'sum'), or a single 'weighted' term; or "
-        "accumulate the terms with separate transforms.")
-  return transform

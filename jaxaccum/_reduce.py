@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -532,6 +532,17 @@ LOSS_KINDS: dict[str, LossKind] = {
     "weighted": LossKind("weighted", pair=True, returns="(numerator, denominator)",
                          divisor=DENOMINATOR, weighs=True),
 }
+
+
+def count_across(count: Any, shards: int) -> Any:
+  """The micro-batches behind a mean (:data:`COUNT`) when ``shards`` data shards each run
+  ``count`` of them: a mean over ``D`` shards of ``N`` micro-batches divides by ``N x D``.
+  The in-loop scale of mean terms folded into a sum group and the static count that
+  finalize divides by both read it; the run-time count is the kept micro-batches summed
+  across the shards (the ``stats`` carry entry's ``combine``), the same number."""
+  return count * shards
+
+
 # A "mean" under an example mask (clip_per_example(example_mask=)): fun returns the mean as
 # usual; the per-example path sums the real examples' values and counts them as the
 # denominator, so the mean divides by the real examples of the whole batch.
@@ -557,6 +568,69 @@ def sums_across_devices(terms: tuple[Term, ...]) -> bool:
   """Whether aux means and stacked aux combine as sums across devices (the ``reduce_is_sum``
   flag of :attr:`Reduction.combine`)."""
   return len(terms) == 1 and terms[0].kind.sums_across_devices
+
+
+def aux_weight_term(terms: tuple[Term, ...]) -> int | None:
+  """The weighted term whose denominators weigh aux means (only when there is one)."""
+  weighted = [t for t, term in enumerate(terms) if term.kind.weighs]
+  return weighted[0] if len(weighted) == 1 else None
+
+
+# --- Gradient groups: terms that share a divisor share one accumulator ----------------------
+
+
+class Group(NamedTuple):
+  """Loss terms whose gradients share one accumulator and one divisor."""
+
+  terms: tuple[int, ...]
+  divisor: tuple  # its divisor_key: (the Divisor, the term whose denominator it is, or None)
+  scaled: tuple[bool, ...]  # per term: scaled by 1 / (micro-batches run) in the body
+
+
+def divisor_key(t: int, term: Term) -> tuple:
+  """What term ``t`` divides by: its kind's :class:`jaxaccum.Divisor`, with ``t``
+  when that is the term's own total denominator."""
+  d = term.kind.divisor
+  return (d, t if d.own_denominator else None)
+
+
+def divisor(key: tuple, count: Any, dens: tuple, one: Any = None) -> Any:
+  """The divisor that :func:`divisor_key` names, given the micro-batches kept and the
+  denominators; ``None`` for no division (a sum's, unless ``one`` says what to divide by)."""
+  d, t = key
+  return d.of(count, None if t is None else dens[t], one)
+
+
+def divide_groups(groups: tuple[Group, ...], accs: tuple, count: Any, dens: tuple,
+                  one: Any = None, dtype: Any = None) -> PyTree:
+  """The sum over groups of each group's accumulated gradients divided by its
+  :func:`divisor` (of ``count``, ``dens`` and ``one``), each cast to ``dtype`` if given."""
+  total = None
+  for g, acc in zip(groups, accs, strict=True):
+    d = divisor(g.divisor, count, dens, one)
+    part = jax.tree.map(lambda a, d=d: a.astype(dtype or a.dtype) if d is None else
+                        safe_divide(a.astype(dtype or a.dtype), d), acc)
+    total = part if total is None else jax.tree.map(jnp.add, total, part)
+  return total
+
+
+def make_groups(terms: tuple[Term, ...], *, merge: bool = True) -> tuple[Group, ...]:
+  """The gradient groups of a differentiated loss of ``terms`` (see :class:`Group`).
+  ``merge``: terms divided by a count known in the loop body may fold into the sum group
+  (not under ``skip_nonfinite`` or ``with_info``, which need each group's own sum)."""
+  groups: dict[Any, list[int]] = {}
+  for t, term in enumerate(terms):
+    groups.setdefault(divisor_key(t, term), []).append(t)
+  in_body = [k for k in groups if k[0].in_body]
+  merge = merge and len(groups) > 1 and bool(in_body)
+  out = []
+  if merge:  # terms divided by a count known in the body: fold them into the sum group
+    one = (NO_DIVISOR, None)
+    ts = tuple(sorted(sum((groups.pop(k) for k in [one, *in_body] if k in groups), [])))
+    out.append(Group(ts, one, tuple(terms[t].kind.divisor.in_body for t in ts)))
+  for key, ts in groups.items():
+    out.append(Group(tuple(ts), key, (False,) * len(ts)))
+  return tuple(out)
 
 
 def check_reduce(reduce: Any) -> Any:
