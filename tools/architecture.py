@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import pathlib
 import sys
+from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxaccum"
@@ -49,11 +50,24 @@ def _absolute(mod: Module, node: ast.ImportFrom) -> str:
   return ".".join(base + ([node.module] if node.module else []))
 
 
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+  """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations
+  only, which never run)."""
+  for node in ast.iter_child_nodes(tree):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      for other in node.orelse:
+        yield other
+        yield from _runtime_nodes(other)
+      continue
+    yield node
+    yield from _runtime_nodes(node)
+
+
 def imports(mod: Module, names: dict[str, Module]) -> set[str]:
-  """The package modules that ``mod`` imports (``from x import y`` counts ``x.y`` when
-  that is a module, else ``x``)."""
+  """The package modules that ``mod`` imports when it runs (``from x import y`` counts
+  ``x.y`` when that is a module, else ``x``); imports for annotations only do not count."""
   out = set()
-  for node in ast.walk(mod.tree):
+  for node in _runtime_nodes(mod.tree):
     if isinstance(node, ast.Import):
       out |= {a.name for a in node.names if a.name in names}
     elif isinstance(node, ast.ImportFrom):
