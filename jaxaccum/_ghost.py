@@ -72,7 +72,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -165,10 +165,6 @@ class _Analysis:
 
   def unknown(self, leaf: int, what: str) -> None:
     self.bad.setdefault(leaf, what)
-
-
-def _read(env: dict, a: Any) -> Any:
-  return a.val if isinstance(a, jcore.Literal) else env[a]
 
 
 @jax.custom_jvp
@@ -281,32 +277,101 @@ def _scan_counts(eqn: Any) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def _deps(jaxpr: Any, deps: Sequence[bool]) -> list[bool]:
-  """Which of ``jaxpr``'s outputs depend on an input marked in ``deps``.
-
-  Under ``jax.vmap`` over the examples these are the batched values. Where unsure (control
-  flow other than ``scan``, a carry that only the body makes example-dependent) this says
-  no: the one use of the answer (:func:`_run` making a tapped output batched) is safe then.
-  """
-  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
-  for eqn in jaxpr.eqns:
-    got = _eqn_deps(eqn, [not isinstance(a, jcore.Literal) and a in dep for a in eqn.invars])
-    dep.update(o for o, d in zip(eqn.outvars, got, strict=True) if d)
-  return [not isinstance(a, jcore.Literal) and a in dep for a in jaxpr.outvars]
+# --- sub-programs: the one walk into jit, checkpoint and scan bodies -----------------------------
 
 
-def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
+@dataclasses.dataclass(frozen=True)
+class _Body:
+  """The program a ``jit`` (``pjit``, ``closed_call``), ``checkpoint`` (remat) or ``scan``
+  equation runs: its inputs and outputs are the equation's, in order (a scan's inputs: its
+  ``num_consts`` constants, ``num_carry`` carries and one iteration's slices of its ``xs``;
+  its outputs: the carries, then one iteration's ``ys``)."""
+
+  kind: str  # "call", "remat" or "scan"
+  jaxpr: Any  # jax.extend.core.Jaxpr
+  consts: tuple  # the values of jaxpr's constvars
+  num_consts: int = 0
+  num_carry: int = 0
+
+
+def _body(eqn: Any) -> _Body | None:
+  """The program ``eqn`` runs, where it is a ``jit``, ``checkpoint`` or ``scan``; else ``None``
+  (other control flow and custom rules are not followed: see each pass)."""
   name = eqn.primitive.name
+  if name in _CALLS:
+    sub = eqn.params["jaxpr"]
+    return _Body("call", sub.jaxpr, tuple(sub.consts))
+  if name in _REMATS:
+    return _Body("remat", eqn.params["jaxpr"], ())
+  if name == "scan":
+    sub = eqn.params["jaxpr"]
+    return _Body("scan", sub.jaxpr, tuple(sub.consts), *_scan_counts(eqn))
+  return None
+
+
+def _programs(eqn: Any) -> Iterator[Any]:
+  """Every program ``eqn`` holds in its params, followed or not (jit, remat, scan, cond and
+  while bodies, custom rules' primal programs), as open jaxprs."""
+  for v in eqn.params.values():
+    for sub in v if isinstance(v, (tuple, list)) else (v,):
+      if isinstance(sub, jcore.ClosedJaxpr):
+        yield sub.jaxpr
+      elif isinstance(sub, jcore.Jaxpr):
+        yield sub
+
+
+class _Walk:
+  """A pass over a program, equation by equation, into the bodies :func:`_body` reads: the
+  recursion every pass here shares.
+
+  Each variable holds what the pass computes for it (``missing`` where nothing was written;
+  a literal reads as :meth:`literal` says). A pass gives :meth:`visit`, the outputs of an
+  equation it does not enter, and may override :meth:`enter`, the outputs of one it does
+  (by default its body walked on its inputs, its path the equation's).
+  """
+
+  missing: Any = None
+
+  def literal(self, a: Any) -> Any:
+    del a
+    return self.missing
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    raise NotImplementedError
+
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    del eqn
+    return self.walk(body.jaxpr, ins, here)
+
+  def read(self, env: dict, a: Any) -> Any:
+    return self.literal(a) if isinstance(a, jcore.Literal) else env.get(a, self.missing)
+
+  def walk(self, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...] = (),
+           consts: Sequence[Any] | None = None) -> list[Any]:
+    """``jaxpr``'s outputs from its inputs ``args`` (and constants ``consts``, where the pass
+    reads them); ``path``: the indices of the equations that hold it, outermost first."""
+    env: dict[Any, Any] = {}
+    if consts is not None:
+      env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for i, eqn in enumerate(jaxpr.eqns):
+      here = (*path, i)
+      ins = [self.read(env, a) for a in eqn.invars]
+      body = _body(eqn)
+      outs = self.visit(eqn, ins, here) if body is None else self.enter(eqn, body, ins, here)
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return [self.read(env, a) for a in jaxpr.outvars]
+
+
+def _first_order_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
+  """Which outputs of an equation the walk does not enter depend on the example (``deps``:
+  which inputs do): all of them where an input does, except for an equation that holds a
+  program directly among its params (``while``, a custom rule), which says no (a ``cond``'s
+  branches, a tuple, are not seen there: its outputs count as dependent, as they are under
+  ``jax.vmap``). Where unsure this says no: the one use of the answer (:class:`_Run` making
+  a tapped output batched) is safe then."""
   if not any(deps):
     return [False] * len(eqn.outvars)
-  if name in _CALLS:
-    return _deps(eqn.params["jaxpr"].jaxpr, deps)
-  if name in _REMATS:
-    return _deps(eqn.params["jaxpr"], deps)
-  if name == "scan":
-    nc, nk = _scan_counts(eqn)
-    out = _deps(eqn.params["jaxpr"].jaxpr, deps)
-    return [*(d and out[k] for k, d in enumerate(deps[nc:nc + nk])), *out[nk:]]
   if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()):
     return [False] * len(eqn.outvars)
   return [True] * len(eqn.outvars)
@@ -341,83 +406,77 @@ def _identity_output(eqn: Any, k: int) -> int | None:
   return same[0] if len(same) == 1 and sum(outs) == 1 else None
 
 
-def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
-             path: tuple[int, ...], result: _Analysis) -> list[_View | None]:
-  """Finds the sites of the leaves whose views enter ``jaxpr``; returns its outputs' views.
+class _Analyse(_Walk):
+  """Finds the sites of the leaves whose views enter a program (into ``result``). Each
+  variable holds ``(view, dep)``: the leaf view it is (``None``: none) and whether it depends
+  on the example (under ``jax.vmap`` over the examples: whether it is batched; a scan's carry
+  only where it enters so too)."""
 
-  ``deps``: which inputs depend on the example (see :func:`_deps`).
-  """
-  env: dict[Any, _View] = {}
-  for var, v in zip(jaxpr.invars, views, strict=True):
-    if v is not None:
-      env[var] = v
-  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
+  missing = (None, False)
 
-  def view(a):
-    return None if isinstance(a, jcore.Literal) else env.get(a)
+  def __init__(self, result: _Analysis):
+    self.result = result
 
-  def is_dep(a):
-    return not isinstance(a, jcore.Literal) and a in dep
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    vs, ds = [v for v, _ in ins], [d for _, d in ins]
+    deps = _first_order_deps(eqn, ds)
+    views = self._views(eqn, vs, ds, here) if any(vs) else [None] * len(eqn.outvars)
+    return list(zip(views, deps, strict=True))
 
-  for i, eqn in enumerate(jaxpr.eqns):
-    vs = [view(a) for a in eqn.invars]
-    ds = [is_dep(a) for a in eqn.invars]
-    dep.update(o for o, d in zip(eqn.outvars, _eqn_deps(eqn, ds), strict=True) if d)
-    if not any(vs):
-      continue
-    here = (*path, i)
-    name = eqn.primitive.name
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if body.kind != "scan":
+      return self.walk(body.jaxpr, ins, here)
+    nc, nk = body.num_consts, body.num_carry
+    inner: list[Any] = []
+    for k, (v, d) in enumerate(ins):
+      if v is not None and (k < nc + nk or v.post):
+        self.result.unknown(v.leaf, "scan (as a constant)" if k < nc else
+                            "scan (as a carry)" if k < nc + nk else "scan (broadcast into xs)")
+        v = None
+      elif v is not None:  # one iteration's slice of a stacked leaf
+        aval = body.jaxpr.invars[k].aval
+        v = _View(v.leaf, tuple(range(aval.ndim)), aval, (), here)
+      inner.append((v, d))
+    outs = self.walk(body.jaxpr, inner, here)
+    for v, _ in outs:
+      if v is not None:
+        self.result.unknown(v.leaf, "scan (returned from the body)")
+    carries = [d and o for (_, d), (_, o) in zip(ins[nc:nc + nk], outs[:nk], strict=True)]
+    return [(None, d) for d in (*carries, *(o for _, o in outs[nk:]))]
+
+  def _views(self, eqn: Any, vs: list[Any], ds: list[bool],
+             here: tuple[int, ...]) -> list[_View | None]:
+    """The views of an equation's outputs (a use followed, a site recorded, or the leaves'
+    uses marked unknown)."""
+    result, name = self.result, eqn.primitive.name
+    outs: list[_View | None] = [None] * len(eqn.outvars)
     hit = [k for k, v in enumerate(vs) if v is not None]
-    leaves = {vs[k].leaf for k in hit}  # type: ignore[union-attr]
+    leaves = {vs[k].leaf for k in hit}
     first = vs[hit[0]]
-    assert first is not None
-    if _complex(eqn) and name not in _CALLS and name not in _REMATS and name != "scan":
+    if _complex(eqn):
       for leaf in leaves:
         result.unknown(leaf, f"{name} (complex values)")
-      continue
+      return outs
     if name in _LAYOUT or name == "broadcast_in_dim":
       if name == "convert_element_type" and not _exact_convert(eqn):
         result.unknown(first.leaf, f"{name} ({eqn.invars[0].aval.dtype} -> "
                        f"{eqn.outvars[0].aval.dtype}, whose transpose rounds or drops part "
                        "of the cotangent)")
       elif len(eqn.invars) == 1:
-        env[eqn.outvars[0]] = _extend(first, eqn)
+        outs[0] = _extend(first, eqn)
       else:
         result.unknown(first.leaf, name)
-      continue
-    if name in _CALLS or name in _REMATS:
-      sub = eqn.params["jaxpr"]
-      outs = _analyse(sub.jaxpr if name in _CALLS else sub, vs, ds, here, result)
-      env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
-      continue
-    if name == "scan":
-      nc, nk = _scan_counts(eqn)
-      inner: list[_View | None] = []
-      for k, v in enumerate(vs):
-        if v is None:
-          inner.append(None)
-        elif k < nc + nk or v.post:
-          result.unknown(v.leaf, "scan (as a constant)" if k < nc else
-                         "scan (as a carry)" if k < nc + nk else "scan (broadcast into xs)")
-          inner.append(None)
-        else:
-          aval = eqn.params["jaxpr"].jaxpr.invars[k].aval
-          inner.append(_View(v.leaf, tuple(range(aval.ndim)), aval, (), here))
-      outs = _analyse(eqn.params["jaxpr"].jaxpr, inner, ds, here, result)
-      for v in outs:
-        if v is not None:
-          result.unknown(v.leaf, "scan (returned from the body)")
-      continue
+      return outs
     if name == "custom_jvp_call" and len(hit) == 1:
       j = _identity_output(eqn, hit[0])
       if j is not None:
-        env[eqn.outvars[j]] = first
-        continue
+        outs[j] = first
+        return outs
     if name == "slice" and hit == [0]:
       sliced = _sliced(first, eqn)
       if sliced is not None:
-        env[eqn.outvars[0]] = sliced
-        continue
+        outs[0] = sliced
+        return outs
     if len(leaves) == 1 and len(hit) == 1:
       k = hit[0]
       kind = None
@@ -435,15 +494,20 @@ def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
       if kind is not None:
         batched = any(d for j, d in enumerate(ds) if j != k)
         result.use(_Site(first.leaf, here, kind, eqn, k, first, batched))
-        continue
+        return outs
     for leaf in leaves:
       result.unknown(leaf, name)
-  if not path:
-    for a in jaxpr.outvars:
-      v = view(a)
-      if v is not None:
-        result.unknown(v.leaf, "the function's output")
-  return [view(a) for a in jaxpr.outvars]
+    return outs
+
+
+def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool]) -> _Analysis:
+  """The sites of the leaves whose views enter ``jaxpr`` (the traced function), and the uses
+  without a rule. ``deps``: which inputs depend on the example."""
+  result = _Analysis()
+  for v, _ in _Analyse(result).walk(jaxpr, list(zip(views, deps, strict=True))):
+    if v is not None:
+      result.unknown(v.leaf, "the function's output")
+  return result
 
 
 # --- norms ------------------------------------------------------------------------------------
@@ -918,68 +982,79 @@ class _Plan:
     return _Plan(taps, probes, frozenset(inside), tuple(groups))
 
 
-def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-         path: tuple[int, ...], acc: jax.Array, probes: dict, acts: dict) -> list[Any]:
-  """Evaluates ``jaxpr`` with each tap's output tapped and each probe's output probed."""
-  env: dict[Any, Any] = {}
-  for var, val in (*zip(jaxpr.constvars, consts, strict=True),
-                   *zip(jaxpr.invars, args, strict=True)):
-    env[var] = val
-  for i, eqn in enumerate(jaxpr.eqns):
-    here = (*path, i)
-    vals = [_read(env, a) for a in eqn.invars]
-    name = eqn.primitive.name
+class _Run(_Walk):
+  """Evaluates a program with each tap's output tapped and each probe's output probed:
+  ``probes``: each probe's path -> the zero added to its output (differentiated, it gives
+  the output's cotangent); ``acts``: each probe's path -> its other operands (written)."""
+
+  def __init__(self, plan: _Plan, acc: jax.Array, probes: dict, acts: dict):
+    self.plan, self.acc, self.probes, self.acts = plan, acc, probes, acts
+
+  def literal(self, a: Any) -> Any:
+    return a.val
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    plan = self.plan
     if here in plan.taps:
-      site = plan.taps[here]
-      others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
-      saved = () if site.kind == "slice" else others
-      y = _bind(eqn, vals)
-      if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
-        y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
-      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
-                 plan.groups[site.leaf], acc.shape[0])
-      outs = [tap(y, saved, acc)]
-    elif here in plan.probes:
+      return [self._tapped(eqn, ins, plan.taps[here])]
+    if here in plan.probes:
       site = plan.probes[here]
-      acts[here] = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
-      outs = [_bind(eqn, vals) + probes[here]]
-    elif here in plan.inside and name in _CALLS:
-      sub = eqn.params["jaxpr"]
-      outs = _run(plan, sub.jaxpr, sub.consts, vals, here, acc, probes, acts)
-    elif here in plan.inside and name in _REMATS:
-      keys = [k for k in plan.probes if k[:len(here)] == here]
+      self.acts[here] = tuple(jnp.asarray(v) for k, v in enumerate(ins) if k != site.pos)
+      return [_bind(eqn, ins) + self.probes[here]]
+    if eqn.primitive.name == "tanh" and not eqn.params.get("accuracy"):
+      return [_tanh(ins[0])]
+    out = _bind(eqn, ins)
+    return out if eqn.primitive.multiple_results else [out]
 
-      def body(vals, acc, pv, eqn=eqn, here=here, keys=keys):
-        sub_acts: dict = {}
-        outs = _run(plan, eqn.params["jaxpr"], (), vals, here, acc,
-                    dict(zip(keys, pv, strict=True)), sub_acts)
-        return outs, [sub_acts[k] for k in keys]
+  def _tapped(self, eqn: Any, vals: list[Any], site: _Site) -> Any:
+    acc = self.acc
+    others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
+    saved = () if site.kind == "slice" else others
+    y = _bind(eqn, vals)
+    if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
+      y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
+    tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
+               self.plan.groups[site.leaf], acc.shape[0])
+    return tap(y, saved, acc)
 
-      outs, got = jax.checkpoint(body, policy=eqn.params["policy"],
-                                 prevent_cse=eqn.params["prevent_cse"])(
-                                     vals, acc, [probes[k] for k in keys])
-      acts.update(zip(keys, got, strict=True))
-    elif here in plan.inside and name == "scan":
-      p = eqn.params
-      nc, nk = _scan_counts(eqn)
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if here not in self.plan.inside:  # no site inside: the equation as it is
+      return self.visit(eqn, ins, here)
+    if body.kind == "call":
+      return self.walk(body.jaxpr, ins, here, body.consts)
+    if body.kind == "remat":
+      return self._remat(eqn, body, ins, here)
+    return self._scan(eqn, body, ins, here)
 
-      def step(carry, x, p=p, here=here, consts=vals[:nc], nk=nk):
-        outs = _run(plan, p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *x], here,
-                    acc, {}, {})
-        return outs[:nk], outs[nk:]
+  def _remat(self, eqn: Any, body: _Body, vals: list[Any], here: tuple[int, ...]) -> list[Any]:
+    """A ``checkpoint`` body with sites, run under ``jax.checkpoint`` with its own policy."""
+    plan = self.plan
+    keys = [k for k in plan.probes if k[:len(here)] == here]
 
-      carry, ys = jax.lax.scan(jax.checkpoint(step, policy=_saved), vals[nc:nc + nk],
-                               vals[nc + nk:], length=p["length"], reverse=p["reverse"],
-                               unroll=p["unroll"])
-      outs = [*carry, *ys]
-    elif name == "tanh" and not eqn.params.get("accuracy"):
-      outs = [_tanh(vals[0])]
-    else:
-      out = _bind(eqn, vals)
-      outs = out if eqn.primitive.multiple_results else [out]
-    for var, val in zip(eqn.outvars, outs, strict=True):
-      env[var] = val
-  return [_read(env, a) for a in jaxpr.outvars]
+    def run(vals, acc, pv):
+      sub = _Run(plan, acc, dict(zip(keys, pv, strict=True)), {})
+      outs = sub.walk(body.jaxpr, vals, here, body.consts)
+      return outs, [sub.acts[k] for k in keys]
+
+    outs, got = jax.checkpoint(run, policy=eqn.params["policy"],
+                               prevent_cse=eqn.params["prevent_cse"])(
+                                   vals, self.acc, [self.probes[k] for k in keys])
+    self.acts.update(zip(keys, got, strict=True))
+    return outs
+
+  def _scan(self, eqn: Any, body: _Body, vals: list[Any], here: tuple[int, ...]) -> list[Any]:
+    """A ``scan`` body with sites (taps only), its cheap residuals recomputed (``_saved``)."""
+    p, nc, nk = eqn.params, body.num_consts, body.num_carry
+    plan, acc, consts = self.plan, self.acc, vals[:nc]
+
+    def step(carry, x):
+      outs = _Run(plan, acc, {}, {}).walk(body.jaxpr, [*consts, *carry, *x], here, body.consts)
+      return outs[:nk], outs[nk:]
+
+    carry, ys = jax.lax.scan(jax.checkpoint(step, policy=_saved), vals[nc:nc + nk],
+                             vals[nc + nk:], length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
+    return [*carry, *ys]
 
 
 def _widened(x: Any) -> Any:
@@ -1003,39 +1078,40 @@ def _bind_wide(eqn: Any, args: Sequence[Any]) -> Any:
   return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
 
 
-def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...],
-              out: dict) -> list[Any]:
+class _Operands(_Walk):
   """Each probe's leaf operand (into ``out``, by path), evaluated from the leaves alone.
 
-  ``args``: ``jaxpr``'s inputs where they are leaves' views (``None`` elsewhere). Only the
+  A variable holds its value where it is a leaf's view (``None`` elsewhere). Only the
   operations the analysis follows from a leaf to its sites run (layout operations,
   broadcasts, static slices, the calls they pass through); a ``custom_jvp`` that is the
   identity in the leaf passes it on as is, which is what the gradient needs (every site is
   linear in its leaf operand, so its transpose does not read that operand's value).
   """
-  env: dict[Any, Any] = {v: a for v, a in zip(jaxpr.invars, args, strict=True) if a is not None}
-  for i, eqn in enumerate(jaxpr.eqns):
-    here = (*path, i)
-    vals = [None if isinstance(a, jcore.Literal) else env.get(a) for a in eqn.invars]
-    if here in plan.probes:
-      out[here] = vals[plan.probes[here].pos]
-      continue
-    hit = [k for k, v in enumerate(vals) if v is not None]
-    if not hit:
-      continue
-    name = eqn.primitive.name
+
+  def __init__(self, plan: _Plan, out: dict):
+    self.plan, self.out = plan, out
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
     outs: list[Any] = [None] * len(eqn.outvars)
-    if name in _CALLS or name in _REMATS:  # sites inside, or views that leave it
-      sub = eqn.params["jaxpr"]
-      outs = _operands(plan, sub.jaxpr if name in _CALLS else sub, vals, here, out)
-    elif (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
-      outs = [_bind_wide(eqn, vals)]
+    if here in self.plan.probes:
+      self.out[here] = ins[self.plan.probes[here].pos]
+      return outs
+    hit = [k for k, v in enumerate(ins) if v is not None]
+    if not hit:
+      return outs
+    name = eqn.primitive.name
+    if (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
+      outs = [_bind_wide(eqn, ins)]
     elif name == "custom_jvp_call" and len(hit) == 1:
       j = _identity_output(eqn, hit[0])
       if j is not None:
-        outs[j] = vals[hit[0]]
-    env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
-  return [None if isinstance(a, jcore.Literal) else env.get(a) for a in jaxpr.outvars]
+        outs[j] = ins[hit[0]]
+    return outs
+
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if body.kind == "scan" or all(v is None for v in ins):  # no probe in a scan body
+      return [None] * len(eqn.outvars)
+    return self.walk(body.jaxpr, ins, here)  # sites inside, or views that leave it
 
 
 def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequence[int],
@@ -1064,7 +1140,7 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
       if k in used:
         ls[k] = v
     ops: dict = {}
-    _operands(plan, jaxpr, ls, (), ops)
+    _Operands(plan, ops).walk(jaxpr, ls)
     return [ops[key] for key in plan.probes]
 
   # In float32 (or wider) throughout: the leaves, the layout operations to the sites (a
@@ -1149,8 +1225,7 @@ def _decide(closed: Any, leaves: Sequence[Any],
   for k in floating:
     aval = closed.jaxpr.invars[k].aval
     views[k] = _View(k, tuple(range(aval.ndim)), aval)
-  found = _Analysis()
-  _analyse(closed.jaxpr, views, [False] * len(leaves) + list(mapped), (), found)
+  found = _analyse(closed.jaxpr, views, [False] * len(leaves) + list(mapped))
   fallback: dict[int, str] = {}
   taps: dict[tuple[int, ...], _Site] = {}
   probes: dict[tuple[int, ...], _Site] = {}
@@ -1206,12 +1281,8 @@ def _eqns(jaxpr: Any) -> Any:
   and cond bodies, custom rules' primal programs), depth first."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jcore.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jcore.Jaxpr):
-          yield from _eqns(sub)
+    for sub in _programs(eqn):
+      yield from _eqns(sub)
 
 
 def _margin(jaxpr: Any) -> float:
@@ -1312,8 +1383,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
         ls[k] = v
       acts: dict = {}
-      outs = _run(plan, closed.jaxpr, closed.consts, [*ls, *jax.tree.leaves(x)], (), acc,
-                  dict(zip(keys, pv, strict=True)), acts)
+      outs = _Run(plan, acc, dict(zip(keys, pv, strict=True)), acts).walk(
+          closed.jaxpr, [*ls, *jax.tree.leaves(x)], (), closed.consts)
       objective, out = jax.tree.unflatten(out_tree, outs)
       return objective, (out, [acts[k] for k in keys])
 
