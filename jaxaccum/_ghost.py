@@ -144,11 +144,12 @@ class _View:
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-  """One use of a leaf with a norm rule: the equation at ``path`` and how it uses the leaf."""
+  """One use of a leaf with a norm rule: the equation at ``path``, how it uses the leaf, and
+  the rule of its kind (one of :data:`_SITE_RULES`)."""
 
   leaf: int
   path: tuple[int, ...]
-  kind: str  # "dot", "gather", "slice", "direct"
+  rule: _SiteRule
   eqn: Any
   pos: int  # which operand of eqn is the leaf's view
   view: _View
@@ -479,21 +480,10 @@ class _Analyse(_Walk):
         return outs
     if len(leaves) == 1 and len(hit) == 1:
       k = hit[0]
-      kind = None
-      if name == "dot_general":
-        kind = "direct" if first.post else "dot"
-      elif name == "gather" and k == 0:
-        kind = ("gather" if not first.post and _is_row_gather(eqn)
-                and eqn.params["mode"] in _ROW_GATHER_MODES else "direct")
-      elif name in ("slice", "dynamic_slice") and k == 0:
-        kind = "direct" if first.post else "slice"
-      elif name == "conv_general_dilated" and k == 1:
-        kind = "direct"
-      elif name in _ELEMENTWISE and not (name == "div" and k == 1):
-        kind = "direct"
-      if kind is not None:
+      rule = _rule_for(eqn, k, first)
+      if rule is not None:
         batched = any(d for j, d in enumerate(ds) if j != k)
-        result.use(_Site(first.leaf, here, kind, eqn, k, first, batched))
+        result.use(_Site(first.leaf, here, rule, eqn, k, first, batched))
         return outs
     for leaf in leaves:
       result.unknown(leaf, name)
@@ -774,23 +764,6 @@ def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Ar
   return fn
 
 
-def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
-                  axes: tuple = ()) -> jax.Array:
-  """The wide squared norm of one example's gradient through ``site`` (``saved``: other
-  operands; ``axes``: the ``shard_map`` axes the leaf varies over)."""
-  if site.kind == "dot":
-    a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
-    return _sq_outer(a, b)
-  if site.kind == "gather":
-    return _sq_gather(site.eqn, saved[0], g)
-  if site.kind == "slice":
-    return _wide_sum_sq(g)
-  anchor = site.view.anchor
-  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
-  _, vjp = jax.vjp(_site_fn(site, saved), zero)
-  return _wide_sum_sq(vjp(_widened(g))[0])
-
-
 def _zero_cotangent(x: Any) -> Any:
   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
     return _sharding._vary(jnp.zeros_like(x), tuple(_sharding._varying(x)))
@@ -815,7 +788,7 @@ def _tap(site: _Site, axes: tuple, leaf_axes: tuple, row: int,
     return y, saved
 
   def bwd(saved, g):
-    sq = _sharding._vary(_site_sq_norm(site, saved, g, leaf_axes), axes)
+    sq = _sharding._vary(site.rule.sq_norm(site, saved, g, leaf_axes), axes)
     return g, jax.tree.map(_zero_cotangent, saved), _in_row(sq, row, rows)
 
   tap.defvjp(fwd, bwd)
@@ -834,19 +807,10 @@ def _in_row(sq: jax.Array, row: int, rows: int) -> jax.Array:
 
 def _sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """The leaf dimensions on the site's two factors, or ``None`` if it has no factor form."""
-  perm = site.view.perm
-  if site.view.post or site.view.in_scan or site.view.region is not None or perm is None:
+  v = site.view
+  if site.rule.sides is None or v.post or v.in_scan or v.region is not None or v.perm is None:
     return None
-  if site.kind == "gather":
-    return (perm[0],), tuple(sorted(perm[1:]))
-  if site.kind != "dot":
-    return None
-  (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-  pc, pb = (rc, rb) if site.pos == 1 else (lc, lb)
-  if tuple(pb):
-    return None
-  pf = [d for d in range(len(perm)) if d not in tuple(pc)]
-  return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+  return site.rule.sides(site)
 
 
 def _apart(sites: Sequence[_Site]) -> bool:
@@ -872,24 +836,8 @@ def _factor(site: _Site, other: jax.Array, g: jax.Array, flip: bool) -> tuple[An
   Each side is ``("dense", M)`` (rows ``T``, the side's leaf dimensions flattened in leaf
   order) or ``("index", i)`` (a one-hot row per entry of ``i``; ``-1``: no row).
   """
-  perm = site.view.perm
-  assert perm is not None
-  if site.kind == "gather":
-    i, rows = _gather_rows(site.eqn, other, g)
-    rest = site.eqn.invars[0].aval.shape[1:]
-    ranks = np.argsort([perm[d] for d in range(1, len(perm))])
-    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
-    x, y = ("index", i), ("dense", rows)
-  else:
-    a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
-    shape = site.eqn.invars[site.pos].aval.shape
-
-    def order(m, dims):
-      m = m.reshape(m.shape[1], *(shape[d] for d in dims))
-      ranks = np.argsort([perm[d] for d in dims])
-      return _f32(jnp.transpose(m, (0, *(1 + ranks))).reshape(m.shape[0], -1))
-
-    x, y = ("dense", order(a, pc)), ("dense", order(b, pf))
+  assert site.rule.factor is not None  # a site with sides (_cross_ok) has a factor form
+  x, y = site.rule.factor(site, other, g)
   return (y, x) if flip else (x, y)
 
 
@@ -953,8 +901,8 @@ def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
   if any(b[0] == "index" for _, b, _ in pairs):
     pairs = [(b, a, w) for a, b, w in pairs]
   m = next((x[1].shape[-1] for x, _, _ in pairs if x[0] == "dense"), None)
-  if m is None:
-    m = next(s.eqn.invars[0].aval.shape[0] for s in sites if s.kind == "gather")
+  if m is None:  # every side an index side: every site a row gather, of one table
+    m = sites[0].eqn.invars[0].aval.shape[0]
   kinds = [x[0] for x, _, _ in pairs]
   arrays = [(x[1][None], (y[1] * w)[None]) for x, y, w in pairs]
   budget = sum(y[1].shape[0] * (m + y[1].shape[-1]) for _, y, _ in pairs)
@@ -964,6 +912,142 @@ def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
 
   s = _guarded(_untrusted(terms, total), direct, total, arrays)
   return _wide_exp(s, 2 * top)
+
+
+# --- the site rules: one record per kind of site ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _SiteRule:
+  """How one kind of site gets its leaf's per-example squared norm.
+
+  ``match(eqn, pos, view)``: whether leaf view ``view``, operand ``pos`` of ``eqn``, is used
+  at a site of this kind (:data:`_SITE_RULES` is tried in order: the first match wins).
+  ``sq_norm(site, saved, g, axes)``: one example's wide squared norm of the leaf's gradient
+  through the site, from its other operands ``saved`` and its output's cotangent ``g``
+  (``axes``: the ``shard_map`` axes the leaf varies over). ``sides(site)``: the leaf
+  dimensions on the two factors of its factor form ``A^T B`` (``None``: none at this site),
+  and ``factor(site, other, g)``: one example's ``(A, B)`` (:func:`_factor`), both ``None``
+  for a kind without a factor form (no cross terms with another site). ``saves_operands``:
+  whether a tapped site keeps its other operands for its backward rule. ``forms_gradient``:
+  whether the norm is read from the leaf-sized per-example gradient (:func:`_little_saved`).
+  """
+
+  name: str
+  match: Callable[[Any, int, _View], bool]
+  sq_norm: Callable[[_Site, Sequence[Any], jax.Array, tuple], jax.Array]
+  sides: Callable[[_Site], tuple[tuple[int, ...], tuple[int, ...]] | None] | None = None
+  factor: Callable[[_Site, Any, jax.Array], tuple[Any, Any]] | None = None
+  saves_operands: bool = True
+  forms_gradient: bool = False
+
+
+def _is_dot(eqn: Any, pos: int, view: _View) -> bool:
+  """A matrix product (dense, attention, output head) of the leaf's view itself."""
+  del pos
+  return eqn.primitive.name == "dot_general" and not view.post
+
+
+def _dot_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del axes
+  a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
+  return _sq_outer(a, b)
+
+
+def _dot_sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+  pc, pb = (rc, rb) if site.pos == 1 else (lc, lb)
+  if tuple(pb):
+    return None
+  pf = [d for d in range(len(perm)) if d not in tuple(pc)]
+  return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+
+
+def _dot_factor(site: _Site, other: jax.Array, g: jax.Array) -> tuple[Any, Any]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
+  shape = site.eqn.invars[site.pos].aval.shape
+
+  def order(m, dims):
+    m = m.reshape(m.shape[1], *(shape[d] for d in dims))
+    ranks = np.argsort([perm[d] for d in dims])
+    return _f32(jnp.transpose(m, (0, *(1 + ranks))).reshape(m.shape[0], -1))
+
+  return ("dense", order(a, pc)), ("dense", order(b, pf))
+
+
+def _is_row_gather_site(eqn: Any, pos: int, view: _View) -> bool:
+  """Rows of the leaf's view gathered (an embedding), in a mode :func:`_gather_rows` follows."""
+  return (eqn.primitive.name == "gather" and pos == 0 and not view.post
+          and _is_row_gather(eqn) and eqn.params["mode"] in _ROW_GATHER_MODES)
+
+
+def _gather_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del axes
+  return _sq_gather(site.eqn, saved[0], g)
+
+
+def _gather_sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  return (perm[0],), tuple(sorted(perm[1:]))
+
+
+def _gather_factor(site: _Site, other: jax.Array, g: jax.Array) -> tuple[Any, Any]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  i, rows = _gather_rows(site.eqn, other, g)
+  rest = site.eqn.invars[0].aval.shape[1:]
+  ranks = np.argsort([perm[d] for d in range(1, len(perm))])
+  rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
+  return ("index", i), ("dense", rows)
+
+
+def _is_window(eqn: Any, pos: int, view: _View) -> bool:
+  """One window of the leaf's view (``dynamic_slice``; a ``slice`` after a reshape)."""
+  return eqn.primitive.name in ("slice", "dynamic_slice") and pos == 0 and not view.post
+
+
+def _window_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del site, saved, axes  # no two entries of a window overlap: the cotangent's norm
+  return _wide_sum_sq(g)
+
+
+def _is_linear_use(eqn: Any, pos: int, view: _View) -> bool:
+  """Any other use whose transpose this module forms: a product (also of a broadcast view),
+  a gather or window of a broadcast view, a convolution's kernel, a bias add or a scale."""
+  del view
+  name = eqn.primitive.name
+  return (name == "dot_general" or (name in ("gather", "slice", "dynamic_slice") and pos == 0)
+          or (name == "conv_general_dilated" and pos == 1)
+          or (name in _ELEMENTWISE and not (name == "div" and pos == 1)))
+
+
+def _direct_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
+                    axes: tuple) -> jax.Array:
+  """The norm of the leaf-sized gradient, the site's transpose at ``g`` (in float32)."""
+  anchor = site.view.anchor
+  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
+  _, vjp = jax.vjp(_site_fn(site, saved), zero)
+  return _wide_sum_sq(vjp(_widened(g))[0])
+
+
+# The kinds of site, in the order they are tried (see the module's table); a use that none
+# matches has no rule, and its leaf falls back.
+_SITE_RULES = (
+    _SiteRule("dot", _is_dot, _dot_sq_norm, _dot_sides, _dot_factor),
+    _SiteRule("gather", _is_row_gather_site, _gather_sq_norm, _gather_sides, _gather_factor),
+    _SiteRule("slice", _is_window, _window_sq_norm, saves_operands=False),
+    _SiteRule("direct", _is_linear_use, _direct_sq_norm, forms_gradient=True),
+)
+
+
+def _rule_for(eqn: Any, pos: int, view: _View) -> _SiteRule | None:
+  """The rule of the site where ``view`` is operand ``pos`` of ``eqn`` (``None``: no rule)."""
+  return next((r for r in _SITE_RULES if r.match(eqn, pos, view)), None)
 
 
 # --- the rewritten program --------------------------------------------------------------------
@@ -1009,7 +1093,7 @@ class _Run(_Walk):
   def _tapped(self, eqn: Any, vals: list[Any], site: _Site) -> Any:
     acc = self.acc
     others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
-    saved = () if site.kind == "slice" else others
+    saved = others if site.rule.saves_operands else ()
     y = _bind(eqn, vals)
     if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
       y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
@@ -1460,7 +1544,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
       site, j = taps[key], where[key]
       leaf_axes = tuple(_sharding._varying(leaves[site.leaf]))
       wide = wide + _in_row(_sharding._vary(jax.vmap(
-          lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax),
+          lambda o, g, site=site, ax=leaf_axes: site.rule.sq_norm(site, o, g, ax),
           axis_name=_EXAMPLES)(acts[j], cots[j]), axes), gid[site.leaf], rows)
   for k, uses in multi.items():
     js = [where[s.path] for s in uses]
@@ -1526,7 +1610,7 @@ def _little_saved(taps: dict, probes: dict, leaves: Sequence[Any]) -> bool:
   programs and weigh on neither side."""
   size = {k: math.prod(np.shape(leaves[k])) * jnp.dtype(jnp.asarray(leaves[k]).dtype).itemsize
           for k in range(len(leaves)) if _inexact(leaves[k])}
-  formed = {s.leaf for s in (*taps.values(), *probes.values()) if s.kind == "direct"}
+  formed = {s.leaf for s in (*taps.values(), *probes.values()) if s.rule.forms_gradient}
   total = sum(size.values())
   return total > 0 and 3 * sum(size[k] for k in formed if k in size) >= total
 
