@@ -1434,86 +1434,13 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   closed, out_tree, n = _trace(f, leaves, treedef, xs, in_axes)
   taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
   if strict and fallback:
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
-    k, what = next(iter(fallback.items()))
-    raise ValueError(
-        f"clip_per_example(method='ghost') has no per-example norm rule for how the loss uses "
-        f"the parameter at {paths[k] or '(root)'} (shape {np.shape(leaves[k])}): it reaches "
-        f"{what}. Ghost norms cover matrix products, bias adds, elementwise scales, row "
-        "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
-        "parameter entering the scan as xs). Use method='auto' to materialise the "
-        "per-example gradient of such parameters only, or method='materialize'.")
+    _refuse_unknown_use(diff, leaves, fallback)
   if auto and _little_saved(taps, probes, leaves):
     return None
-  fb_keys = list(fallback)
-  ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
-  # Under shard_map: the per-example inputs vary over the axes any input varies over.
-  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
-      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
-      key=str))
-  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
-                         for k in fb_keys], axes)
-  gid = list(groups) if groups is not None else [0] * len(leaves)
-  rows = max(gid, default=0) + 1
-  # wide squared norms, one row per clip group
-  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
-
-  def forward(plan):
-    """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
-    keys = list(plan.probes)
-
-    def example(ghost, fb, acc, pv, x):
-      ls = list(leaves)
-      for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
-        ls[k] = v
-      acts: dict = {}
-      outs = _Run(plan, acc, dict(zip(keys, pv, strict=True)), acts).walk(
-          closed.jaxpr, [*ls, *jax.tree.leaves(x)], (), closed.consts)
-      objective, out = jax.tree.unflatten(out_tree, outs)
-      return objective, (out, [acts[k] for k in keys])
-
-    def batched(ghost, fb, acc, pv):
-      return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes), axis_name=_EXAMPLES)(
-          ghost, fb, acc, pv, xs)
-
-    pv0 = []
-    for key in keys:
-      aval = plan.probes[key].eqn.outvars[0].aval
-      pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
-    objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0,
-                                            acc0, pv0, has_aux=True)
-    return objectives, vjp, outs, acts
-
-  # Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
-  # holds less for it (bytes per micro-batch, read from the traced program):
-  # - book-keeping: every site is probed, its output cotangent and other operands kept; the
-  #   norms follow from them and each leaf's clipped sum is formed from them (the sites'
-  #   transposes at c times the cotangents), with no second backward pass. It holds every
-  #   site's operands and cotangents at once: a gelu MLP's pick, whose residuals (three per
-  #   layer) outweigh them;
-  # - a second, reweighted backward pass over the same forward pass, which holds the forward
-  #   pass's residuals for it: a tanh MLP's pick, whose residuals are the sites' inputs alone.
-  # A scan body's sites are tapped (norms computed inside the backward pass, no cotangent
-  # kept across the iterations), with a second backward pass; the scan body recomputes its
-  # cheap elementwise residuals (the policy ``_saved``).
-  sites = {**taps, **probes}
+  t = _traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, fallback, groups)
   margin = _margin(closed.jaxpr)
-  book = False
-  plan = _Plan.of(taps, probes, gid)
-  objectives, vjp, outs, acts = forward(plan)
-  if sites and not any(s.view.in_scan for s in sites.values()):
-    kept = sum(n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
-        _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
-        for s in sites.values())
-    held = _held_bytes(vjp, n)
-    # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
-    # runs in the model's own dtypes, which round after the clip factor is applied: in a
-    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
-    if program == "book" or (program is None and (kept <= held or margin > 0)):
-      book = True
-      plan = _Plan.of({}, sites, gid)
-      objectives, vjp, outs, acts = forward(plan)
-  if rows > 1 and margin > 0 and not book:
+  book, plan, (objectives, vjp, outs, acts) = _choose_program(t, taps, probes, program, margin)
+  if t.rows > 1 and margin > 0 and not book:
     # Per-layer clip norms through a second pass in a narrow dtype: the pass's rounding is
     # relative to the whole cotangent, not to each group's part, and a small group's
     # contribution was measured above its own norm by more than the margin (1.016 C_g).
@@ -1526,31 +1453,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         "float32, whose rounding is relative to the whole gradient, not to each group's "
         "part. Use method='auto' (which materialises here) or method='materialize', or one "
         "clip norm for the whole gradient.")
-  probe_keys = list(plan.probes)
-  where = {key: j for j, key in enumerate(probe_keys)}
-  # The first backward pass: each example's wide squared norm (the weights' cotangents it
-  # would give are dead code).
-  _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
-  if book and margin > 0:
-    # The norms and the clipped sum read the same kept values: XLA may otherwise give one
-    # of them a narrow value's excess precision (a bfloat16 product read before rounding)
-    # and the other the rounded value, and the clipped example's norm is then not the one
-    # its factor was computed from. (In float32 there is no excess precision to give.)
-    acts, cots = jax.lax.optimization_barrier((acts, cots))
-  for k, g in zip(fb_keys, fb_grads, strict=True):
-    wide = wide + _in_row(jax.vmap(_wide_sum_sq)(g), gid[k], rows)
-  if book:
-    for key in taps:
-      site, j = taps[key], where[key]
-      leaf_axes = tuple(_sharding._varying(leaves[site.leaf]))
-      wide = wide + _in_row(_sharding._vary(jax.vmap(
-          lambda o, g, site=site, ax=leaf_axes: site.rule.sq_norm(site, o, g, ax),
-          axis_name=_EXAMPLES)(acts[j], cots[j]), axes), gid[site.leaf], rows)
-  for k, uses in multi.items():
-    js = [where[s.path] for s in uses]
-    wide = wide + _in_row(jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g),
-                                   axis_name=_EXAMPLES)(
-        [acts[j][0] for j in js], [cots[j] for j in js]), gid[k], rows)
+  wide, fb_grads, acts, cots = _first_pass(t, plan, taps, multi, book, margin, vjp,
+                                           objectives, acts)
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
   # still gives it (and its third, a norm below ~1e-19).
   sq = _wide_norm(wide) if norms else wide[..., 0]  # (n, rows)
@@ -1558,46 +1462,201 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   c = c if groups is not None else c[:, None]  # (n, rows): each example's factor per group
   c2 = c / (1.0 + margin)  # a second pass's factors (see _NARROW_MARGIN_UNITS)
   if book:
-    ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
-                            acts, cots, c, zero_safe)
+    ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in t.ghost_keys],
+                            t.ghost_keys, acts, cots, c, zero_safe)
   else:
-    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
+    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [t.gid[k] for k in t.ghost_keys])
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
   # the forward and backward passes run again with those examples' inputs replaced by
   # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
   dead = jnp.all(c == 0, axis=1)
-
-  def again(_):
-    src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
-    xs2 = jax.tree.unflatten(jax.tree.structure(xs), [
-        x if a is None else jnp.take(x, src, axis=a)
-        for x, a in zip(jax.tree.leaves(xs), _leaf_axes(xs, in_axes), strict=True)])
-    def plain(ghost, x):
-      ls = list(leaves)
-      for k, v in zip(ghost_keys, ghost, strict=True):
-        ls[k] = v
-      return f(jax.tree.unflatten(treedef, ls), x)[0]
-
-    _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
-                      [leaves[k] for k in ghost_keys])
-    redo = _by_group(vjp2, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
-    return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
-                        if _inexact(g) else g, redo)
-
-  if ghost_keys and zero_safe and not book:
-    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)), again,
+  if t.ghost_keys and zero_safe and not book:
+    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)),
+                               functools.partial(_again, t, c, c2, objectives.dtype, dead),
                                lambda _: ghost_grads, None)
   grads = list(leaves)
-  for k, g in zip(ghost_keys, ghost_grads, strict=True):
+  for k, g in zip(t.ghost_keys, ghost_grads, strict=True):
     grads[k] = g
-  for k, g in zip(fb_keys, fb_grads, strict=True):
-    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c[:, gid[k]]), axis=0).astype(g.dtype)
+  for k, g in zip(t.fb_keys, fb_grads, strict=True):
+    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c[:, t.gid[k]]), axis=0).astype(g.dtype)
   if groups is None:
     total = sq[:, 0]
   else:
     total = _stats.combine(sq) if norms else jnp.sum(sq, axis=1)
   return outs, jax.tree.unflatten(treedef, grads), total
+
+
+def _refuse_unknown_use(diff: tuple, leaves: Sequence[Any], fallback: dict[int, str]) -> None:
+  """Raises ``strict``'s ``ValueError`` for the first leaf without a rule."""
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
+  k, what = next(iter(fallback.items()))
+  raise ValueError(
+      f"clip_per_example(method='ghost') has no per-example norm rule for how the loss uses "
+      f"the parameter at {paths[k] or '(root)'} (shape {np.shape(leaves[k])}): it reaches "
+      f"{what}. Ghost norms cover matrix products, bias adds, elementwise scales, row "
+      "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
+      "parameter entering the scan as xs). Use method='auto' to materialise the "
+      "per-example gradient of such parameters only, or method='materialize'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+  """The objective traced on one example, and what every pass over it shares."""
+
+  f: Callable[..., Any]
+  xs: PyTree
+  in_axes: Any
+  leaves: list
+  treedef: Any
+  closed: Any  # the ClosedJaxpr of f on one example
+  out_tree: Any
+  n: int  # examples
+  ghost_keys: list[int]  # the leaves whose norms the analysis gives
+  fb_keys: list[int]  # the leaves whose per-example gradients are materialised
+  gid: list[int]  # each leaf's clip group
+  rows: int  # clip groups
+  axes: tuple  # the shard_map axes the per-example inputs vary over
+  fb0: list  # the materialised leaves, one copy per example
+  acc0: jax.Array  # zero wide squared norms, (n, rows, parts)
+
+
+def _traced(f: Callable[..., Any], xs: PyTree, in_axes: Any, leaves: list, treedef: Any,
+            closed: Any, out_tree: Any, n: int, fallback: dict[int, str],
+            groups: Sequence[int] | None) -> _Traced:
+  """The :class:`_Traced` of a call of :func:`clipped_sum` (``fallback``: the leaves to
+  materialise; ``groups``: each leaf's clip group, ``None``: one for all)."""
+  fb_keys = list(fallback)
+  ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
+  # Under shard_map: the per-example inputs vary over the axes any input varies over.
+  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
+      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
+      key=str))
+  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
+                         for k in fb_keys], axes)
+  gid = list(groups) if groups is not None else [0] * len(leaves)
+  rows = max(gid, default=0) + 1
+  # wide squared norms, one row per clip group
+  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
+  return _Traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, ghost_keys, fb_keys,
+                 gid, rows, axes, fb0, acc0)
+
+
+def _forward(t: _Traced, plan: _Plan) -> tuple[jax.Array, Any, Any, list]:
+  """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
+  keys = list(plan.probes)
+
+  def example(ghost, fb, acc, pv, x):
+    ls = list(t.leaves)
+    for k, v in (*zip(t.ghost_keys, ghost, strict=True), *zip(t.fb_keys, fb, strict=True)):
+      ls[k] = v
+    acts: dict = {}
+    outs = _Run(plan, acc, dict(zip(keys, pv, strict=True)), acts).walk(
+        t.closed.jaxpr, [*ls, *jax.tree.leaves(x)], (), t.closed.consts)
+    objective, out = jax.tree.unflatten(t.out_tree, outs)
+    return objective, (out, [acts[k] for k in keys])
+
+  def batched(ghost, fb, acc, pv):
+    return jax.vmap(example, in_axes=(None, 0, 0, 0, t.in_axes), axis_name=_EXAMPLES)(
+        ghost, fb, acc, pv, t.xs)
+
+  pv0 = []
+  for key in keys:
+    aval = plan.probes[key].eqn.outvars[0].aval
+    pv0.append(_sharding._vary(jnp.zeros((t.n, *aval.shape), aval.dtype), t.axes))
+  objectives, vjp, (outs, acts) = jax.vjp(batched, [t.leaves[k] for k in t.ghost_keys], t.fb0,
+                                          t.acc0, pv0, has_aux=True)
+  return objectives, vjp, outs, acts
+
+
+def _choose_program(t: _Traced, taps: dict, probes: dict, program: str | None,
+                    margin: float) -> tuple[bool, _Plan, tuple[jax.Array, Any, Any, list]]:
+  """``(book, plan, forward pass)``: whether the clipped sum is formed by book-keeping.
+
+  Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
+  holds less for it (bytes per micro-batch, read from the traced program):
+  - book-keeping: every site is probed, its output cotangent and other operands kept; the
+    norms follow from them and each leaf's clipped sum is formed from them (the sites'
+    transposes at c times the cotangents), with no second backward pass. It holds every
+    site's operands and cotangents at once: a gelu MLP's pick, whose residuals (three per
+    layer) outweigh them;
+  - a second, reweighted backward pass over the same forward pass, which holds the forward
+    pass's residuals for it: a tanh MLP's pick, whose residuals are the sites' inputs alone.
+  A scan body's sites are tapped (norms computed inside the backward pass, no cotangent
+  kept across the iterations), with a second backward pass; the scan body recomputes its
+  cheap elementwise residuals (the policy ``_saved``).
+  """
+  sites = {**taps, **probes}
+  plan = _Plan.of(taps, probes, t.gid)
+  passed = _forward(t, plan)
+  if sites and not any(s.view.in_scan for s in sites.values()):
+    kept = sum(t.n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
+        _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
+        for s in sites.values())
+    held = _held_bytes(passed[1], t.n)
+    # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
+    # runs in the model's own dtypes, which round after the clip factor is applied: in a
+    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
+    if program == "book" or (program is None and (kept <= held or margin > 0)):
+      plan = _Plan.of({}, sites, t.gid)
+      return True, plan, _forward(t, plan)
+  return False, plan, passed
+
+
+def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, margin: float,
+                vjp: Any, objectives: jax.Array,
+                acts: list) -> tuple[jax.Array, list, list, list]:
+  """The first backward pass: ``(wide, fb_grads, acts, cots)``, each example's wide squared
+  norms ``(E, rows, parts)``, the materialised leaves' per-example gradients, and the
+  probes' kept operands and output cotangents (the weights' cotangents it would give are
+  dead code)."""
+  where = {key: j for j, key in enumerate(plan.probes)}
+  _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
+  if book and margin > 0:
+    # The norms and the clipped sum read the same kept values: XLA may otherwise give one
+    # of them a narrow value's excess precision (a bfloat16 product read before rounding)
+    # and the other the rounded value, and the clipped example's norm is then not the one
+    # its factor was computed from. (In float32 there is no excess precision to give.)
+    acts, cots = jax.lax.optimization_barrier((acts, cots))
+  for k, g in zip(t.fb_keys, fb_grads, strict=True):
+    wide = wide + _in_row(jax.vmap(_wide_sum_sq)(g), t.gid[k], t.rows)
+  if book:
+    for key in taps:
+      site, j = taps[key], where[key]
+      leaf_axes = tuple(_sharding._varying(t.leaves[site.leaf]))
+      wide = wide + _in_row(_sharding._vary(jax.vmap(
+          lambda o, g, site=site, ax=leaf_axes: site.rule.sq_norm(site, o, g, ax),
+          axis_name=_EXAMPLES)(acts[j], cots[j]), t.axes), t.gid[site.leaf], t.rows)
+  for k, uses in multi.items():
+    js = [where[s.path] for s in uses]
+    wide = wide + _in_row(jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g),
+                                   axis_name=_EXAMPLES)(
+        [acts[j][0] for j in js], [cots[j] for j in js]), t.gid[k], t.rows)
+  return wide, fb_grads, acts, cots
+
+
+def _again(t: _Traced, c: jax.Array, c2: jax.Array, dtype: Any, dead: jax.Array,
+           _: Any) -> list[Any]:
+  """The ghost leaves' clipped sum by a forward and a second backward pass again (``c2``:
+  its factors, cast to the objective's ``dtype``), each dead example's inputs (``c_e = 0``
+  in every group) replaced by a live one's; all zero where every example is dead."""
+  n, ghost_keys = t.n, t.ghost_keys
+  src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
+  xs2 = jax.tree.unflatten(jax.tree.structure(t.xs), [
+      x if a is None else jnp.take(x, src, axis=a)
+      for x, a in zip(jax.tree.leaves(t.xs), _leaf_axes(t.xs, t.in_axes), strict=True)])
+
+  def plain(ghost, x):
+    ls = list(t.leaves)
+    for k, v in zip(ghost_keys, ghost, strict=True):
+      ls[k] = v
+    return t.f(jax.tree.unflatten(t.treedef, ls), x)[0]
+
+  _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, t.in_axes))(g, xs2),
+                    [t.leaves[k] for k in ghost_keys])
+  redo = _by_group(vjp2, c2.astype(dtype), [t.gid[k] for k in ghost_keys])
+  return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
+                      if _inexact(g) else g, redo)
 
 
 def _little_saved(taps: dict, probes: dict, leaves: Sequence[Any]) -> bool:
