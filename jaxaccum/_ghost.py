@@ -65,6 +65,12 @@ dead code), the second, with cotangents ``c_e``, gives ``sum_e c_e grad_e``. Bot
 the forward pass's residuals; inside the scan body, cheap elementwise values among them are
 recomputed per iteration (a ``jax.checkpoint`` policy) rather than stacked over the
 iterations.
+
+Inside, every pass over the traced program (the analysis, the forward pass with its taps and
+probes, book-keeping's leaf operands) is a :class:`_Walk`, which alone follows ``jit``,
+``checkpoint`` and ``scan`` bodies (:func:`_body`); each kind of site above is one
+:class:`_SiteRule` record of :data:`_SITE_RULES` (which uses it matches, its norm, its factor
+form for cross terms).
 """
 
 from __future__ import annotations
