@@ -65,6 +65,12 @@ dead code), the second, with cotangents ``c_e``, gives ``sum_e c_e grad_e``. Bot
 the forward pass's residuals; inside the scan body, cheap elementwise values among them are
 recomputed per iteration (a ``jax.checkpoint`` policy) rather than stacked over the
 iterations.
+
+Inside, every pass over the traced program (the analysis, the forward pass with its taps and
+probes, book-keeping's leaf operands) is a :class:`_Walk`, which alone follows ``jit``,
+``checkpoint`` and ``scan`` bodies (:func:`_body`); each kind of site above is one
+:class:`_SiteRule` record of :data:`_SITE_RULES` (which uses it matches, its norm, its factor
+form for cross terms).
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -144,11 +150,12 @@ class _View:
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-  """One use of a leaf with a norm rule: the equation at ``path`` and how it uses the leaf."""
+  """One use of a leaf with a norm rule: the equation at ``path``, how it uses the leaf, and
+  the rule of its kind (one of :data:`_SITE_RULES`)."""
 
   leaf: int
   path: tuple[int, ...]
-  kind: str  # "dot", "gather", "slice", "direct"
+  rule: _SiteRule
   eqn: Any
   pos: int  # which operand of eqn is the leaf's view
   view: _View
@@ -165,10 +172,6 @@ class _Analysis:
 
   def unknown(self, leaf: int, what: str) -> None:
     self.bad.setdefault(leaf, what)
-
-
-def _read(env: dict, a: Any) -> Any:
-  return a.val if isinstance(a, jcore.Literal) else env[a]
 
 
 @jax.custom_jvp
@@ -281,32 +284,101 @@ def _scan_counts(eqn: Any) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def _deps(jaxpr: Any, deps: Sequence[bool]) -> list[bool]:
-  """Which of ``jaxpr``'s outputs depend on an input marked in ``deps``.
-
-  Under ``jax.vmap`` over the examples these are the batched values. Where unsure (control
-  flow other than ``scan``, a carry that only the body makes example-dependent) this says
-  no: the one use of the answer (:func:`_run` making a tapped output batched) is safe then.
-  """
-  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
-  for eqn in jaxpr.eqns:
-    got = _eqn_deps(eqn, [not isinstance(a, jcore.Literal) and a in dep for a in eqn.invars])
-    dep.update(o for o, d in zip(eqn.outvars, got, strict=True) if d)
-  return [not isinstance(a, jcore.Literal) and a in dep for a in jaxpr.outvars]
+# --- sub-programs: the one walk into jit, checkpoint and scan bodies -----------------------------
 
 
-def _eqn_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
+@dataclasses.dataclass(frozen=True)
+class _Body:
+  """The program a ``jit`` (``pjit``, ``closed_call``), ``checkpoint`` (remat) or ``scan``
+  equation runs: its inputs and outputs are the equation's, in order (a scan's inputs: its
+  ``num_consts`` constants, ``num_carry`` carries and one iteration's slices of its ``xs``;
+  its outputs: the carries, then one iteration's ``ys``)."""
+
+  kind: str  # "call", "remat" or "scan"
+  jaxpr: Any  # jax.extend.core.Jaxpr
+  consts: tuple  # the values of jaxpr's constvars
+  num_consts: int = 0
+  num_carry: int = 0
+
+
+def _body(eqn: Any) -> _Body | None:
+  """The program ``eqn`` runs, where it is a ``jit``, ``checkpoint`` or ``scan``; else ``None``
+  (other control flow and custom rules are not followed: see each pass)."""
   name = eqn.primitive.name
+  if name in _CALLS:
+    sub = eqn.params["jaxpr"]
+    return _Body("call", sub.jaxpr, tuple(sub.consts))
+  if name in _REMATS:
+    return _Body("remat", eqn.params["jaxpr"], ())
+  if name == "scan":
+    sub = eqn.params["jaxpr"]
+    return _Body("scan", sub.jaxpr, tuple(sub.consts), *_scan_counts(eqn))
+  return None
+
+
+def _programs(eqn: Any) -> Iterator[Any]:
+  """Every program ``eqn`` holds in its params, followed or not (jit, remat, scan, cond and
+  while bodies, custom rules' primal programs), as open jaxprs."""
+  for v in eqn.params.values():
+    for sub in v if isinstance(v, (tuple, list)) else (v,):
+      if isinstance(sub, jcore.ClosedJaxpr):
+        yield sub.jaxpr
+      elif isinstance(sub, jcore.Jaxpr):
+        yield sub
+
+
+class _Walk:
+  """A pass over a program, equation by equation, into the bodies :func:`_body` reads: the
+  recursion every pass here shares.
+
+  Each variable holds what the pass computes for it (``missing`` where nothing was written;
+  a literal reads as :meth:`literal` says). A pass gives :meth:`visit`, the outputs of an
+  equation it does not enter, and may override :meth:`enter`, the outputs of one it does
+  (by default its body walked on its inputs, its path the equation's).
+  """
+
+  missing: Any = None
+
+  def literal(self, a: Any) -> Any:
+    del a
+    return self.missing
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    raise NotImplementedError
+
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    del eqn
+    return self.walk(body.jaxpr, ins, here)
+
+  def read(self, env: dict, a: Any) -> Any:
+    return self.literal(a) if isinstance(a, jcore.Literal) else env.get(a, self.missing)
+
+  def walk(self, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...] = (),
+           consts: Sequence[Any] | None = None) -> list[Any]:
+    """``jaxpr``'s outputs from its inputs ``args`` (and constants ``consts``, where the pass
+    reads them); ``path``: the indices of the equations that hold it, outermost first."""
+    env: dict[Any, Any] = {}
+    if consts is not None:
+      env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for i, eqn in enumerate(jaxpr.eqns):
+      here = (*path, i)
+      ins = [self.read(env, a) for a in eqn.invars]
+      body = _body(eqn)
+      outs = self.visit(eqn, ins, here) if body is None else self.enter(eqn, body, ins, here)
+      env.update(zip(eqn.outvars, outs, strict=True))
+    return [self.read(env, a) for a in jaxpr.outvars]
+
+
+def _first_order_deps(eqn: Any, deps: Sequence[bool]) -> list[bool]:
+  """Which outputs of an equation the walk does not enter depend on the example (``deps``:
+  which inputs do): all of them where an input does, except for an equation that holds a
+  program directly among its params (``while``, a custom rule), which says no (a ``cond``'s
+  branches, a tuple, are not seen there: its outputs count as dependent, as they are under
+  ``jax.vmap``). Where unsure this says no: the one use of the answer (:class:`_Run` making
+  a tapped output batched) is safe then."""
   if not any(deps):
     return [False] * len(eqn.outvars)
-  if name in _CALLS:
-    return _deps(eqn.params["jaxpr"].jaxpr, deps)
-  if name in _REMATS:
-    return _deps(eqn.params["jaxpr"], deps)
-  if name == "scan":
-    nc, nk = _scan_counts(eqn)
-    out = _deps(eqn.params["jaxpr"].jaxpr, deps)
-    return [*(d and out[k] for k, d in enumerate(deps[nc:nc + nk])), *out[nk:]]
   if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()):
     return [False] * len(eqn.outvars)
   return [True] * len(eqn.outvars)
@@ -341,109 +413,97 @@ def _identity_output(eqn: Any, k: int) -> int | None:
   return same[0] if len(same) == 1 and sum(outs) == 1 else None
 
 
-def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool],
-             path: tuple[int, ...], result: _Analysis) -> list[_View | None]:
-  """Finds the sites of the leaves whose views enter ``jaxpr``; returns its outputs' views.
+class _Analyse(_Walk):
+  """Finds the sites of the leaves whose views enter a program (into ``result``). Each
+  variable holds ``(view, dep)``: the leaf view it is (``None``: none) and whether it depends
+  on the example (under ``jax.vmap`` over the examples: whether it is batched; a scan's carry
+  only where it enters so too)."""
 
-  ``deps``: which inputs depend on the example (see :func:`_deps`).
-  """
-  env: dict[Any, _View] = {}
-  for var, v in zip(jaxpr.invars, views, strict=True):
-    if v is not None:
-      env[var] = v
-  dep = {v for v, d in zip(jaxpr.invars, deps, strict=True) if d}
+  missing = (None, False)
 
-  def view(a):
-    return None if isinstance(a, jcore.Literal) else env.get(a)
+  def __init__(self, result: _Analysis):
+    self.result = result
 
-  def is_dep(a):
-    return not isinstance(a, jcore.Literal) and a in dep
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    vs, ds = [v for v, _ in ins], [d for _, d in ins]
+    deps = _first_order_deps(eqn, ds)
+    views = self._views(eqn, vs, ds, here) if any(vs) else [None] * len(eqn.outvars)
+    return list(zip(views, deps, strict=True))
 
-  for i, eqn in enumerate(jaxpr.eqns):
-    vs = [view(a) for a in eqn.invars]
-    ds = [is_dep(a) for a in eqn.invars]
-    dep.update(o for o, d in zip(eqn.outvars, _eqn_deps(eqn, ds), strict=True) if d)
-    if not any(vs):
-      continue
-    here = (*path, i)
-    name = eqn.primitive.name
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if body.kind != "scan":
+      return self.walk(body.jaxpr, ins, here)
+    nc, nk = body.num_consts, body.num_carry
+    inner: list[Any] = []
+    for k, (v, d) in enumerate(ins):
+      if v is not None and (k < nc + nk or v.post):
+        self.result.unknown(v.leaf, "scan (as a constant)" if k < nc else
+                            "scan (as a carry)" if k < nc + nk else "scan (broadcast into xs)")
+        v = None
+      elif v is not None:  # one iteration's slice of a stacked leaf
+        aval = body.jaxpr.invars[k].aval
+        v = _View(v.leaf, tuple(range(aval.ndim)), aval, (), here)
+      inner.append((v, d))
+    outs = self.walk(body.jaxpr, inner, here)
+    for v, _ in outs:
+      if v is not None:
+        self.result.unknown(v.leaf, "scan (returned from the body)")
+    carries = [d and o for (_, d), (_, o) in zip(ins[nc:nc + nk], outs[:nk], strict=True)]
+    return [(None, d) for d in (*carries, *(o for _, o in outs[nk:]))]
+
+  def _views(self, eqn: Any, vs: list[Any], ds: list[bool],
+             here: tuple[int, ...]) -> list[_View | None]:
+    """The views of an equation's outputs (a use followed, a site recorded, or the leaves'
+    uses marked unknown)."""
+    result, name = self.result, eqn.primitive.name
+    outs: list[_View | None] = [None] * len(eqn.outvars)
     hit = [k for k, v in enumerate(vs) if v is not None]
-    leaves = {vs[k].leaf for k in hit}  # type: ignore[union-attr]
+    leaves = {vs[k].leaf for k in hit}
     first = vs[hit[0]]
-    assert first is not None
-    if _complex(eqn) and name not in _CALLS and name not in _REMATS and name != "scan":
+    if _complex(eqn):
       for leaf in leaves:
         result.unknown(leaf, f"{name} (complex values)")
-      continue
+      return outs
     if name in _LAYOUT or name == "broadcast_in_dim":
       if name == "convert_element_type" and not _exact_convert(eqn):
         result.unknown(first.leaf, f"{name} ({eqn.invars[0].aval.dtype} -> "
                        f"{eqn.outvars[0].aval.dtype}, whose transpose rounds or drops part "
                        "of the cotangent)")
       elif len(eqn.invars) == 1:
-        env[eqn.outvars[0]] = _extend(first, eqn)
+        outs[0] = _extend(first, eqn)
       else:
         result.unknown(first.leaf, name)
-      continue
-    if name in _CALLS or name in _REMATS:
-      sub = eqn.params["jaxpr"]
-      outs = _analyse(sub.jaxpr if name in _CALLS else sub, vs, ds, here, result)
-      env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
-      continue
-    if name == "scan":
-      nc, nk = _scan_counts(eqn)
-      inner: list[_View | None] = []
-      for k, v in enumerate(vs):
-        if v is None:
-          inner.append(None)
-        elif k < nc + nk or v.post:
-          result.unknown(v.leaf, "scan (as a constant)" if k < nc else
-                         "scan (as a carry)" if k < nc + nk else "scan (broadcast into xs)")
-          inner.append(None)
-        else:
-          aval = eqn.params["jaxpr"].jaxpr.invars[k].aval
-          inner.append(_View(v.leaf, tuple(range(aval.ndim)), aval, (), here))
-      outs = _analyse(eqn.params["jaxpr"].jaxpr, inner, ds, here, result)
-      for v in outs:
-        if v is not None:
-          result.unknown(v.leaf, "scan (returned from the body)")
-      continue
+      return outs
     if name == "custom_jvp_call" and len(hit) == 1:
       j = _identity_output(eqn, hit[0])
       if j is not None:
-        env[eqn.outvars[j]] = first
-        continue
+        outs[j] = first
+        return outs
     if name == "slice" and hit == [0]:
       sliced = _sliced(first, eqn)
       if sliced is not None:
-        env[eqn.outvars[0]] = sliced
-        continue
+        outs[0] = sliced
+        return outs
     if len(leaves) == 1 and len(hit) == 1:
       k = hit[0]
-      kind = None
-      if name == "dot_general":
-        kind = "direct" if first.post else "dot"
-      elif name == "gather" and k == 0:
-        kind = ("gather" if not first.post and _is_row_gather(eqn)
-                and eqn.params["mode"] in _ROW_GATHER_MODES else "direct")
-      elif name in ("slice", "dynamic_slice") and k == 0:
-        kind = "direct" if first.post else "slice"
-      elif name == "conv_general_dilated" and k == 1:
-        kind = "direct"
-      elif name in _ELEMENTWISE and not (name == "div" and k == 1):
-        kind = "direct"
-      if kind is not None:
+      rule = _rule_for(eqn, k, first)
+      if rule is not None:
         batched = any(d for j, d in enumerate(ds) if j != k)
-        result.use(_Site(first.leaf, here, kind, eqn, k, first, batched))
-        continue
+        result.use(_Site(first.leaf, here, rule, eqn, k, first, batched))
+        return outs
     for leaf in leaves:
       result.unknown(leaf, name)
-  if not path:
-    for a in jaxpr.outvars:
-      v = view(a)
-      if v is not None:
-        result.unknown(v.leaf, "the function's output")
-  return [view(a) for a in jaxpr.outvars]
+    return outs
+
+
+def _analyse(jaxpr: Any, views: Sequence[_View | None], deps: Sequence[bool]) -> _Analysis:
+  """The sites of the leaves whose views enter ``jaxpr`` (the traced function), and the uses
+  without a rule. ``deps``: which inputs depend on the example."""
+  result = _Analysis()
+  for v, _ in _Analyse(result).walk(jaxpr, list(zip(views, deps, strict=True))):
+    if v is not None:
+      result.unknown(v.leaf, "the function's output")
+  return result
 
 
 # --- norms ------------------------------------------------------------------------------------
@@ -710,23 +770,6 @@ def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Ar
   return fn
 
 
-def _site_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
-                  axes: tuple = ()) -> jax.Array:
-  """The wide squared norm of one example's gradient through ``site`` (``saved``: other
-  operands; ``axes``: the ``shard_map`` axes the leaf varies over)."""
-  if site.kind == "dot":
-    a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
-    return _sq_outer(a, b)
-  if site.kind == "gather":
-    return _sq_gather(site.eqn, saved[0], g)
-  if site.kind == "slice":
-    return _wide_sum_sq(g)
-  anchor = site.view.anchor
-  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
-  _, vjp = jax.vjp(_site_fn(site, saved), zero)
-  return _wide_sum_sq(vjp(_widened(g))[0])
-
-
 def _zero_cotangent(x: Any) -> Any:
   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
     return _sharding._vary(jnp.zeros_like(x), tuple(_sharding._varying(x)))
@@ -751,7 +794,7 @@ def _tap(site: _Site, axes: tuple, leaf_axes: tuple, row: int,
     return y, saved
 
   def bwd(saved, g):
-    sq = _sharding._vary(_site_sq_norm(site, saved, g, leaf_axes), axes)
+    sq = _sharding._vary(site.rule.sq_norm(site, saved, g, leaf_axes), axes)
     return g, jax.tree.map(_zero_cotangent, saved), _in_row(sq, row, rows)
 
   tap.defvjp(fwd, bwd)
@@ -770,19 +813,10 @@ def _in_row(sq: jax.Array, row: int, rows: int) -> jax.Array:
 
 def _sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """The leaf dimensions on the site's two factors, or ``None`` if it has no factor form."""
-  perm = site.view.perm
-  if site.view.post or site.view.in_scan or site.view.region is not None or perm is None:
+  v = site.view
+  if site.rule.sides is None or v.post or v.in_scan or v.region is not None or v.perm is None:
     return None
-  if site.kind == "gather":
-    return (perm[0],), tuple(sorted(perm[1:]))
-  if site.kind != "dot":
-    return None
-  (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-  pc, pb = (rc, rb) if site.pos == 1 else (lc, lb)
-  if tuple(pb):
-    return None
-  pf = [d for d in range(len(perm)) if d not in tuple(pc)]
-  return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+  return site.rule.sides(site)
 
 
 def _apart(sites: Sequence[_Site]) -> bool:
@@ -808,24 +842,8 @@ def _factor(site: _Site, other: jax.Array, g: jax.Array, flip: bool) -> tuple[An
   Each side is ``("dense", M)`` (rows ``T``, the side's leaf dimensions flattened in leaf
   order) or ``("index", i)`` (a one-hot row per entry of ``i``; ``-1``: no row).
   """
-  perm = site.view.perm
-  assert perm is not None
-  if site.kind == "gather":
-    i, rows = _gather_rows(site.eqn, other, g)
-    rest = site.eqn.invars[0].aval.shape[1:]
-    ranks = np.argsort([perm[d] for d in range(1, len(perm))])
-    rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
-    x, y = ("index", i), ("dense", rows)
-  else:
-    a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
-    shape = site.eqn.invars[site.pos].aval.shape
-
-    def order(m, dims):
-      m = m.reshape(m.shape[1], *(shape[d] for d in dims))
-      ranks = np.argsort([perm[d] for d in dims])
-      return _f32(jnp.transpose(m, (0, *(1 + ranks))).reshape(m.shape[0], -1))
-
-    x, y = ("dense", order(a, pc)), ("dense", order(b, pf))
+  assert site.rule.factor is not None  # a site with sides (_cross_ok) has a factor form
+  x, y = site.rule.factor(site, other, g)
   return (y, x) if flip else (x, y)
 
 
@@ -889,8 +907,8 @@ def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
   if any(b[0] == "index" for _, b, _ in pairs):
     pairs = [(b, a, w) for a, b, w in pairs]
   m = next((x[1].shape[-1] for x, _, _ in pairs if x[0] == "dense"), None)
-  if m is None:
-    m = next(s.eqn.invars[0].aval.shape[0] for s in sites if s.kind == "gather")
+  if m is None:  # every side an index side: every site a row gather, of one table
+    m = sites[0].eqn.invars[0].aval.shape[0]
   kinds = [x[0] for x, _, _ in pairs]
   arrays = [(x[1][None], (y[1] * w)[None]) for x, y, w in pairs]
   budget = sum(y[1].shape[0] * (m + y[1].shape[-1]) for _, y, _ in pairs)
@@ -900,6 +918,142 @@ def _multi_sq_norm(sites: Sequence[_Site], others: Sequence[Any],
 
   s = _guarded(_untrusted(terms, total), direct, total, arrays)
   return _wide_exp(s, 2 * top)
+
+
+# --- the site rules: one record per kind of site ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _SiteRule:
+  """How one kind of site gets its leaf's per-example squared norm.
+
+  ``match(eqn, pos, view)``: whether leaf view ``view``, operand ``pos`` of ``eqn``, is used
+  at a site of this kind (:data:`_SITE_RULES` is tried in order: the first match wins).
+  ``sq_norm(site, saved, g, axes)``: one example's wide squared norm of the leaf's gradient
+  through the site, from its other operands ``saved`` and its output's cotangent ``g``
+  (``axes``: the ``shard_map`` axes the leaf varies over). ``sides(site)``: the leaf
+  dimensions on the two factors of its factor form ``A^T B`` (``None``: none at this site),
+  and ``factor(site, other, g)``: one example's ``(A, B)`` (:func:`_factor`), both ``None``
+  for a kind without a factor form (no cross terms with another site). ``saves_operands``:
+  whether a tapped site keeps its other operands for its backward rule. ``forms_gradient``:
+  whether the norm is read from the leaf-sized per-example gradient (:func:`_little_saved`).
+  """
+
+  name: str
+  match: Callable[[Any, int, _View], bool]
+  sq_norm: Callable[[_Site, Sequence[Any], jax.Array, tuple], jax.Array]
+  sides: Callable[[_Site], tuple[tuple[int, ...], tuple[int, ...]] | None] | None = None
+  factor: Callable[[_Site, Any, jax.Array], tuple[Any, Any]] | None = None
+  saves_operands: bool = True
+  forms_gradient: bool = False
+
+
+def _is_dot(eqn: Any, pos: int, view: _View) -> bool:
+  """A matrix product (dense, attention, output head) of the leaf's view itself."""
+  del pos
+  return eqn.primitive.name == "dot_general" and not view.post
+
+
+def _dot_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del axes
+  a, b, _, _ = _dot_factors(site.eqn, site.pos, saved[0], g)
+  return _sq_outer(a, b)
+
+
+def _dot_sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+  pc, pb = (rc, rb) if site.pos == 1 else (lc, lb)
+  if tuple(pb):
+    return None
+  pf = [d for d in range(len(perm)) if d not in tuple(pc)]
+  return tuple(sorted(perm[d] for d in pc)), tuple(sorted(perm[d] for d in pf))
+
+
+def _dot_factor(site: _Site, other: jax.Array, g: jax.Array) -> tuple[Any, Any]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  a, b, pc, pf = _dot_factors(site.eqn, site.pos, other, g)
+  shape = site.eqn.invars[site.pos].aval.shape
+
+  def order(m, dims):
+    m = m.reshape(m.shape[1], *(shape[d] for d in dims))
+    ranks = np.argsort([perm[d] for d in dims])
+    return _f32(jnp.transpose(m, (0, *(1 + ranks))).reshape(m.shape[0], -1))
+
+  return ("dense", order(a, pc)), ("dense", order(b, pf))
+
+
+def _is_row_gather_site(eqn: Any, pos: int, view: _View) -> bool:
+  """Rows of the leaf's view gathered (an embedding), in a mode :func:`_gather_rows` follows."""
+  return (eqn.primitive.name == "gather" and pos == 0 and not view.post
+          and _is_row_gather(eqn) and eqn.params["mode"] in _ROW_GATHER_MODES)
+
+
+def _gather_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del axes
+  return _sq_gather(site.eqn, saved[0], g)
+
+
+def _gather_sides(site: _Site) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  return (perm[0],), tuple(sorted(perm[1:]))
+
+
+def _gather_factor(site: _Site, other: jax.Array, g: jax.Array) -> tuple[Any, Any]:
+  perm = site.view.perm
+  assert perm is not None  # (_sides)
+  i, rows = _gather_rows(site.eqn, other, g)
+  rest = site.eqn.invars[0].aval.shape[1:]
+  ranks = np.argsort([perm[d] for d in range(1, len(perm))])
+  rows = jnp.transpose(rows.reshape(-1, *rest), (0, *(1 + ranks))).reshape(rows.shape[0], -1)
+  return ("index", i), ("dense", rows)
+
+
+def _is_window(eqn: Any, pos: int, view: _View) -> bool:
+  """One window of the leaf's view (``dynamic_slice``; a ``slice`` after a reshape)."""
+  return eqn.primitive.name in ("slice", "dynamic_slice") and pos == 0 and not view.post
+
+
+def _window_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array, axes: tuple) -> jax.Array:
+  del site, saved, axes  # no two entries of a window overlap: the cotangent's norm
+  return _wide_sum_sq(g)
+
+
+def _is_linear_use(eqn: Any, pos: int, view: _View) -> bool:
+  """Any other use whose transpose this module forms: a product (also of a broadcast view),
+  a gather or window of a broadcast view, a convolution's kernel, a bias add or a scale."""
+  del view
+  name = eqn.primitive.name
+  return (name == "dot_general" or (name in ("gather", "slice", "dynamic_slice") and pos == 0)
+          or (name == "conv_general_dilated" and pos == 1)
+          or (name in _ELEMENTWISE and not (name == "div" and pos == 1)))
+
+
+def _direct_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
+                    axes: tuple) -> jax.Array:
+  """The norm of the leaf-sized gradient, the site's transpose at ``g`` (in float32)."""
+  anchor = site.view.anchor
+  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
+  _, vjp = jax.vjp(_site_fn(site, saved), zero)
+  return _wide_sum_sq(vjp(_widened(g))[0])
+
+
+# The kinds of site, in the order they are tried (see the module's table); a use that none
+# matches has no rule, and its leaf falls back.
+_SITE_RULES = (
+    _SiteRule("dot", _is_dot, _dot_sq_norm, _dot_sides, _dot_factor),
+    _SiteRule("gather", _is_row_gather_site, _gather_sq_norm, _gather_sides, _gather_factor),
+    _SiteRule("slice", _is_window, _window_sq_norm, saves_operands=False),
+    _SiteRule("direct", _is_linear_use, _direct_sq_norm, forms_gradient=True),
+)
+
+
+def _rule_for(eqn: Any, pos: int, view: _View) -> _SiteRule | None:
+  """The rule of the site where ``view`` is operand ``pos`` of ``eqn`` (``None``: no rule)."""
+  return next((r for r in _SITE_RULES if r.match(eqn, pos, view)), None)
 
 
 # --- the rewritten program --------------------------------------------------------------------
@@ -918,68 +1072,79 @@ class _Plan:
     return _Plan(taps, probes, frozenset(inside), tuple(groups))
 
 
-def _run(plan: _Plan, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-         path: tuple[int, ...], acc: jax.Array, probes: dict, acts: dict) -> list[Any]:
-  """Evaluates ``jaxpr`` with each tap's output tapped and each probe's output probed."""
-  env: dict[Any, Any] = {}
-  for var, val in (*zip(jaxpr.constvars, consts, strict=True),
-                   *zip(jaxpr.invars, args, strict=True)):
-    env[var] = val
-  for i, eqn in enumerate(jaxpr.eqns):
-    here = (*path, i)
-    vals = [_read(env, a) for a in eqn.invars]
-    name = eqn.primitive.name
+class _Run(_Walk):
+  """Evaluates a program with each tap's output tapped and each probe's output probed:
+  ``probes``: each probe's path -> the zero added to its output (differentiated, it gives
+  the output's cotangent); ``acts``: each probe's path -> its other operands (written)."""
+
+  def __init__(self, plan: _Plan, acc: jax.Array, probes: dict, acts: dict):
+    self.plan, self.acc, self.probes, self.acts = plan, acc, probes, acts
+
+  def literal(self, a: Any) -> Any:
+    return a.val
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    plan = self.plan
     if here in plan.taps:
-      site = plan.taps[here]
-      others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
-      saved = () if site.kind == "slice" else others
-      y = _bind(eqn, vals)
-      if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
-        y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
-      tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
-                 plan.groups[site.leaf], acc.shape[0])
-      outs = [tap(y, saved, acc)]
-    elif here in plan.probes:
+      return [self._tapped(eqn, ins, plan.taps[here])]
+    if here in plan.probes:
       site = plan.probes[here]
-      acts[here] = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
-      outs = [_bind(eqn, vals) + probes[here]]
-    elif here in plan.inside and name in _CALLS:
-      sub = eqn.params["jaxpr"]
-      outs = _run(plan, sub.jaxpr, sub.consts, vals, here, acc, probes, acts)
-    elif here in plan.inside and name in _REMATS:
-      keys = [k for k in plan.probes if k[:len(here)] == here]
+      self.acts[here] = tuple(jnp.asarray(v) for k, v in enumerate(ins) if k != site.pos)
+      return [_bind(eqn, ins) + self.probes[here]]
+    if eqn.primitive.name == "tanh" and not eqn.params.get("accuracy"):
+      return [_tanh(ins[0])]
+    out = _bind(eqn, ins)
+    return out if eqn.primitive.multiple_results else [out]
 
-      def body(vals, acc, pv, eqn=eqn, here=here, keys=keys):
-        sub_acts: dict = {}
-        outs = _run(plan, eqn.params["jaxpr"], (), vals, here, acc,
-                    dict(zip(keys, pv, strict=True)), sub_acts)
-        return outs, [sub_acts[k] for k in keys]
+  def _tapped(self, eqn: Any, vals: list[Any], site: _Site) -> Any:
+    acc = self.acc
+    others = tuple(jnp.asarray(v) for k, v in enumerate(vals) if k != site.pos)
+    saved = others if site.rule.saves_operands else ()
+    y = _bind(eqn, vals)
+    if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
+      y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
+    tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
+               self.plan.groups[site.leaf], acc.shape[0])
+    return tap(y, saved, acc)
 
-      outs, got = jax.checkpoint(body, policy=eqn.params["policy"],
-                                 prevent_cse=eqn.params["prevent_cse"])(
-                                     vals, acc, [probes[k] for k in keys])
-      acts.update(zip(keys, got, strict=True))
-    elif here in plan.inside and name == "scan":
-      p = eqn.params
-      nc, nk = _scan_counts(eqn)
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if here not in self.plan.inside:  # no site inside: the equation as it is
+      return self.visit(eqn, ins, here)
+    if body.kind == "call":
+      return self.walk(body.jaxpr, ins, here, body.consts)
+    if body.kind == "remat":
+      return self._remat(eqn, body, ins, here)
+    return self._scan(eqn, body, ins, here)
 
-      def step(carry, x, p=p, here=here, consts=vals[:nc], nk=nk):
-        outs = _run(plan, p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *x], here,
-                    acc, {}, {})
-        return outs[:nk], outs[nk:]
+  def _remat(self, eqn: Any, body: _Body, vals: list[Any], here: tuple[int, ...]) -> list[Any]:
+    """A ``checkpoint`` body with sites, run under ``jax.checkpoint`` with its own policy."""
+    plan = self.plan
+    keys = [k for k in plan.probes if k[:len(here)] == here]
 
-      carry, ys = jax.lax.scan(jax.checkpoint(step, policy=_saved), vals[nc:nc + nk],
-                               vals[nc + nk:], length=p["length"], reverse=p["reverse"],
-                               unroll=p["unroll"])
-      outs = [*carry, *ys]
-    elif name == "tanh" and not eqn.params.get("accuracy"):
-      outs = [_tanh(vals[0])]
-    else:
-      out = _bind(eqn, vals)
-      outs = out if eqn.primitive.multiple_results else [out]
-    for var, val in zip(eqn.outvars, outs, strict=True):
-      env[var] = val
-  return [_read(env, a) for a in jaxpr.outvars]
+    def run(vals, acc, pv):
+      sub = _Run(plan, acc, dict(zip(keys, pv, strict=True)), {})
+      outs = sub.walk(body.jaxpr, vals, here, body.consts)
+      return outs, [sub.acts[k] for k in keys]
+
+    outs, got = jax.checkpoint(run, policy=eqn.params["policy"],
+                               prevent_cse=eqn.params["prevent_cse"])(
+                                   vals, self.acc, [self.probes[k] for k in keys])
+    self.acts.update(zip(keys, got, strict=True))
+    return outs
+
+  def _scan(self, eqn: Any, body: _Body, vals: list[Any], here: tuple[int, ...]) -> list[Any]:
+    """A ``scan`` body with sites (taps only), its cheap residuals recomputed (``_saved``)."""
+    p, nc, nk = eqn.params, body.num_consts, body.num_carry
+    plan, acc, consts = self.plan, self.acc, vals[:nc]
+
+    def step(carry, x):
+      outs = _Run(plan, acc, {}, {}).walk(body.jaxpr, [*consts, *carry, *x], here, body.consts)
+      return outs[:nk], outs[nk:]
+
+    carry, ys = jax.lax.scan(jax.checkpoint(step, policy=_saved), vals[nc:nc + nk],
+                             vals[nc + nk:], length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
+    return [*carry, *ys]
 
 
 def _widened(x: Any) -> Any:
@@ -1003,39 +1168,40 @@ def _bind_wide(eqn: Any, args: Sequence[Any]) -> Any:
   return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
 
 
-def _operands(plan: _Plan, jaxpr: Any, args: Sequence[Any], path: tuple[int, ...],
-              out: dict) -> list[Any]:
+class _Operands(_Walk):
   """Each probe's leaf operand (into ``out``, by path), evaluated from the leaves alone.
 
-  ``args``: ``jaxpr``'s inputs where they are leaves' views (``None`` elsewhere). Only the
+  A variable holds its value where it is a leaf's view (``None`` elsewhere). Only the
   operations the analysis follows from a leaf to its sites run (layout operations,
   broadcasts, static slices, the calls they pass through); a ``custom_jvp`` that is the
   identity in the leaf passes it on as is, which is what the gradient needs (every site is
   linear in its leaf operand, so its transpose does not read that operand's value).
   """
-  env: dict[Any, Any] = {v: a for v, a in zip(jaxpr.invars, args, strict=True) if a is not None}
-  for i, eqn in enumerate(jaxpr.eqns):
-    here = (*path, i)
-    vals = [None if isinstance(a, jcore.Literal) else env.get(a) for a in eqn.invars]
-    if here in plan.probes:
-      out[here] = vals[plan.probes[here].pos]
-      continue
-    hit = [k for k, v in enumerate(vals) if v is not None]
-    if not hit:
-      continue
-    name = eqn.primitive.name
+
+  def __init__(self, plan: _Plan, out: dict):
+    self.plan, self.out = plan, out
+
+  def visit(self, eqn: Any, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
     outs: list[Any] = [None] * len(eqn.outvars)
-    if name in _CALLS or name in _REMATS:  # sites inside, or views that leave it
-      sub = eqn.params["jaxpr"]
-      outs = _operands(plan, sub.jaxpr if name in _CALLS else sub, vals, here, out)
-    elif (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
-      outs = [_bind_wide(eqn, vals)]
+    if here in self.plan.probes:
+      self.out[here] = ins[self.plan.probes[here].pos]
+      return outs
+    hit = [k for k, v in enumerate(ins) if v is not None]
+    if not hit:
+      return outs
+    name = eqn.primitive.name
+    if (name in _LAYOUT or name in ("broadcast_in_dim", "slice")) and len(eqn.invars) == 1:
+      outs = [_bind_wide(eqn, ins)]
     elif name == "custom_jvp_call" and len(hit) == 1:
       j = _identity_output(eqn, hit[0])
       if j is not None:
-        outs[j] = vals[hit[0]]
-    env.update({o: v for o, v in zip(eqn.outvars, outs, strict=True) if v is not None})
-  return [None if isinstance(a, jcore.Literal) else env.get(a) for a in jaxpr.outvars]
+        outs[j] = ins[hit[0]]
+    return outs
+
+  def enter(self, eqn: Any, body: _Body, ins: list[Any], here: tuple[int, ...]) -> list[Any]:
+    if body.kind == "scan" or all(v is None for v in ins):  # no probe in a scan body
+      return [None] * len(eqn.outvars)
+    return self.walk(body.jaxpr, ins, here)  # sites inside, or views that leave it
 
 
 def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequence[int],
@@ -1064,7 +1230,7 @@ def _kept_sum(plan: _Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequenc
       if k in used:
         ls[k] = v
     ops: dict = {}
-    _operands(plan, jaxpr, ls, (), ops)
+    _Operands(plan, ops).walk(jaxpr, ls)
     return [ops[key] for key in plan.probes]
 
   # In float32 (or wider) throughout: the leaves, the layout operations to the sites (a
@@ -1149,8 +1315,7 @@ def _decide(closed: Any, leaves: Sequence[Any],
   for k in floating:
     aval = closed.jaxpr.invars[k].aval
     views[k] = _View(k, tuple(range(aval.ndim)), aval)
-  found = _Analysis()
-  _analyse(closed.jaxpr, views, [False] * len(leaves) + list(mapped), (), found)
+  found = _analyse(closed.jaxpr, views, [False] * len(leaves) + list(mapped))
   fallback: dict[int, str] = {}
   taps: dict[tuple[int, ...], _Site] = {}
   probes: dict[tuple[int, ...], _Site] = {}
@@ -1206,12 +1371,8 @@ def _eqns(jaxpr: Any) -> Any:
   and cond bodies, custom rules' primal programs), depth first."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jcore.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jcore.Jaxpr):
-          yield from _eqns(sub)
+    for sub in _programs(eqn):
+      yield from _eqns(sub)
 
 
 def _margin(jaxpr: Any) -> float:
@@ -1279,86 +1440,13 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   closed, out_tree, n = _trace(f, leaves, treedef, xs, in_axes)
   taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
   if strict and fallback:
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
-    k, what = next(iter(fallback.items()))
-    raise ValueError(
-        f"clip_per_example(method='ghost') has no per-example norm rule for how the loss uses "
-        f"the parameter at {paths[k] or '(root)'} (shape {np.shape(leaves[k])}): it reaches "
-        f"{what}. Ghost norms cover matrix products, bias adds, elementwise scales, row "
-        "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
-        "parameter entering the scan as xs). Use method='auto' to materialise the "
-        "per-example gradient of such parameters only, or method='materialize'.")
+    _refuse_unknown_use(diff, leaves, fallback)
   if auto and _little_saved(taps, probes, leaves):
     return None
-  fb_keys = list(fallback)
-  ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
-  # Under shard_map: the per-example inputs vary over the axes any input varies over.
-  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
-      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
-      key=str))
-  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
-                         for k in fb_keys], axes)
-  gid = list(groups) if groups is not None else [0] * len(leaves)
-  rows = max(gid, default=0) + 1
-  # wide squared norms, one row per clip group
-  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
-
-  def forward(plan):
-    """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
-    keys = list(plan.probes)
-
-    def example(ghost, fb, acc, pv, x):
-      ls = list(leaves)
-      for k, v in (*zip(ghost_keys, ghost, strict=True), *zip(fb_keys, fb, strict=True)):
-        ls[k] = v
-      acts: dict = {}
-      outs = _run(plan, closed.jaxpr, closed.consts, [*ls, *jax.tree.leaves(x)], (), acc,
-                  dict(zip(keys, pv, strict=True)), acts)
-      objective, out = jax.tree.unflatten(out_tree, outs)
-      return objective, (out, [acts[k] for k in keys])
-
-    def batched(ghost, fb, acc, pv):
-      return jax.vmap(example, in_axes=(None, 0, 0, 0, in_axes), axis_name=_EXAMPLES)(
-          ghost, fb, acc, pv, xs)
-
-    pv0 = []
-    for key in keys:
-      aval = plan.probes[key].eqn.outvars[0].aval
-      pv0.append(_sharding._vary(jnp.zeros((n, *aval.shape), aval.dtype), axes))
-    objectives, vjp, (outs, acts) = jax.vjp(batched, [leaves[k] for k in ghost_keys], fb0,
-                                            acc0, pv0, has_aux=True)
-    return objectives, vjp, outs, acts
-
-  # Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
-  # holds less for it (bytes per micro-batch, read from the traced program):
-  # - book-keeping: every site is probed, its output cotangent and other operands kept; the
-  #   norms follow from them and each leaf's clipped sum is formed from them (the sites'
-  #   transposes at c times the cotangents), with no second backward pass. It holds every
-  #   site's operands and cotangents at once: a gelu MLP's pick, whose residuals (three per
-  #   layer) outweigh them;
-  # - a second, reweighted backward pass over the same forward pass, which holds the forward
-  #   pass's residuals for it: a tanh MLP's pick, whose residuals are the sites' inputs alone.
-  # A scan body's sites are tapped (norms computed inside the backward pass, no cotangent
-  # kept across the iterations), with a second backward pass; the scan body recomputes its
-  # cheap elementwise residuals (the policy ``_saved``).
-  sites = {**taps, **probes}
+  t = _traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, fallback, groups)
   margin = _margin(closed.jaxpr)
-  book = False
-  plan = _Plan.of(taps, probes, gid)
-  objectives, vjp, outs, acts = forward(plan)
-  if sites and not any(s.view.in_scan for s in sites.values()):
-    kept = sum(n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
-        _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
-        for s in sites.values())
-    held = _held_bytes(vjp, n)
-    # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
-    # runs in the model's own dtypes, which round after the clip factor is applied: in a
-    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
-    if program == "book" or (program is None and (kept <= held or margin > 0)):
-      book = True
-      plan = _Plan.of({}, sites, gid)
-      objectives, vjp, outs, acts = forward(plan)
-  if rows > 1 and margin > 0 and not book:
+  book, plan, (objectives, vjp, outs, acts) = _choose_program(t, taps, probes, program, margin)
+  if t.rows > 1 and margin > 0 and not book:
     # Per-layer clip norms through a second pass in a narrow dtype: the pass's rounding is
     # relative to the whole cotangent, not to each group's part, and a small group's
     # contribution was measured above its own norm by more than the margin (1.016 C_g).
@@ -1371,31 +1459,8 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
         "float32, whose rounding is relative to the whole gradient, not to each group's "
         "part. Use method='auto' (which materialises here) or method='materialize', or one "
         "clip norm for the whole gradient.")
-  probe_keys = list(plan.probes)
-  where = {key: j for j, key in enumerate(probe_keys)}
-  # The first backward pass: each example's wide squared norm (the weights' cotangents it
-  # would give are dead code).
-  _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
-  if book and margin > 0:
-    # The norms and the clipped sum read the same kept values: XLA may otherwise give one
-    # of them a narrow value's excess precision (a bfloat16 product read before rounding)
-    # and the other the rounded value, and the clipped example's norm is then not the one
-    # its factor was computed from. (In float32 there is no excess precision to give.)
-    acts, cots = jax.lax.optimization_barrier((acts, cots))
-  for k, g in zip(fb_keys, fb_grads, strict=True):
-    wide = wide + _in_row(jax.vmap(_wide_sum_sq)(g), gid[k], rows)
-  if book:
-    for key in taps:
-      site, j = taps[key], where[key]
-      leaf_axes = tuple(_sharding._varying(leaves[site.leaf]))
-      wide = wide + _in_row(_sharding._vary(jax.vmap(
-          lambda o, g, site=site, ax=leaf_axes: _site_sq_norm(site, o, g, ax),
-          axis_name=_EXAMPLES)(acts[j], cots[j]), axes), gid[site.leaf], rows)
-  for k, uses in multi.items():
-    js = [where[s.path] for s in uses]
-    wide = wide + _in_row(jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g),
-                                   axis_name=_EXAMPLES)(
-        [acts[j][0] for j in js], [cots[j] for j in js]), gid[k], rows)
+  wide, fb_grads, acts, cots = _first_pass(t, plan, taps, multi, book, margin, vjp,
+                                           objectives, acts)
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
   # still gives it (and its third, a norm below ~1e-19).
   sq = _wide_norm(wide) if norms else wide[..., 0]  # (n, rows)
@@ -1403,46 +1468,201 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   c = c if groups is not None else c[:, None]  # (n, rows): each example's factor per group
   c2 = c / (1.0 + margin)  # a second pass's factors (see _NARROW_MARGIN_UNITS)
   if book:
-    ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in ghost_keys], ghost_keys,
-                            acts, cots, c, zero_safe)
+    ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in t.ghost_keys],
+                            t.ghost_keys, acts, cots, c, zero_safe)
   else:
-    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
+    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [t.gid[k] for k in t.ghost_keys])
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
   # the forward and backward passes run again with those examples' inputs replaced by
   # a live one's. The cond costs a parameter-sized buffer: zero_safe=False skips it.
   dead = jnp.all(c == 0, axis=1)
-
-  def again(_):
-    src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
-    xs2 = jax.tree.unflatten(jax.tree.structure(xs), [
-        x if a is None else jnp.take(x, src, axis=a)
-        for x, a in zip(jax.tree.leaves(xs), _leaf_axes(xs, in_axes), strict=True)])
-    def plain(ghost, x):
-      ls = list(leaves)
-      for k, v in zip(ghost_keys, ghost, strict=True):
-        ls[k] = v
-      return f(jax.tree.unflatten(treedef, ls), x)[0]
-
-    _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, in_axes))(g, xs2),
-                      [leaves[k] for k in ghost_keys])
-    redo = _by_group(vjp2, c2.astype(objectives.dtype), [gid[k] for k in ghost_keys])
-    return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
-                        if _inexact(g) else g, redo)
-
-  if ghost_keys and zero_safe and not book:
-    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)), again,
+  if t.ghost_keys and zero_safe and not book:
+    ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)),
+                               functools.partial(_again, t, c, c2, objectives.dtype, dead),
                                lambda _: ghost_grads, None)
   grads = list(leaves)
-  for k, g in zip(ghost_keys, ghost_grads, strict=True):
+  for k, g in zip(t.ghost_keys, ghost_grads, strict=True):
     grads[k] = g
-  for k, g in zip(fb_keys, fb_grads, strict=True):
-    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c[:, gid[k]]), axis=0).astype(g.dtype)
+  for k, g in zip(t.fb_keys, fb_grads, strict=True):
+    grads[k] = jnp.sum(_stats.scale_rows(_f32(g), c[:, t.gid[k]]), axis=0).astype(g.dtype)
   if groups is None:
     total = sq[:, 0]
   else:
     total = _stats.combine(sq) if norms else jnp.sum(sq, axis=1)
   return outs, jax.tree.unflatten(treedef, grads), total
+
+
+def _refuse_unknown_use(diff: tuple, leaves: Sequence[Any], fallback: dict[int, str]) -> None:
+  """Raises ``strict``'s ``ValueError`` for the first leaf without a rule."""
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
+  k, what = next(iter(fallback.items()))
+  raise ValueError(
+      f"clip_per_example(method='ghost') has no per-example norm rule for how the loss uses "
+      f"the parameter at {paths[k] or '(root)'} (shape {np.shape(leaves[k])}): it reaches "
+      f"{what}. Ghost norms cover matrix products, bias adds, elementwise scales, row "
+      "gathers, slices and convolutions, inside jit, checkpoint and lax.scan (a stacked "
+      "parameter entering the scan as xs). Use method='auto' to materialise the "
+      "per-example gradient of such parameters only, or method='materialize'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+  """The objective traced on one example, and what every pass over it shares."""
+
+  f: Callable[..., Any]
+  xs: PyTree
+  in_axes: Any
+  leaves: list
+  treedef: Any
+  closed: Any  # the ClosedJaxpr of f on one example
+  out_tree: Any
+  n: int  # examples
+  ghost_keys: list[int]  # the leaves whose norms the analysis gives
+  fb_keys: list[int]  # the leaves whose per-example gradients are materialised
+  gid: list[int]  # each leaf's clip group
+  rows: int  # clip groups
+  axes: tuple  # the shard_map axes the per-example inputs vary over
+  fb0: list  # the materialised leaves, one copy per example
+  acc0: jax.Array  # zero wide squared norms, (n, rows, parts)
+
+
+def _traced(f: Callable[..., Any], xs: PyTree, in_axes: Any, leaves: list, treedef: Any,
+            closed: Any, out_tree: Any, n: int, fallback: dict[int, str],
+            groups: Sequence[int] | None) -> _Traced:
+  """The :class:`_Traced` of a call of :func:`clipped_sum` (``fallback``: the leaves to
+  materialise; ``groups``: each leaf's clip group, ``None``: one for all)."""
+  fb_keys = list(fallback)
+  ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
+  # Under shard_map: the per-example inputs vary over the axes any input varies over.
+  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
+      (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
+      key=str))
+  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
+                         for k in fb_keys], axes)
+  gid = list(groups) if groups is not None else [0] * len(leaves)
+  rows = max(gid, default=0) + 1
+  # wide squared norms, one row per clip group
+  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
+  return _Traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, ghost_keys, fb_keys,
+                 gid, rows, axes, fb0, acc0)
+
+
+def _forward(t: _Traced, plan: _Plan) -> tuple[jax.Array, Any, Any, list]:
+  """The forward pass with ``plan``'s taps and probes: ``(objectives, vjp, outs, acts)``."""
+  keys = list(plan.probes)
+
+  def example(ghost, fb, acc, pv, x):
+    ls = list(t.leaves)
+    for k, v in (*zip(t.ghost_keys, ghost, strict=True), *zip(t.fb_keys, fb, strict=True)):
+      ls[k] = v
+    acts: dict = {}
+    outs = _Run(plan, acc, dict(zip(keys, pv, strict=True)), acts).walk(
+        t.closed.jaxpr, [*ls, *jax.tree.leaves(x)], (), t.closed.consts)
+    objective, out = jax.tree.unflatten(t.out_tree, outs)
+    return objective, (out, [acts[k] for k in keys])
+
+  def batched(ghost, fb, acc, pv):
+    return jax.vmap(example, in_axes=(None, 0, 0, 0, t.in_axes), axis_name=_EXAMPLES)(
+        ghost, fb, acc, pv, t.xs)
+
+  pv0 = []
+  for key in keys:
+    aval = plan.probes[key].eqn.outvars[0].aval
+    pv0.append(_sharding._vary(jnp.zeros((t.n, *aval.shape), aval.dtype), t.axes))
+  objectives, vjp, (outs, acts) = jax.vjp(batched, [t.leaves[k] for k in t.ghost_keys], t.fb0,
+                                          t.acc0, pv0, has_aux=True)
+  return objectives, vjp, outs, acts
+
+
+def _choose_program(t: _Traced, taps: dict, probes: dict, program: str | None,
+                    margin: float) -> tuple[bool, _Plan, tuple[jax.Array, Any, Any, list]]:
+  """``(book, plan, forward pass)``: whether the clipped sum is formed by book-keeping.
+
+  Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
+  holds less for it (bytes per micro-batch, read from the traced program):
+  - book-keeping: every site is probed, its output cotangent and other operands kept; the
+    norms follow from them and each leaf's clipped sum is formed from them (the sites'
+    transposes at c times the cotangents), with no second backward pass. It holds every
+    site's operands and cotangents at once: a gelu MLP's pick, whose residuals (three per
+    layer) outweigh them;
+  - a second, reweighted backward pass over the same forward pass, which holds the forward
+    pass's residuals for it: a tanh MLP's pick, whose residuals are the sites' inputs alone.
+  A scan body's sites are tapped (norms computed inside the backward pass, no cotangent
+  kept across the iterations), with a second backward pass; the scan body recomputes its
+  cheap elementwise residuals (the policy ``_saved``).
+  """
+  sites = {**taps, **probes}
+  plan = _Plan.of(taps, probes, t.gid)
+  passed = _forward(t, plan)
+  if sites and not any(s.view.in_scan for s in sites.values()):
+    kept = sum(t.n * (_aval_bytes(s.eqn.outvars[0].aval) + sum(
+        _aval_bytes(v.aval) for k, v in enumerate(s.eqn.invars) if k != s.pos))
+        for s in sites.values())
+    held = _held_bytes(passed[1], t.n)
+    # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
+    # runs in the model's own dtypes, which round after the clip factor is applied: in a
+    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
+    if program == "book" or (program is None and (kept <= held or margin > 0)):
+      plan = _Plan.of({}, sites, t.gid)
+      return True, plan, _forward(t, plan)
+  return False, plan, passed
+
+
+def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, margin: float,
+                vjp: Any, objectives: jax.Array,
+                acts: list) -> tuple[jax.Array, list, list, list]:
+  """The first backward pass: ``(wide, fb_grads, acts, cots)``, each example's wide squared
+  norms ``(E, rows, parts)``, the materialised leaves' per-example gradients, and the
+  probes' kept operands and output cotangents (the weights' cotangents it would give are
+  dead code)."""
+  where = {key: j for j, key in enumerate(plan.probes)}
+  _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
+  if book and margin > 0:
+    # The norms and the clipped sum read the same kept values: XLA may otherwise give one
+    # of them a narrow value's excess precision (a bfloat16 product read before rounding)
+    # and the other the rounded value, and the clipped example's norm is then not the one
+    # its factor was computed from. (In float32 there is no excess precision to give.)
+    acts, cots = jax.lax.optimization_barrier((acts, cots))
+  for k, g in zip(t.fb_keys, fb_grads, strict=True):
+    wide = wide + _in_row(jax.vmap(_wide_sum_sq)(g), t.gid[k], t.rows)
+  if book:
+    for key in taps:
+      site, j = taps[key], where[key]
+      leaf_axes = tuple(_sharding._varying(t.leaves[site.leaf]))
+      wide = wide + _in_row(_sharding._vary(jax.vmap(
+          lambda o, g, site=site, ax=leaf_axes: site.rule.sq_norm(site, o, g, ax),
+          axis_name=_EXAMPLES)(acts[j], cots[j]), t.axes), t.gid[site.leaf], t.rows)
+  for k, uses in multi.items():
+    js = [where[s.path] for s in uses]
+    wide = wide + _in_row(jax.vmap(lambda o, g, uses=uses: _multi_sq_norm(uses, o, g),
+                                   axis_name=_EXAMPLES)(
+        [acts[j][0] for j in js], [cots[j] for j in js]), t.gid[k], t.rows)
+  return wide, fb_grads, acts, cots
+
+
+def _again(t: _Traced, c: jax.Array, c2: jax.Array, dtype: Any, dead: jax.Array,
+           _: Any) -> list[Any]:
+  """The ghost leaves' clipped sum by a forward and a second backward pass again (``c2``:
+  its factors, cast to the objective's ``dtype``), each dead example's inputs (``c_e = 0``
+  in every group) replaced by a live one's; all zero where every example is dead."""
+  n, ghost_keys = t.n, t.ghost_keys
+  src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
+  xs2 = jax.tree.unflatten(jax.tree.structure(t.xs), [
+      x if a is None else jnp.take(x, src, axis=a)
+      for x, a in zip(jax.tree.leaves(t.xs), _leaf_axes(t.xs, t.in_axes), strict=True)])
+
+  def plain(ghost, x):
+    ls = list(t.leaves)
+    for k, v in zip(ghost_keys, ghost, strict=True):
+      ls[k] = v
+    return t.f(jax.tree.unflatten(t.treedef, ls), x)[0]
+
+  _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, t.in_axes))(g, xs2),
+                    [t.leaves[k] for k in ghost_keys])
+  redo = _by_group(vjp2, c2.astype(dtype), [t.gid[k] for k in ghost_keys])
+  return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
+                      if _inexact(g) else g, redo)
 
 
 def _little_saved(taps: dict, probes: dict, leaves: Sequence[Any]) -> bool:
@@ -1455,7 +1675,7 @@ def _little_saved(taps: dict, probes: dict, leaves: Sequence[Any]) -> bool:
   programs and weigh on neither side."""
   size = {k: math.prod(np.shape(leaves[k])) * jnp.dtype(jnp.asarray(leaves[k]).dtype).itemsize
           for k in range(len(leaves)) if _inexact(leaves[k])}
-  formed = {s.leaf for s in (*taps.values(), *probes.values()) if s.kind == "direct"}
+  formed = {s.leaf for s in (*taps.values(), *probes.values()) if s.rule.forms_gradient}
   total = sum(size.values())
   return total > 0 and 3 * sum(size[k] for k in formed if k in size) >= total
 
