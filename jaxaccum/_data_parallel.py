@@ -59,10 +59,10 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     opts = _resolve_auto(opts, batches, leaf_axes)
   axes = opts.data_axis
   assert isinstance(axes, tuple)
-  mesh = _sharding._resolve_mesh(opts.mesh, axes)
+  mesh = _sharding.resolve_mesh(opts.mesh, axes)
   shards = math.prod(mesh.shape[a] for a in axes)
   n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.count, opts.size,
-                           shards=shards, where=_sharding._axes_str(axes, mesh),
+                           shards=shards, where=_sharding.axes_str(axes, mesh),
                            of=_split.size_note(batches, leaf_axes))
   batch_axes = dict(zip((*roles.batch, *roles.batch_names), leaf_axes.values(), strict=True))
   placed = _place(opts, roles, mesh, args, kwargs, batch_axes)
@@ -81,12 +81,12 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     *leaves, local_act = local_arrays
     largs, lkwargs = placed.unflatten(leaves, len(args))
     for j in (*roles.diff, *roles.state):
-      largs[j] = _sharding._vary(largs[j], axes)
+      largs[j] = _sharding.vary(largs[j], axes)
     # After _vary: a parameter gathered before the loop must vary over every data axis, or
     # its cotangent would be summed over the others inside every micro-batch.
     fun, closed = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
     for j in roles.diff:
-      largs[j] = _sharding._vary(largs[j], axes)
+      largs[j] = _sharding.vary(largs[j], axes)
     for j in roles.rng:
       largs[j] = fold_shard(largs[j], axes)
     for k in roles.rng_names:
@@ -142,7 +142,7 @@ class _Placed(NamedTuple):
   def unflatten(self, local_arrays: Sequence[Any], nargs: int) -> tuple[list, dict]:
     """The local positional and keyword arguments, from the mapped array leaves."""
     it = iter(local_arrays)
-    values = [jax.tree.unflatten(treedef, [next(it) if _sharding._is_array(x) else x
+    values = [jax.tree.unflatten(treedef, [next(it) if _sharding.is_array(x) else x
                                            for x in leaves])
               for leaves, treedef in self.flat]
     return values[:nargs], dict(zip(self.keys[nargs:], values[nargs:], strict=True))
@@ -168,10 +168,10 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
             "PRNG key argument" if key in (*roles.rng, *roles.rng_names) else None)
     along = jax.tree.leaves(batch_axes[key]) if is_batch else None
     for k, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(value)):
-      if not _sharding._is_array(x):
+      if not _sharding.is_array(x):
         gathers[key].append(())
         continue
-      have = _sharding._explicit_spec(x)
+      have = _sharding.explicit_spec(x)
       a = along[k] if along is not None else 0
       spec, gather, lead = _local_spec(have, axes, f"{label}{jax.tree_util.keystr(path)}",
                                        is_batch, kind, a)
@@ -333,7 +333,7 @@ def _use_full(value: Any, shards: list, *, gathers: tuple, full: list) -> Any:
   del shards
   leaves, treedef = jax.tree.flatten(value)
   return jax.tree.unflatten(treedef, [
-      _gathered_once(x, f, g, tuple(sorted(_sharding._varying(x), key=str))) if g else x
+      _gathered_once(x, f, g, tuple(sorted(_sharding.varying(x), key=str))) if g else x
       for x, f, g in zip(leaves, full, gathers, strict=True)])
 
 
@@ -364,7 +364,7 @@ def _gathered_once_fwd(shard, full, gathers, varying):
 
 
 def _gathered_once_bwd(gathers, varying, _, ct):
-  return _sharding._vary(_scatter(ct, gathers), varying), None
+  return _sharding.vary(_scatter(ct, gathers), varying), None
 
 
 _gathered_once.defvjp(_gathered_once_fwd, _gathered_once_bwd)
@@ -374,7 +374,7 @@ def fold_shard(keys: PyTree, axes: tuple) -> PyTree:
   """Inside ``shard_map`` over ``axes``: each key of ``keys`` folded with this device's shard
   index, ``fold_in(key, d)``, so that the data shards draw different numbers."""
   shard = lax.axis_index(axes)
-  return jax.tree.map(lambda k: jax.random.fold_in(k, shard), _sharding._vary(keys, axes))
+  return jax.tree.map(lambda k: jax.random.fold_in(k, shard), _sharding.vary(keys, axes))
 
 
 def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
@@ -482,7 +482,7 @@ def _manual_part(spec: PartitionSpec | None, axes: tuple[AxisName, ...]):
     return PartitionSpec(), ()
   entries, gathers = [], []
   for dim in range(len(spec)):
-    mine = tuple(a for a in _sharding._dim_axes(spec, dim) if a in axes)
+    mine = tuple(a for a in _sharding.dim_axes(spec, dim) if a in axes)
     entries.append(None if not mine else mine[0] if len(mine) == 1 else mine)
     if mine:
       gathers.append((dim, mine))
@@ -525,7 +525,7 @@ def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: s
                 batch: bool, replicated_only: str | None, batch_axis: int = 0):
   """in_spec and gathers of one array argument leaf (a batch leaf's along ``batch_axis``)."""
   if batch:
-    lead = _sharding._dim_axes(have, batch_axis)
+    lead = _sharding.dim_axes(have, batch_axis)
     if set(lead) - set(axes):
       raise ValueError(
           f"batch leaf {where} is sharded over {lead} (spec {have}), but data_axis={axes} "

@@ -649,7 +649,7 @@ def _guarded(lost: jax.Array, direct: Callable[..., jax.Array], value: jax.Array
   branch for all, decided over the vmap axis ``_EXAMPLES``), else ``value``. Under
   ``shard_map`` (whose varying axes refuse a collective over a vmap axis) or outside that
   vmap, each example takes its own form, both computed."""
-  if _sharding._varying(lost):
+  if _sharding.varying(lost):
     return jnp.where(lost, direct(*operands), value)
   try:
     lost = jax.lax.psum(lost.astype(jnp.int32), _EXAMPLES) > 0
@@ -688,8 +688,8 @@ def _chunked_sq(pairs: Sequence[tuple[str, jax.Array, jax.Array]], m: int,
       block = block + jnp.einsum("htk,htn->hkn", xc, y, precision=_HIGHEST)
     return total + jnp.sum(jnp.square(block))
 
-  axes = tuple(set().union(*(_sharding._varying(a) for _, x, y in pairs for a in (x, y))))
-  return jax.lax.fori_loop(0, chunks, body, _sharding._vary(jnp.zeros((), jnp.float32), axes))
+  axes = tuple(set().union(*(_sharding.varying(a) for _, x, y in pairs for a in (x, y))))
+  return jax.lax.fori_loop(0, chunks, body, _sharding.vary(jnp.zeros((), jnp.float32), axes))
 
 
 def _sq_outer(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -772,7 +772,7 @@ def _site_fn(site: _Site, others: Sequence[Any]) -> Callable[[jax.Array], jax.Ar
 
 def _zero_cotangent(x: Any) -> Any:
   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
-    return _sharding._vary(jnp.zeros_like(x), tuple(_sharding._varying(x)))
+    return _sharding.vary(jnp.zeros_like(x), tuple(_sharding.varying(x)))
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
@@ -794,7 +794,7 @@ def _tap(site: _Site, axes: tuple, leaf_axes: tuple, row: int,
     return y, saved
 
   def bwd(saved, g):
-    sq = _sharding._vary(site.rule.sq_norm(site, saved, g, leaf_axes), axes)
+    sq = _sharding.vary(site.rule.sq_norm(site, saved, g, leaf_axes), axes)
     return g, jax.tree.map(_zero_cotangent, saved), _in_row(sq, row, rows)
 
   tap.defvjp(fwd, bwd)
@@ -1036,7 +1036,7 @@ def _direct_sq_norm(site: _Site, saved: Sequence[Any], g: jax.Array,
                     axes: tuple) -> jax.Array:
   """The norm of the leaf-sized gradient, the site's transpose at ``g`` (in float32)."""
   anchor = site.view.anchor
-  zero = _sharding._vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
+  zero = _sharding.vary(_widened(jnp.zeros(anchor.shape, anchor.dtype)), axes)
   _, vjp = jax.vjp(_site_fn(site, saved), zero)
   return _wide_sum_sq(vjp(_widened(g))[0])
 
@@ -1103,7 +1103,7 @@ class _Run(_Walk):
     y = _bind(eqn, vals)
     if not site.batched:  # e.g. a static slice: make it per example, for its cotangent
       y = y + jnp.zeros((), y.dtype) * acc.reshape(-1)[0].astype(y.dtype)
-    tap = _tap(site, tuple(_sharding._varying(acc)), tuple(_sharding._varying(vals[site.pos])),
+    tap = _tap(site, tuple(_sharding.varying(acc)), tuple(_sharding.varying(vals[site.pos])),
                self.plan.groups[site.leaf], acc.shape[0])
     return tap(y, saved, acc)
 
@@ -1535,15 +1535,15 @@ def _traced(f: Callable[..., Any], xs: PyTree, in_axes: Any, leaves: list, treed
   fb_keys = list(fallback)
   ghost_keys = [k for k in range(len(leaves)) if k not in fallback]
   # Under shard_map: the per-example inputs vary over the axes any input varies over.
-  axes = tuple(sorted(set().union(*(_sharding._varying(x) for x in jax.tree.leaves(
+  axes = tuple(sorted(set().union(*(_sharding.varying(x) for x in jax.tree.leaves(
       (leaves, xs, closed.consts)) if isinstance(x, (jax.Array, np.ndarray, np.generic)))),
       key=str))
-  fb0 = _sharding._vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
+  fb0 = _sharding.vary([jnp.broadcast_to(leaves[k], (n, *np.shape(leaves[k])))
                          for k in fb_keys], axes)
   gid = list(groups) if groups is not None else [0] * len(leaves)
   rows = max(gid, default=0) + 1
   # wide squared norms, one row per clip group
-  acc0 = _sharding._vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
+  acc0 = _sharding.vary(jnp.zeros((n, rows, _WIDE_PARTS), jnp.float32), axes)
   return _Traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, ghost_keys, fb_keys,
                  gid, rows, axes, fb0, acc0)
 
@@ -1569,7 +1569,7 @@ def _forward(t: _Traced, plan: _Plan) -> tuple[jax.Array, Any, Any, list]:
   pv0 = []
   for key in keys:
     aval = plan.probes[key].eqn.outvars[0].aval
-    pv0.append(_sharding._vary(jnp.zeros((t.n, *aval.shape), aval.dtype), t.axes))
+    pv0.append(_sharding.vary(jnp.zeros((t.n, *aval.shape), aval.dtype), t.axes))
   objectives, vjp, (outs, acts) = jax.vjp(batched, [t.leaves[k] for k in t.ghost_keys], t.fb0,
                                           t.acc0, pv0, has_aux=True)
   return objectives, vjp, outs, acts
@@ -1629,8 +1629,8 @@ def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, ma
   if book:
     for key in taps:
       site, j = taps[key], where[key]
-      leaf_axes = tuple(_sharding._varying(t.leaves[site.leaf]))
-      wide = wide + _in_row(_sharding._vary(jax.vmap(
+      leaf_axes = tuple(_sharding.varying(t.leaves[site.leaf]))
+      wide = wide + _in_row(_sharding.vary(jax.vmap(
           lambda o, g, site=site, ax=leaf_axes: site.rule.sq_norm(site, o, g, ax),
           axis_name=_EXAMPLES)(acts[j], cots[j]), t.axes), t.gid[site.leaf], t.rows)
   for k, uses in multi.items():

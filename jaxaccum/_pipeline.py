@@ -208,14 +208,14 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
     local = [p[0] if r == 1 else p[:, 0] for p in p_leaves]
     # Marked stage-varying here, once: the transpose (a psum of their cotangent over the
     # stage axis) then runs once after the backward loop, not at every tick.
-    micro = tuple(_sharding._vary(micro, (axis,)))
+    micro = tuple(_sharding.vary(micro, (axis,)))
     first = [_split.take(u, jnp.int32(0)) for u in micro]
     first_params = jax.tree.unflatten(p_def, local if r == 1 else [p[0] for p in local])
     _check_stage_output(stage_fn, first_params, jax.tree.unflatten(x_def, first))
     # A stage's output varies over every manual axis its inputs vary over: the stage axis,
     # and the data axes of an enclosing shard_map (value_and_grad(data_axis=...)).
     varying = tuple(sorted(frozenset().union(
-        *(_sharding._varying(v) for v in (*local, *micro))), key=str))
+        *(_sharding.varying(v) for v in (*local, *micro))), key=str))
 
     def tick(carry, t):
       state, buffer = carry
@@ -245,7 +245,7 @@ def _make_body(stage_fn, p_def, x_def, m: int, s: int, r: int, axis: str, remat:
 
     init = tuple(jnp.zeros_like(u) for u in first)
     buffer = () if r == 1 else tuple(jnp.zeros((period, *u.shape), u.dtype) for u in first)
-    init, buffer = _sharding._vary((init, buffer), varying)
+    init, buffer = _sharding.vary((init, buffer), varying)
     _, ys = lax.scan(tick, (init, buffer), jnp.arange(ticks, dtype=jnp.int32))
     # The last stage's outputs for micro-batches 0..M-1 in the last round.
     done = (r - 1) * period + s - 1

@@ -69,7 +69,7 @@ def shard_like(x: jax.Array, like: jax.Array) -> jax.Array:
 # --- Helpers the core scan uses -----------------------------------------------------------
 
 
-def _varying(x: Any) -> frozenset:
+def varying(x: Any) -> frozenset:
   """The manual mesh axes along which ``x`` (a value or a ShapeDtypeStruct) varies."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
@@ -78,13 +78,13 @@ def _varying(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))  # older jax spelling
 
 
-def _dim_axes(spec: PartitionSpec | None, dim: int) -> tuple[AxisName, ...]:
+def dim_axes(spec: PartitionSpec | None, dim: int) -> tuple[AxisName, ...]:
   """The mesh axes that dimension ``dim`` of ``spec`` is sharded over (``()`` for none)."""
   entry = spec[dim] if spec is not None and len(spec) > dim else None
   return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _explicit_spec(x: Any) -> PartitionSpec | None:
+def explicit_spec(x: Any) -> PartitionSpec | None:
   """The PartitionSpec of ``x`` if it is sharded over ``Explicit`` mesh axes, else None."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
@@ -92,7 +92,7 @@ def _explicit_spec(x: Any) -> PartitionSpec | None:
   if sharding is None or mesh is None or getattr(mesh, "empty", True) or not mesh.explicit_axes:
     return None
   spec = sharding.spec
-  used = {a for dim in range(len(spec)) for a in _dim_axes(spec, dim)}
+  used = {a for dim in range(len(spec)) for a in dim_axes(spec, dim)}
   return spec if used & set(mesh.explicit_axes) else None
 
 
@@ -103,11 +103,11 @@ def conform(x: jax.Array, like: Any) -> jax.Array:
   are replicated and device-invariant; the gradients added to them may be sharded over
   ``Explicit`` mesh axes (FSDP parameters) or vary over ``shard_map`` axes.
   """
-  spec = _explicit_spec(like)
-  if spec is not None and _explicit_spec(x) != spec:
+  spec = explicit_spec(like)
+  if spec is not None and explicit_spec(x) != spec:
     x = jax.sharding.reshard(x, like.sharding if isinstance(like, jax.ShapeDtypeStruct)
                              else jax.typeof(like).sharding)
-  return _vary(x, tuple(sorted(_varying(like), key=str)))
+  return vary(x, tuple(sorted(varying(like), key=str)))
 
 
 def align(acc: PyTree, params: PyTree) -> PyTree:
@@ -124,7 +124,7 @@ def align(acc: PyTree, params: PyTree) -> PyTree:
     return acc
 
   def one(a, p):
-    if not _is_array(p) or _explicit_spec(p) is not None or a.shape != p.shape:
+    if not is_array(p) or explicit_spec(p) is not None or a.shape != p.shape:
       return a
     return shard_like(a, p)
 
@@ -143,7 +143,7 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
   for argnum, tree in batches.items():
     for (path, leaf), a in zip(jax.tree_util.tree_leaves_with_path(tree),
                                jax.tree.leaves(batch_axes[argnum]), strict=True):
-      axes = _dim_axes(_explicit_spec(leaf), a)
+      axes = dim_axes(explicit_spec(leaf), a)
       if not axes:
         continue
       mesh = jax.typeof(leaf).sharding.mesh
@@ -154,7 +154,7 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
         where = f"{argnum}{jax.tree_util.keystr(path)}"
         raise ValueError(
             f"batch leaf {where} has its batch axis{f' (axis {a})' if a else ''} of {size} "
-            f"rows sharded over {_axes_str(axes, mesh)} ({shards} shards), but {n} "
+            f"rows sharded over {axes_str(axes, mesh)} ({shards} shards), but {n} "
             f"micro-batches give micro-batches of {rows} rows, not a multiple of "
             f"{shards}: the split would have to move rows between devices. Use a "
             f"micro-batch count that divides {size // shards} (batch / shards), e.g. one "
@@ -261,7 +261,7 @@ def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree]
               "at trace time. Name the axes, e.g. data_axis='data', or use Explicit axes "
               "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...))), whose "
               "types carry the sharding; outside jax.jit, placed arrays work too.")
-      axes = _dim_axes(spec, axis)
+      axes = dim_axes(spec, axis)
       if not axes:
         placed = (f"spec {spec}" if spec is not None else "not placed on a mesh")
         raise ValueError(
@@ -284,7 +284,7 @@ def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree]
   return next(iter(found.values())), meshes[0]
 
 
-def _axes_str(axes: Sequence[AxisName], mesh: Any) -> str:
+def axes_str(axes: Sequence[AxisName], mesh: Any) -> str:
   return " x ".join(f"{a!r} (size {mesh.shape[a]})" for a in axes)
 
 
@@ -298,7 +298,7 @@ def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any) -> None:
         "Pass the name of the axis the batch is sharded over.")
 
 
-def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
+def resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -322,13 +322,13 @@ def _resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
   return mesh
 
 
-def _vary(tree: PyTree, axes: tuple[AxisName, ...]) -> PyTree:
+def vary(tree: PyTree, axes: tuple[AxisName, ...]) -> PyTree:
   """``tree``, every leaf made to vary over the manual ``axes`` (those it does not yet)."""
   def one(x):
-    missing = tuple(a for a in axes if a not in _varying(x))
+    missing = tuple(a for a in axes if a not in varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
   return jax.tree.map(one, tree)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))

@@ -666,8 +666,8 @@ def _zeros_like_struct(s: Any) -> jax.Array:
 
 def _vary_as(x: jax.Array, *likes: Any) -> jax.Array:
   """``x``, varying over every manual axis that ``x`` or any of ``likes`` varies over."""
-  want = frozenset().union(*(_sharding._varying(like) for like in likes))
-  return _sharding._vary(x, tuple(sorted(want, key=str)))
+  want = frozenset().union(*(_sharding.varying(like) for like in likes))
+  return _sharding.vary(x, tuple(sorted(want, key=str)))
 
 
 def info_sizes(opts: Options):

@@ -612,7 +612,7 @@ class MultiSteps:
     """The accumulator of per-device pieces: zeros of shape ``(D, *p.shape)`` per leaf, for
     the ``D`` data shards, the leading axis sharded over ``data_axis``."""
     assert self._data_axis is not None
-    mesh = _sharding._resolve_mesh(self._mesh, self._data_axis)
+    mesh = _sharding.resolve_mesh(self._mesh, self._data_axis)
     shards = int(np.prod([mesh.shape[a] for a in self._data_axis]))
     zeros = jax.tree.map(lambda p: jnp.zeros(
         (shards, *jnp.shape(p)), self._accumulator_dtype or jnp.result_type(p)), params)
