@@ -11,6 +11,7 @@ from jaxaccum._adaptive import AdaptiveBatch as AdaptiveBatch
 from jaxaccum._adaptive import AdaptiveBatchState as AdaptiveBatchState
 from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
+from jaxaccum._api import per_example_value_and_grad as per_example_value_and_grad
 from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._collectives import Collective as Collective
 from jaxaccum._collectives import Collectives as Collectives
@@ -29,6 +30,8 @@ from jaxaccum._multisteps import MultiSteps as MultiSteps
 from jaxaccum._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._noise import NoiseScale as NoiseScale
 from jaxaccum._noise import NoiseScaleState as NoiseScaleState
+from jaxaccum._options import DataParallel as DataParallel
+from jaxaccum._options import Terms as Terms
 from jaxaccum._pipeline import pipeline as pipeline
 from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
@@ -76,6 +79,7 @@ __all__ = (
     "ClipPerExample",
     "Collective",
     "Collectives",
+    "DataParallel",
     "DpNoiseState",
     "MultiSteps",
     "MultiStepsState",
@@ -86,6 +90,7 @@ __all__ = (
     "RowFeeder",
     "Seesaw",
     "SeesawState",
+    "Terms",
     "batch_size_ramp",
     "batch_size_ramp_by_count",
     "capture_gpu_target",
@@ -99,6 +104,7 @@ __all__ = (
     "grad",
     "local_value_and_grad",
     "merge_micro_batches",
+    "per_example_value_and_grad",
     "pipeline",
     "pipeline_schedule",
     "place_active_rows",
