@@ -167,7 +167,7 @@ def make_step(cfg: Config, tx: optax.GradientTransformation):
   """
   vg = jaxaccum.value_and_grad(
       functools.partial(loss_terms, heads=cfg.heads), num_micro_batches=cfg.num_micro_batches,
-      reduce=REDUCE, loss_weights=loss_weights(cfg), with_info=True, skip_nonfinite=True)
+      reduce=jaxaccum.Terms(REDUCE, weights=loss_weights(cfg)), with_info=True, skip_nonfinite=True)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch):

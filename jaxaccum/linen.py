@@ -285,26 +285,27 @@ def make_train_step(
         f"collections must be a sequence of collection names such as ('batch_stats',), got "
         f"collections={collections!r}.")
   collections = tuple(collections)
-  reduce = options.get("reduce", "mean")
-  if axis_name is not None and not (isinstance(reduce, str)
-                                    and reduce in _reduce.LOSS_KINDS):
+  vg = value_and_grad(fun, has_aux=has_aux, **options)
+  opts = vg.options
+  if axis_name is not None and not (isinstance(opts.reduce, str)
+                                    and opts.reduce in _reduce.LOSS_KINDS):
     raise ValueError(
         f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
-        f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
-        "use one of those reductions.")
-  if axis_name is not None and options.get("data_axis") is not None:
+        f"got reduce={opts.reduce!r}. Combine the results yourself with jax.lax.pmean/psum, "
+        "or use one of those reductions.")
+  if axis_name is not None and opts.data_axis is not None:
     raise ValueError(
-        f"axis_name={axis_name!r} and data_axis={options['data_axis']!r} were both given: "
+        f"axis_name={axis_name!r} and data_axis={opts.data_axis!r} were both given: "
         "axis_name combines the replicas of an enclosing jax.pmap or jax.shard_map, "
         "data_axis maps over the mesh itself. Pass one of them.")
-  for name in ("batch_argnames", "rng_argnames"):
-    if options.get(name) is not None:
+  for name, given in (("batch_argnames", opts.batch_argnames),
+                      ("rng_argnames", opts.rng_argnames)):
+    if given:
       raise TypeError(
           f"jaxaccum.linen.make_train_step takes no {name}= option: train_step(state, batch, "
           "rngs) passes no keyword arguments to fun. Put the whole batch in batch and the "
           "PRNG keys in rngs (each folded per micro-batch), or build the step on "
           "jaxaccum.linen.value_and_grad to pass keyword arguments.")
-  vg = value_and_grad(fun, has_aux=has_aux, **options)
   if axis_name is None:
     accumulated = vg
   else:

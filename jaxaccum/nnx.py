@@ -649,8 +649,7 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  return _api.Grad(vg, has_extra=options.get("has_aux", False),
-                   with_info=options.get("with_info", False))
+  return _api.Grad(vg, has_extra=vg.has_aux, with_info=vg.core.options.with_info)
 
 
 def evaluate(

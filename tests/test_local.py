@@ -79,8 +79,8 @@ def test_keyword_batch_and_key(problem):
   value, grads = jax.jit(local)(pw, batch=px, key=key)
   chex.assert_trees_all_close((value, grads), hand_pieces(w, x, key, 2), rtol=1e-5, atol=1e-7)
   # The pieces sum to what value_and_grad(data_axis=) reduces: the same keys on each shard.
-  reduced = jaxaccum.value_and_grad(keyword_loss, data_axis="data", mesh=mesh,
-                                    batch_argnums=(), batch_argnames="batch",
+  reduced = jaxaccum.value_and_grad(keyword_loss, data_axis=jaxaccum.DataParallel("data",
+                                    mesh=mesh), batch_argnums=(), batch_argnames="batch",
                                     rng_argnames="key", num_micro_batches=2)
   chex.assert_trees_all_close((value.sum(), grads.sum(0)),
                               jax.jit(reduced)(pw, batch=px, key=key), rtol=1e-5, atol=1e-6)
