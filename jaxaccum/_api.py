@@ -212,8 +212,20 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   >>> jaxaccum.grad(loss_fn, micro_batch_size=2)(jnp.array(2.0), jnp.arange(4.0))
   Array(14., dtype=float32)
   """
-  vg = value_and_grad(fun, **options)
+  vg = with_transform(value_and_grad, fun, options)
   return Grad(vg, has_extra=vg.options.has_extra, with_info=vg.options.with_info)
+
+
+def with_transform(make: Callable[..., Any], fun: Callable[..., Any], options: dict[str, Any]
+                   ) -> Any:
+  """``make(fun, **options)``, or :func:`per_example_value_and_grad` when ``options`` hold a
+  ``per_example_transform``: :func:`grad` and the adapters, which have no per-example entry
+  of their own, take it as an option (not deprecated there)."""
+  rest = dict(options)
+  transform = rest.pop("per_example_transform", None)
+  if transform is None:
+    return make(fun, **rest)
+  return per_example_value_and_grad(fun, transform, **rest)
 
 
 def evaluate(

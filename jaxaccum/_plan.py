@@ -619,7 +619,7 @@ def plan(
   # Build once with N = 1 to validate the options eagerly, with the transform's own errors;
   # the plan then reads the validated options, never the raw ones.
   try:
-    vg = value_and_grad(fun, num_micro_batches=1, **options)
+    vg = _api.with_transform(value_and_grad, fun, dict(options, num_micro_batches=1))
   except TypeError as e:
     if "unexpected keyword argument" not in str(e):
       raise
@@ -700,7 +700,8 @@ def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
   return False
 
 
-_VALUE_AND_GRAD_OPTIONS = tuple(name for name in _options.DEFAULTS if name not in _FIXED_BY_PLAN)
+_VALUE_AND_GRAD_OPTIONS = tuple(name for name in (*_options.DEFAULTS, "per_example_transform")
+                                if name not in _FIXED_BY_PLAN)
 
 
 def _batch_shards(batches: dict[int, Any]) -> int:

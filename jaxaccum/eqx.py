@@ -139,7 +139,8 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "filter_value_and_grad"
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
-    return _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
+    return _api.with_transform(_api.value_and_grad, fun,
+                               dict(options, argnums=0, has_aux=has_aux))
 
 
 class _EvaluateWrapper(_Wrapper):

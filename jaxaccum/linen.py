@@ -164,9 +164,9 @@ def value_and_grad(
   """
   _refuse_layout_options("value_and_grad", options, "params differentiated, ")
   _check_fun(fun)
-  return _api.value_and_grad(
-      _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
-      rng_argnums=3, has_aux=has_aux, **options)
+  return _api.with_transform(_api.value_and_grad, _match_state(fun, has_aux), dict(
+      options, argnums=0, batch_argnums=batch_argnums, state_argnums=2, rng_argnums=3,
+      has_aux=has_aux))
 
 
 def evaluate(

@@ -560,7 +560,7 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "value_and_grad"
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
-    return _api.value_and_grad(fun, argnums=0, **options)
+    return _api.with_transform(_api.value_and_grad, fun, dict(options, argnums=0))
 
   def _check_wrt(self, model: Any, diff: Any) -> None:
     if not jax.tree.leaves(diff):

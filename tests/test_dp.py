@@ -487,10 +487,10 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
 
   def peak(n, method=None):
-    extra = {} if method is None else {
-        "per_example_transform": jaxaccum.clip_per_example(1.0, method)}
-    m = jax.jit(jaxaccum.value_and_grad(_deep_tanh_loss, num_micro_batches=n, **extra)).lower(
-        *shapes).compile().memory_analysis()
+    vg = (jaxaccum.value_and_grad(_deep_tanh_loss, num_micro_batches=n) if method is None else
+          jaxaccum.per_example_value_and_grad(
+              _deep_tanh_loss, jaxaccum.clip_per_example(1.0, method), num_micro_batches=n))
+    m = jax.jit(vg).lower(*shapes).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
 

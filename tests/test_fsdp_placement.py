@@ -232,9 +232,9 @@ def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind,
   placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
   through_set_mesh = seed % 3 != 1
   step = jax.jit(jaxaccum.value_and_grad(
-      _scanned_loss, num_micro_batches=n, data_axis=jaxaccum.DataParallel("data",
-          param_gather="micro_batch", grad_scatter=scatter),
-              **({} if through_set_mesh else {"mesh": mesh})))
+      _scanned_loss, num_micro_batches=n, data_axis=jaxaccum.DataParallel(
+          "data", mesh=None if through_set_mesh else mesh, param_gather="micro_batch",
+          grad_scatter=scatter)))
   with jax.set_mesh(mesh) if through_set_mesh else contextlib.nullcontext():
     colls = jaxaccum.collectives(step, sharded, placed)
     value, grads = step(sharded, placed)

@@ -93,8 +93,8 @@ KINDS = {
     "mean": (loss, {"reduce": "mean"}),
     "sum": (sum_loss, {"reduce": "sum", "grads_dtype": jnp.bfloat16}),
     "weighted": (weighted_loss, {"reduce": "weighted"}),
-    "terms": (terms_loss, {"reduce": {"ce": "weighted", "reg": "mean"},
-                           "loss_weights": {"reg": 0.1}}),
+    "terms": (terms_loss, {"reduce": jaxaccum.Terms({"ce": "weighted", "reg": "mean"},
+                                                    weights={"reg": 0.1})}),
 }
 
 

@@ -33,7 +33,8 @@ def mesh8():
 
 def step(case: trm.Case, overlap: bool):
   """The reference-model test's library step, with overlap_grad_reduce set."""
-  extra = {"data_axis": "data", "mesh": mesh8(), "overlap_grad_reduce": overlap}
+  extra = {"data_axis": jaxaccum.DataParallel("data", mesh=mesh8(),
+                                              overlap_grad_reduce=overlap)}
   if case.rng:
     extra["rng_argnums"] = 2
   if case.state:

@@ -127,7 +127,7 @@ def test_mean_loss_on_a_mesh(kind, axis_type, use_data_axis):
   params, batch = _problem()
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
   mesh, params, batch, data_axis = _setup(kind, axis_type, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4, **options))
 
   _assert_no_batch_movement(_compile(step, params, batch), f"{kind}, {axis_type}")
@@ -148,7 +148,7 @@ def test_token_weighted_loss_and_aux_on_a_mesh(kind, axis_type, use_data_axis):
   params, batch = _problem(1)
   (ref_loss, ref_aux), ref_grads = _token_reference(params, batch)
   mesh, params, batch, data_axis = _setup(kind, axis_type, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(
       token_loss, num_micro_batches=8, reduce="weighted", has_aux=True,
       aux_reduce=AUX_REDUCE, **options))
@@ -219,7 +219,7 @@ def test_fsdp_accumulators_keep_their_parameters_sharding_under_auto_axes(use_da
   params, batch = _problem()
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
   mesh, params, batch, data_axis = _setup("dp_fsdp", AxisType.Auto, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4, **options))
   memory = step.lower(params, batch).compile().memory_analysis()
   shard_bytes = sum(p.addressable_shards[0].data.nbytes for p in jax.tree.leaves(params))
