@@ -214,7 +214,9 @@ def rules(case: Case) -> Rules:
 
 def options(case: Case) -> dict[str, Any]:
   count = ({"micro_batch_size": case.rows} if case.by_size else {"num_micro_batches": case.n})
-  return dict(count, reduce=jaxaccum.Terms(case.reduce_option, weights=case.loss_weights),
+  reduce = (case.reduce_option if case.loss_weights is None else
+            jaxaccum.Terms(case.reduce_option, weights=case.loss_weights))
+  return dict(count, reduce=reduce,
               has_aux=bool(case.aux), aux_reduce=case.aux_reduce,
               skip_nonfinite=case.skip, with_info=case.info, remat=case.remat)
 
