@@ -188,3 +188,20 @@ def test_plan_reads_the_validated_options():
   p = jaxaccum.plan(loss, w, batch, memory_budget_bytes=2**30, search="all",
                     data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   assert sorted(c.num_micro_batches for c in p.candidates) == [1, 2, 4]
+
+
+def test_local_value_and_grad_takes_data_parallel_and_warns_on_mesh():
+  mesh = mesh8()
+  w, batch = data(rows=16)
+  with pytest.warns(DeprecationWarning, match=r"local_value_and_grad\(mesh=\.\.\.\) is deprecated"):
+    old = jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh)
+  new = jaxaccum.local_value_and_grad(loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh))
+  out_old, out_new = jax.jit(old)(w, batch), jax.jit(new)(w, batch)
+  chex.assert_trees_all_equal(out_old, out_new)
+  value, grads = out_new  # the pieces sum to the full batch's value and gradients
+  ref_value, ref_grads = jax.value_and_grad(loss)(w, batch)
+  chex.assert_trees_all_close((value.sum(), grads.sum(0)), (ref_value, ref_grads), rtol=1e-5,
+                              atol=1e-6)
+  with pytest.raises(TypeError, match=r"takes DataParallel\(axis, mesh=\.\.\.\) only"):
+    jaxaccum.local_value_and_grad(loss, data_axis=jaxaccum.DataParallel("data",
+                                                                        grad_scatter="step"))
