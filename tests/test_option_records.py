@@ -176,17 +176,14 @@ def test_a_plain_value_means_the_record():
 
 
 def test_plan_reads_the_validated_options():
-  """plan takes the mesh from DataParallel (not from a raw mesh= keyword): every candidate
-  is a multiple of the 8 data shards' rows."""
-  mesh = mesh8()
-  P = jax.sharding.PartitionSpec
-  w = jax.ShapeDtypeStruct((3, 2), jnp.float32,
-                           sharding=jax.sharding.NamedSharding(mesh, P()))
-  split = jax.sharding.NamedSharding(mesh, P("data"))
-  batch = (jax.ShapeDtypeStruct((32, 3), jnp.float32, sharding=split),
-           jax.ShapeDtypeStruct((32, 2), jnp.float32, sharding=split))
+  """plan takes the mesh from DataParallel (not from a raw mesh= keyword): with an unplaced
+  batch the mesh alone says there are 8 data shards, so every candidate splits each shard's
+  4 rows."""
+  w = jax.ShapeDtypeStruct((3, 2), jnp.float32)
+  batch = (jax.ShapeDtypeStruct((32, 3), jnp.float32),
+           jax.ShapeDtypeStruct((32, 2), jnp.float32))
   p = jaxaccum.plan(loss, w, batch, memory_budget_bytes=2**30, search="all",
-                    data_axis=jaxaccum.DataParallel("data", mesh=mesh))
+                    data_axis=jaxaccum.DataParallel("data", mesh=mesh8()))
   assert sorted(c.num_micro_batches for c in p.candidates) == [1, 2, 4]
 
 
