@@ -288,9 +288,9 @@ def test_replicated_parameters_are_refused(axis_type, name, value):
   else:  # sharded, but an Auto type does not say so
     params = jax.device_put(params, NamedSharding(mesh, P("data")))
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N,
-                 data_axis=jaxaccum.DataParallel("data", mesh=mesh),
-                                         **{name: value}))
+  step = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=N,
+      data_axis=jaxaccum.DataParallel("data", mesh=mesh, **{name: value})))
   with pytest.raises(ValueError, match=rf"{name}='{value}' places.*no differentiated argument "
                      r"is sharded.*FSDP needs Explicit mesh axes.*or drop"):
     step(params, batch)
