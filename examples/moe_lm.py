@@ -8,8 +8,8 @@ is the one of ``examples/char_lm.py``: random stretches of the Python standard l
 source, right-padded, so micro-batches hold different numbers of real tokens.
 
 The loss has three terms, each normalised its own way over the accumulated batch by
-``jaxaccum.value_and_grad(..., reduce={"ce": "weighted", "lb": "mean", "z": "sum"},
-loss_weights={"lb": 0.01, "z": 1e-3})``:
+``jaxaccum.value_and_grad(..., reduce=jaxaccum.Terms({"ce": "weighted", "lb": "mean",
+"z": "sum"}, weights={"lb": 0.01, "z": 1e-3}))``:
 
 * ``ce``: the next-character cross-entropy, the token mean over the whole batch
   (``fun`` returns ``(summed loss, number of real tokens)``);
