@@ -202,9 +202,10 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`jax.grad`, accumulated over micro-batches; options as :func:`value_and_grad`.
 
-  Returns a function giving ``grads``, or ``(grads, aux)`` when ``has_aux`` or
-  ``state_argnums`` is set (the aux part as in :func:`value_and_grad`); with
-  ``with_info=True``, ``(grads_part, info)``.
+  ``per_example_transform=transform`` makes it the gradient of
+  :func:`per_example_value_and_grad` with that transform. Returns a function giving
+  ``grads``, or ``(grads, aux)`` when ``has_aux`` or ``state_argnums`` is set (the aux part
+  as in :func:`value_and_grad`); with ``with_info=True``, ``(grads_part, info)``.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
