@@ -236,7 +236,7 @@ def core_step(case: Case):
   if case.state:
     extra["state_argnums"] = 3 if case.rng else 2
   if case.shards > 1:
-    extra.update(data_axis="data", mesh=mesh8())
+    extra.update(data_axis=jaxaccum.DataParallel("data", mesh=mesh8()))
   f = jaxaccum.value_and_grad(core_fun(case), **options(case), **extra)
   return jax.jit(lambda args, k: f(*args, active_micro_batches=k))
 
