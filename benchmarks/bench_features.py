@@ -96,8 +96,8 @@ def build_steps(loss_fn: Callable, tx: optax.GradientTransformation) -> dict[str
       "with_info": step_of(vg(loss_fn, num_micro_batches=N, with_info=True)),
       "skip_nonfinite": step_of(vg(loss_fn, num_micro_batches=N, skip_nonfinite=True)),
       "1 term (weighted)": step_of(vg(single_loss, num_micro_batches=N, reduce="weighted")),
-      "3 terms": step_of(vg(terms_loss, num_micro_batches=N, reduce=REDUCE,
-                            loss_weights=WEIGHTS)),
+      "3 terms": step_of(vg(terms_loss, num_micro_batches=N,
+                            reduce=jaxaccum.Terms(REDUCE, weights=WEIGHTS))),
       f"k = {K_SMALL}": ramp,
       f"k = {N}": ramp,
   }

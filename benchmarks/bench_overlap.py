@@ -171,8 +171,9 @@ def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any],
             n: int = N) -> dict[str, Any]:
   mesh = jaxaccum.target_mesh("h100", (DEVICES,), ("data",))
   args = (gt.place(params, mesh, P()), gt.place(batch, mesh, P("data")))
-  fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=n, data_axis="data", mesh=mesh,
-                               overlap_grad_reduce=overlap)
+  fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=n,
+                               data_axis=jaxaccum.DataParallel("data", mesh=mesh,
+                                   overlap_grad_reduce=overlap))
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile(compiler_options=flags or None)
   seconds = time.perf_counter() - start

@@ -126,8 +126,8 @@ def make_step(method: str, n: int, batch: int, mesh, data_axis):
     return jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=n))
   if method.startswith("jaxaccum data_axis"):
     return jax.jit(jaxaccum.value_and_grad(
-        loss_fn, num_micro_batches=n, data_axis=data_axis, mesh=mesh,
-        overlap_grad_reduce=method.endswith("overlap")))
+        loss_fn, num_micro_batches=n, data_axis=jaxaccum.DataParallel(data_axis, mesh=mesh,
+            overlap_grad_reduce=method.endswith("overlap"))))
   return jax.jit(optax.microbatch(
       jax.value_and_grad(loss_fn), argnums=1, microbatch_size=batch // n,
       accumulator=optax.microbatching.AccumulationType.MEAN))
@@ -318,9 +318,9 @@ def run_placement(args, target: str | None = None) -> list[dict]:
     batch = place(batch0, jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batch0))
     runners, stats = {}, {}
     for gather, scatter in PLACEMENTS:
-      step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n, data_axis="data",
-                                             mesh=mesh, param_gather=gather,
-                                             grad_scatter=scatter))
+      step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n,
+                     data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather=gather,
+                                                     grad_scatter=scatter)))
       compiled, cstats = _common.compile_with_stats(lambda s=step: s, params, batch)
       row = {"model": model, "target": target or jax.devices()[0].device_kind, "N": n,
              "param_gather": gather, "grad_scatter": scatter,

@@ -8,8 +8,8 @@ is the one of ``examples/char_lm.py``: random stretches of the Python standard l
 source, right-padded, so micro-batches hold different numbers of real tokens.
 
 The loss has three terms, each normalised its own way over the accumulated batch by
-``jaxaccum.value_and_grad(..., reduce={"ce": "weighted", "lb": "mean", "z": "sum"},
-loss_weights={"lb": 0.01, "z": 1e-3})``:
+``jaxaccum.value_and_grad(..., reduce=jaxaccum.Terms({"ce": "weighted", "lb": "mean",
+"z": "sum"}, weights={"lb": 0.01, "z": 1e-3}))``:
 
 * ``ce``: the next-character cross-entropy, the token mean over the whole batch
   (``fun`` returns ``(summed loss, number of real tokens)``);
@@ -167,7 +167,7 @@ def make_step(cfg: Config, tx: optax.GradientTransformation):
   """
   vg = jaxaccum.value_and_grad(
       functools.partial(loss_terms, heads=cfg.heads), num_micro_batches=cfg.num_micro_batches,
-      reduce=REDUCE, loss_weights=loss_weights(cfg), with_info=True, skip_nonfinite=True)
+      reduce=jaxaccum.Terms(REDUCE, weights=loss_weights(cfg)), with_info=True, skip_nonfinite=True)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch):

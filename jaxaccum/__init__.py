@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
+from jaxaccum._api import per_example_value_and_grad as per_example_value_and_grad
 from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._batch_size import AdaptiveBatch as AdaptiveBatch
 from jaxaccum._batch_size import AdaptiveBatchState as AdaptiveBatchState
@@ -36,6 +37,8 @@ from jaxaccum._gpu_target import capture_gpu_target as capture_gpu_target
 from jaxaccum._gpu_target import target_mesh as target_mesh
 from jaxaccum._info import AccumInfo as AccumInfo
 from jaxaccum._local import local_value_and_grad as local_value_and_grad
+from jaxaccum._options import DataParallel as DataParallel
+from jaxaccum._options import Terms as Terms
 from jaxaccum._pipeline import pipeline as pipeline
 from jaxaccum._pipeline import pipeline_schedule as pipeline_schedule
 from jaxaccum._plan import Plan as Plan
@@ -76,6 +79,7 @@ __all__ = (
     "ClipPerExample",
     "Collective",
     "Collectives",
+    "DataParallel",
     "DpNoiseState",
     "MultiSteps",
     "MultiStepsState",
@@ -86,6 +90,7 @@ __all__ = (
     "RowFeeder",
     "Seesaw",
     "SeesawState",
+    "Terms",
     "batch_size_ramp",
     "batch_size_ramp_by_count",
     "capture_gpu_target",
@@ -99,6 +104,7 @@ __all__ = (
     "grad",
     "local_value_and_grad",
     "merge_micro_batches",
+    "per_example_value_and_grad",
     "pipeline",
     "pipeline_schedule",
     "place_active_rows",

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from jaxaccum import _data_parallel, _options, _transform
-from jaxaccum._options import Options
+from jaxaccum._options import DataParallel, Options, Terms
 from jaxaccum._types import ArgNames, ArgNums, DTypeLike
 
 
@@ -35,25 +34,19 @@ def value_and_grad(
     batch_argnames: ArgNames | None = None,
     batch_axis: int | tuple[Any, ...] = 0,
     has_aux: bool = False,
-    reduce: str | dict[str, Any] = "mean",
-    loss_weights: dict[str, float] | None = None,
+    reduce: str | dict[str, Any] | Terms = "mean",
     aux_reduce: Any = None,
     rng_argnums: ArgNums | None = None,
     rng_argnames: ArgNames | None = None,
     state_argnums: ArgNums | None = None,
     accumulator_dtype: DTypeLike | None = None,
     grads_dtype: DTypeLike | None = None,
-    remat: bool = False,
-    remat_policy: Callable[..., bool] | None = None,
+    remat: bool | Callable[..., bool] = False,
     unroll: int | bool = 1,
-    data_axis: str | Sequence[str] | None = None,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    data_axis: str | Sequence[str] | DataParallel | None = None,
     with_info: bool = False,
     skip_nonfinite: bool = False,
-    per_example_transform: Callable[[Any], Any] | None = None,
-    param_gather: str = "step",
-    grad_scatter: str = "micro_batch",
-    overlap_grad_reduce: bool = False,
+    **deprecated: Any,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
 
@@ -70,134 +63,64 @@ def value_and_grad(
     micro_batch_size: alternatively, the rows per micro-batch. Give exactly one of the two.
     argnums: which positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: which positional argument(s) carry the batch: pytrees whose leaves share
-      a leading batch axis (``None`` entries, empty pytrees, are passed as they are, as
-      :func:`jax.vmap` does). Default 1; with ``batch_argnames`` the default applies when
-      argument 1 is passed and has no other role, and ``batch_argnums=()`` names none.
+      a batch axis (``None`` entries are passed as they are, as :func:`jax.vmap` does).
+      Default 1; with ``batch_argnames`` the default applies when argument 1 is passed and
+      has no other role, and ``batch_argnums=()`` names none. Other arguments, positional
+      or keyword, are passed whole to every micro-batch.
     batch_argnames: keyword argument(s) that carry the batch, split like ``batch_argnums``
-      (``loss_fn(params, x, labels=y)`` with ``batch_argnames="labels"`` splits ``x`` and
-      ``labels``).
-      Other arguments, positional or keyword, are passed whole to every micro-batch.
-    batch_axis: the batch axis of the batch arguments, as :func:`jax.vmap`'s ``in_axes``:
-      one int for every leaf of every batch argument (default 0, the leading axis), or a
-      tuple with one entry per batch argument (``batch_argnums`` in order, then
-      ``batch_argnames`` in order), each an int or a pytree prefix of that argument with an
-      int at each leaf; negative axes count from the end of each leaf's shape. Micro-batch
-      ``i`` holds indices ``i, i + N, ...`` along that axis (a time-major ``(T, B, F)``
-      batch with ``batch_axis=1`` gives ``fun`` ``x[:, i::N]``), and the split moves no
-      data. ``"concat"`` aux comes back along the same axis when ``batch_axis`` is one
-      int (or every entry the same int), along axis 0 otherwise. See "The split" in the
-      guide "What it computes".
-    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced over micro-batches
-      (see ``aux_reduce``).
-    reduce: how ``fun``'s value combines across micro-batches.
-
-      * ``"mean"``: ``fun`` returns the mean loss over its micro-batch; the result is the
-        full-batch mean (micro-batches have equal sizes, so the mean of means is exact).
-      * ``"sum"``: ``fun`` returns a sum; the result is the full-batch sum.
-      * ``"weighted"``: ``fun`` returns ``(numerator, denominator)``, e.g. the summed token
-        loss and the number of real tokens. The loss is ``sum(numerator) /
-        sum(denominator)`` and the gradients ``sum(grad numerator) / sum(denominator)``:
-        the exact full-batch token mean however unevenly tokens fall across micro-batches.
-        A total denominator of 0 gives loss 0 and zero gradients.
-      * a dict of these, for a loss of several terms: ``fun`` returns a dict with the same
-        keys (``(numerator, denominator)`` for weighted terms) and each term is normalised
-        by its own rule over the whole batch; the value is their weighted total
-        (``loss_weights``) and the gradients its gradients. Terms with different divisors
-        cost one backward pass each per micro-batch.
-    loss_weights: with a dict ``reduce``, the weight of each term (default 1).
-    aux_reduce: how each aux leaf is reduced: ``"mean"`` (weighted by the denominator
-      when the loss has exactly one weighted term), ``"sum"``, ``"max"``, ``"min"``,
-      ``"all"``/``"any"`` (logical AND / OR of boolean leaves), ``"stack"`` (a leading
-      axis of size ``N``, one entry per micro-batch) or ``"concat"`` (per-example rows back
-      in batch order: the full batch's aux; the leaf's leading axis must be the
-      micro-batch's rows). A string applies to all of aux; a pytree prefix of aux with
-      names (or ``None`` for the default) chooses per subtree. The default (``None``) is
-      ``"mean"`` for floating scalars, ``"sum"`` for integer scalars (counts) and ``"all"``
-      for boolean scalars; a non-scalar leaf must be named. A float that is a sum over
-      rows (a summed metric) must be named ``"sum"``. An entry may also be an
-      ``optax.microbatching.Accumulator``, run as ``optax.microbatch`` runs it (not under
-      ``data_axis``: it has no rule across shards).
-    rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys).
-      Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``. Per-example keys (one
-      row per example) are batch data: name them in ``batch_argnums``.
-    rng_argnames: keyword argument(s) holding a PRNG key (or a pytree of keys), folded
-      per micro-batch as ``rng_argnums`` are (``loss_fn(params, batch, *, key)`` with
-      ``rng_argnames="key"``).
+      (``loss_fn(params, x, labels=y)`` with ``batch_argnames="labels"``).
+    batch_axis: the batch axis, as :func:`jax.vmap`'s ``in_axes``: one int for every leaf
+      (default 0), or a tuple with one entry per batch argument (``batch_argnums`` in order,
+      then ``batch_argnames``), each an int or a pytree prefix of that argument. Micro-batch
+      ``i`` holds indices ``i, i + N, ...`` along it and the split moves no data. See "The
+      split" in the guide "What it computes".
+    has_aux: ``fun`` returns ``(value, aux)``; aux is reduced as ``aux_reduce`` says.
+    reduce: how ``fun``'s value combines across micro-batches: ``"mean"`` (``fun`` returns
+      its micro-batch's mean loss; the result is the full-batch mean), ``"sum"`` (a sum),
+      ``"weighted"`` (``fun`` returns ``(numerator, denominator)``, e.g. summed token loss
+      and token count; the loss is ``sum(numerator) / sum(denominator)``, exact however
+      unevenly tokens fall; a total denominator of 0 gives 0), or a dict of these for a
+      loss of several terms, or a :class:`jaxaccum.Terms` to weigh them.
+    aux_reduce: how each aux leaf is reduced: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``,
+      ``"all"``/``"any"``, ``"stack"`` (one entry per micro-batch) or ``"concat"``
+      (per-example rows back in batch order), an ``optax.microbatching.Accumulator``, or a
+      pytree prefix of aux choosing per subtree. The default (``None``) is ``"mean"`` for
+      floating scalars, ``"sum"`` for integer scalars and ``"all"`` for boolean scalars; a
+      non-scalar leaf must be named. See "Aux" in the guide "What it computes".
+    rng_argnums: positional argument(s) holding a PRNG key (or a pytree of keys);
+      micro-batch ``i`` receives ``jax.random.fold_in(key, i)``. Per-example keys are
+      batch data: name them in ``batch_argnums``.
+    rng_argnames: keyword argument(s) holding a PRNG key, folded as ``rng_argnums`` are.
     state_argnums: positional argument(s) holding mutable state (e.g. Linen
-      ``batch_stats``) that ``fun`` returns updated: ``fun`` then returns
-      ``(value, new_state)``, or ``(value, (new_state, aux))`` with ``has_aux=True``.
-      Micro-batch ``i + 1`` sees micro-batch ``i``'s state.
-    accumulator_dtype: dtype of the gradient and loss accumulators. ``None`` (default)
-      accumulates bfloat16/float16 values in float32 and wider ones in their own dtype.
-    grads_dtype: dtype of the returned gradients; ``None`` gives each gradient its
-      parameter's dtype, as :func:`jax.grad` does.
-    remat: wrap the per-micro-batch computation in :func:`jax.checkpoint`.
-    remat_policy: a :mod:`jax.checkpoint_policies` policy; implies ``remat=True``.
+      ``batch_stats``) that ``fun`` returns updated, as ``(value, new_state)`` (or
+      ``(value, (new_state, aux))`` with ``has_aux``); micro-batch ``i + 1`` sees
+      micro-batch ``i``'s state.
+    accumulator_dtype: dtype of the accumulators; ``None`` accumulates bfloat16/float16
+      values in float32 and wider ones in their own dtype.
+    grads_dtype: dtype of the returned gradients; ``None`` gives each its parameter's dtype.
+    remat: ``True`` wraps the per-micro-batch computation in :func:`jax.checkpoint`; a
+      :mod:`jax.checkpoint_policies` policy does so with that policy.
     unroll: passed to :func:`jax.lax.scan`.
-    data_axis: data-parallel mode: the mesh axis name (or names) that the batch is sharded
-      over. Each device accumulates the gradients of its own rows and they are reduced
-      once per step, after the loop. ``fun`` sees ``B / (N * D)`` rows per call on each of
-      the ``D`` data shards. Arrays ``fun`` closes over and non-batch keyword arguments
-      are replicated. ``"auto"`` reads the axes from the batch: the mesh axes its leading
-      axis is sharded over (from the types under ``Explicit`` mesh axes; under ``Auto`` axes
-      only from placed arrays, outside :func:`jax.jit`). See the devices guide.
-    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
-      :func:`jax.set_mesh`.
+    data_axis: data-parallel mode: a :class:`jaxaccum.DataParallel`, or the mesh axis name
+      (names, or ``"auto"``) the batch is sharded over, meaning ``DataParallel(data_axis)``.
     with_info: also return a :class:`jaxaccum.AccumInfo` (gradient noise statistics,
       counts): the function returns ``(value_part, grads, info)``.
-    skip_nonfinite: a micro-batch whose value, denominator or any gradient is NaN or
-      infinite adds nothing (value, gradients, denominators, aux, state update); means
-      divide by the micro-batches kept and ``info.skipped`` counts the others. If every
-      micro-batch is skipped the gradients are zeros and the value is NaN.
-    per_example_transform: a function ``transform(grads) -> grads`` applied to each
-      example's gradient (one row's, with :func:`jax.grad`'s structure and the same
-      shapes back) before they are summed, e.g. :func:`jaxaccum.clip_per_example` for
-      DP-SGD. Each micro-batch's examples are differentiated under :func:`jax.vmap`,
-      ``fun`` seeing one row as a batch of one, so the micro-batch size is the vmap
-      width and bounds the memory. The gradients are the mean over all examples of the
-      transformed gradients (their sum under ``reduce="sum"``; under ``"weighted"`` the
-      sum of the transformed gradients of each example's numerator divided by the total
-      denominator); the value is the mean (sum) of the examples' values, which is
-      ``fun``'s full-batch value when the loss is a mean (sum) over rows. A dict
-      ``reduce`` needs all its terms of one kind (a single weighted term). Aux leaves are
-      reduced over a micro-batch's examples as their ``aux_reduce`` says (not
-      ``"stack"`` or user reductions); state is shared by a micro-batch's examples and
-      must come back the same from each; example ``r`` of micro-batch ``i`` gets
-      ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and ``with_info`` see each
-      micro-batch's sum of transformed gradients. See the DP-SGD guide.
-    param_gather: under ``data_axis``, when parameters sharded over data axes (FSDP) are
-      all-gathered: ``"step"`` (default) once per step, before the loop (the full
-      parameters stay live across it), or ``"micro_batch"`` inside every micro-batch,
-      behind an optimization barrier that XLA cannot hoist (``N`` times the gather bytes).
-    grad_scatter: under ``data_axis``, when their gradients are reduce-scattered:
-      ``"micro_batch"`` (default) inside every micro-batch, into an accumulator of the
-      shard's size, or ``"step"`` once after the loop, from a full-size accumulator of
-      local gradients. Both need an FSDP parameter (an ``Explicit`` sharding type over a
-      data axis); see the devices guide for the trade-off.
-    overlap_grad_reduce: with ``data_axis``, run the last micro-batch after the loop
-      instead of inside it (Megatron's option of the same name), so that the reduction of
-      each gradient across the data shards can start as soon as its last contribution
-      exists, while the rest of that backward pass runs. The results are the same; the
-      program holds the per-micro-batch computation twice (longer compile, larger code),
-      and on GPU the temporary memory of two micro-batches (the last one's does not share
-      the loop's buffers). Whether the compiler does overlap depends on the model's shape
-      (not for the stacked gradients of a scan over layers) and on XLA's all-reduce
-      combiner: see "Overlapping the last reduction" in the devices guide. Under
-      ``active_micro_batches=k`` micro-batch ``k - 1`` runs after the loop; with
-      ``N = 1`` there is no loop. Needs ``data_axis`` (a ``ValueError`` otherwise: without
-      it the gradients are reduced inside every micro-batch).
+    skip_nonfinite: a micro-batch whose value, denominator or any gradient is not finite
+      adds nothing; means divide by the micro-batches kept and ``info.skipped`` counts the
+      others. If every micro-batch is skipped the gradients are zeros and the value NaN.
+    **deprecated: the keywords folded into records, kept for one release with a
+      :class:`DeprecationWarning`: ``mesh``, ``param_gather``, ``grad_scatter`` and
+      ``overlap_grad_reduce`` (now fields of :class:`jaxaccum.DataParallel`),
+      ``loss_weights`` (:class:`jaxaccum.Terms`), ``remat_policy`` (``remat=policy``) and
+      ``per_example_transform`` (:func:`jaxaccum.per_example_value_and_grad`).
 
   Returns:
-    A function with ``fun``'s arguments (call it under :func:`jax.jit`: outside jit every call
-    traces ``fun`` and compiles the loop again) returning ``(value, grads)``, or
-    ``((value, aux), grads)`` when ``has_aux`` or ``state_argnums`` is set, where the aux
-    part is ``aux``, ``new_state`` or ``(new_state, aux)``; with ``with_info=True`` a
-    third element, the :class:`jaxaccum.AccumInfo`. It takes one more, optional keyword
-    argument, ``active_micro_batches``: an int or int32 scalar ``k`` in ``1..N``; only
-    micro-batches ``0..k-1`` run (the others cost no compute) and the reductions divide
-    by what ran, in the same compiled program for every ``k`` (traced values outside the
-    range are clipped to it). Stacked and concatenated aux entries of micro-batches that
-    did not run are zeros.
+    A function with ``fun``'s arguments returning ``(value, grads)``, or
+    ``((value, aux), grads)`` when ``has_aux`` or ``state_argnums`` is set (the aux part is
+    ``aux``, ``new_state`` or ``(new_state, aux)``), and the :class:`jaxaccum.AccumInfo`
+    third with ``with_info``. It takes one more keyword, ``active_micro_batches``: an int or
+    int32 scalar ``k`` in ``1..N``; only micro-batches ``0..k-1`` run and the reductions
+    divide by what ran, in the same compiled program for every ``k``.
 
   Raises:
     ValueError, TypeError: at construction for bad options, and at trace time for a batch
@@ -216,15 +139,73 @@ def value_and_grad(
   >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(grads, ref_grads))
   (True, True)
   """
-  return ValueAndGrad(_options.make_options(**locals()))
+  given = dict(
+      num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size, argnums=argnums,
+      batch_argnums=batch_argnums, batch_argnames=batch_argnames, batch_axis=batch_axis,
+      has_aux=has_aux, reduce=reduce, aux_reduce=aux_reduce, rng_argnums=rng_argnums,
+      rng_argnames=rng_argnames, state_argnums=state_argnums,
+      accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
+      unroll=unroll, data_axis=data_axis, with_info=with_info, skip_nonfinite=skip_nonfinite)
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=deprecated))
+
+
+def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any], Any],
+                               **options: Any) -> Callable[..., Any]:
+  """:func:`value_and_grad` with ``transform`` applied to each example's gradient.
+
+  ``transform(grads) -> grads`` sees one example's gradient (one row's, with
+  :func:`jax.grad`'s structure) and returns one of the same shapes, e.g.
+  :func:`jaxaccum.clip_per_example` for DP-SGD; the transformed gradients are then summed.
+  Each micro-batch's examples are differentiated under :func:`jax.vmap`, ``fun`` seeing
+  one row as a batch of one, so the micro-batch size is the vmap width and bounds the
+  memory. The gradients are the mean over all examples of the transformed gradients (their
+  sum under ``reduce="sum"``; under ``"weighted"`` the sum of the transformed gradients of
+  each example's numerator divided by the total denominator); the value is the mean (sum)
+  of the examples' values. A dict ``reduce`` needs all its terms of one kind. Aux leaves
+  are reduced over a micro-batch's examples as their ``aux_reduce`` says (not ``"stack"``
+  or user reductions); state must come back the same from each example; example ``r`` of
+  micro-batch ``i`` gets ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and
+  ``with_info`` see each micro-batch's sum of transformed gradients. See the DP-SGD guide.
+
+  Args:
+    fun: the loss, as for :func:`value_and_grad`.
+    transform: the function applied to each example's gradient.
+    **options: the options of :func:`value_and_grad`.
+
+  Returns:
+    A function as :func:`value_and_grad` returns.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxaccum
+  >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
+  >>> w, x = jnp.ones(2), jnp.arange(8.0).reshape(4, 2)
+  >>> step = jaxaccum.per_example_value_and_grad(
+  ...     loss_fn, jaxaccum.clip_per_example(1.0), num_micro_batches=2)
+  >>> loss, grads = step(w, x)
+  >>> bool(jnp.linalg.norm(grads) <= 1.0)
+  True
+  """
+  if "per_example_transform" in options:
+    raise TypeError(
+        "per_example_value_and_grad takes the transform as its second argument, "
+        "per_example_value_and_grad(fun, transform, ...); drop per_example_transform=.")
+  if transform is None:
+    raise TypeError(
+        "per_example_value_and_grad needs a transform of each example's gradient, e.g. "
+        "jaxaccum.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
+  given = {k: v for k, v in options.items() if k in _options.DEFAULTS}
+  old = {k: v for k, v in options.items() if k not in _options.DEFAULTS}
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=old, transform=transform,
+                                            where="per_example_value_and_grad"))
 
 
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`jax.grad`, accumulated over micro-batches; options as :func:`value_and_grad`.
 
-  Returns a function giving ``grads``, or ``(grads, aux)`` when ``has_aux`` or
-  ``state_argnums`` is set (the aux part as in :func:`value_and_grad`); with
-  ``with_info=True``, ``(grads_part, info)``.
+  ``per_example_transform=transform`` makes it the gradient of
+  :func:`per_example_value_and_grad` with that transform. Returns a function giving
+  ``grads``, or ``(grads, aux)`` when ``has_aux`` or ``state_argnums`` is set (the aux part
+  as in :func:`value_and_grad`); with ``with_info=True``, ``(grads_part, info)``.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
@@ -232,8 +213,20 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   >>> jaxaccum.grad(loss_fn, micro_batch_size=2)(jnp.array(2.0), jnp.arange(4.0))
   Array(14., dtype=float32)
   """
-  vg = value_and_grad(fun, **options)
+  vg = with_transform(value_and_grad, fun, options)
   return Grad(vg, has_extra=vg.options.has_extra, with_info=vg.options.with_info)
+
+
+def with_transform(make: Callable[..., Any], fun: Callable[..., Any], options: dict[str, Any]
+                   ) -> Any:
+  """``make(fun, **options)``, or :func:`per_example_value_and_grad` when ``options`` hold a
+  ``per_example_transform``: :func:`grad` and the adapters, which have no per-example entry
+  of their own, take it as an option (not deprecated there)."""
+  rest = dict(options)
+  transform = rest.pop("per_example_transform", None)
+  if transform is None:
+    return make(fun, **rest)
+  return per_example_value_and_grad(fun, transform, **rest)
 
 
 def evaluate(
@@ -242,7 +235,7 @@ def evaluate(
     num_micro_batches: int | None = None,
     micro_batch_size: int | None = None,
     has_aux: bool = False,
-    reduce: str | dict[str, Any] = "mean",
+    reduce: str | dict[str, Any] | Terms = "mean",
     aux_reduce: Any = None,
     batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
     batch_argnames: ArgNames | None = None,
@@ -252,9 +245,9 @@ def evaluate(
     state_argnums: ArgNums | None = None,
     accumulator_dtype: DTypeLike | None = None,
     unroll: int | bool = 1,
-    data_axis: str | Sequence[str] | None = None,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    data_axis: str | Sequence[str] | DataParallel | None = None,
     skip_nonfinite: bool = False,
+    **deprecated: Any,
 ) -> Callable[..., Any]:
   """``fun`` on the full batch, computed one micro-batch at a time in one ``lax.scan``.
 
@@ -266,8 +259,9 @@ def evaluate(
   returns on the full batch: the compiled program holds one micro-batch's activations.
 
   Every option means what it means for :func:`value_and_grad`; those about gradients
-  (``argnums``, ``grads_dtype``, ``remat``, ``with_info``, ``loss_weights``) do not exist
-  here. Two differences: with a dict ``reduce`` the value is the dict of terms, each
+  (``argnums``, ``grads_dtype``, ``remat``, ``with_info``, a :class:`jaxaccum.Terms`'s
+  ``weights``, :class:`jaxaccum.DataParallel`'s placements) do not exist here. Two
+  differences: with a dict ``reduce`` the value is the dict of terms, each
   normalised over the whole batch by its own rule (no weighted total), and integer counts
   go in aux (summed by default), not in the value.
 
@@ -289,9 +283,11 @@ def evaluate(
     state_argnums: state threaded from one micro-batch to the next.
     accumulator_dtype: dtype of the accumulators.
     unroll: passed to :func:`jax.lax.scan`.
-    data_axis: the data-parallel mode's mesh axes, as for :func:`value_and_grad`.
-    mesh: the mesh holding ``data_axis``.
+    data_axis: the data-parallel mode's mesh axes, or a :class:`jaxaccum.DataParallel`
+      with its ``mesh``, as for :func:`value_and_grad`.
     skip_nonfinite: drop micro-batches whose value or denominator is not finite.
+    **deprecated: ``mesh``, kept for one release with a :class:`DeprecationWarning`: pass
+      ``data_axis=jaxaccum.DataParallel(axis, mesh=mesh)``.
 
   Returns:
     A function with ``fun``'s arguments returning ``value``, or ``(value, aux)`` with
@@ -314,17 +310,15 @@ def evaluate(
   >>> bool(jnp.allclose(loss, ref_loss)), bool(jnp.allclose(per_row, ref_rows))
   (True, True)
   """
-  given = dict(locals())
-  return Evaluate(_options.make_options(**{**_gradient_defaults(), **given, "argnums": ()},
-                                        evaluate=True))
-
-
-def _gradient_defaults() -> dict[str, Any]:
-  """:func:`value_and_grad`'s keyword options at their defaults: what :func:`evaluate`
-  does not set (the options about gradients) is left as a plain :func:`value_and_grad`
-  leaves it."""
-  params = inspect.signature(value_and_grad).parameters.values()
-  return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+  given = dict(
+      num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size, has_aux=has_aux,
+      reduce=reduce, aux_reduce=aux_reduce, batch_argnums=batch_argnums,
+      batch_argnames=batch_argnames, batch_axis=batch_axis, rng_argnums=rng_argnums,
+      rng_argnames=rng_argnames, state_argnums=state_argnums,
+      accumulator_dtype=accumulator_dtype, unroll=unroll, data_axis=data_axis,
+      skip_nonfinite=skip_nonfinite)
+  return Evaluate(_options.make_options(fun, given, deprecated=deprecated, evaluate=True,
+                                        where="evaluate"))
 
 
 class _Transform:
@@ -384,8 +378,8 @@ def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -
   """An adapter's ``evaluate`` given an option about gradients (one that
   :func:`value_and_grad` has and :func:`evaluate` has not) gets a ``TypeError`` naming it
   and ``instead``, the adapter's transform that takes it."""
-  gradient = (inspect.signature(value_and_grad).parameters.keys()
-              - inspect.signature(evaluate).parameters.keys())
+  gradient = _options.GRADIENT_OPTIONS | {
+      k for k, f in _options.DEPRECATED.items() if f.gradient}
   given = sorted(k for k in options if k in gradient)
   if given:
     raise TypeError(

@@ -392,7 +392,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
   ValueError: check_per_example_loss: the loss computed from each example alone ...
   """
   for name in ("rng_argnums", "rng_argnames"):
-    if options.get(name) is not None:
+    if options.setdefault(name, None) is not None:
       raise ValueError(
           f"check_per_example_loss: {name}={options[name]!r} is set, but the batch and "
           "each example alone draw different random numbers, so their losses differ for "
@@ -413,9 +413,8 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
   for name in ("num_micro_batches", "micro_batch_size", "with_info"):
     options.pop(name, None)
   whole = _api.value_and_grad(fun, num_micro_batches=1, **options)
-  alone = _api.value_and_grad(fun, num_micro_batches=1, per_example_transform=lambda g: g,
-                              **options)
-  extra = bool(options.get("has_aux")) or options.get("state_argnums") is not None
+  alone = _api.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=1, **options)
+  extra = whole.options.has_extra
 
   def value_of(out):
     value = out[0][0] if extra else out[0]

@@ -15,6 +15,7 @@ gradients and sums them over the leading axis once, on the window's last call.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +30,7 @@ from jaxaccum._types import ArgNames, ArgNums
 def local_value_and_grad(
     fun: Callable[..., Any],
     *,
-    data_axis: str | Sequence[str],
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    data_axis: str | Sequence[str] | _options.DataParallel,
     argnums: ArgNums = 0,
     batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
     batch_argnames: ArgNames | None = None,
@@ -71,9 +71,9 @@ def local_value_and_grad(
   Args:
     fun: the loss, ``fun(params, batch, ...)``: a mean over its rows (``reduce="mean"``)
       or a sum (``reduce="sum"``); ``(loss, aux)`` with ``has_aux``.
-    data_axis: the mesh axis name (or names) the batch is sharded over.
-    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
-      :func:`jax.set_mesh`.
+    data_axis: the mesh axis name (or names) the batch is sharded over, or a
+      :class:`jaxaccum.DataParallel` with its ``mesh`` (``None``, the default, uses the mesh
+      set with :func:`jax.set_mesh`); its placements are not used here (nothing is reduced).
     argnums: the positional argument(s) to differentiate, as in :func:`jax.grad`.
     batch_argnums: the positional argument(s) that carry the batch (leading axis split
       over the data shards); argument 1 by default, as in :func:`jaxaccum.value_and_grad`.
@@ -86,6 +86,8 @@ def local_value_and_grad(
     **accumulate: options of :func:`jaxaccum.value_and_grad` (``num_micro_batches``,
       ``micro_batch_size``, ``remat``, ...) to also accumulate over micro-batches within
       each device's rows in this call; without them the gradient is taken in one pass.
+      ``mesh=`` is kept for one release with a :class:`DeprecationWarning`: pass
+      ``data_axis=jaxaccum.DataParallel(axis, mesh=mesh)``.
 
   Returns:
     A function with ``fun``'s arguments (positional and keyword) returning ``(value, grads)`` (or
@@ -105,7 +107,8 @@ def local_value_and_grad(
   >>> w0, x0 = jnp.ones(3), jnp.arange(48.0).reshape(16, 3) / 48
   >>> w = jax.device_put(w0, NamedSharding(mesh, P()))
   >>> x = jax.device_put(x0, NamedSharding(mesh, P("data")))
-  >>> fn = jax.jit(jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh))
+  >>> fn = jax.jit(jaxaccum.local_value_and_grad(
+  ...     loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   >>> value, grads = fn(w, x)
   >>> grads.shape                  # one unreduced piece per device
   (8, 3)
@@ -115,6 +118,7 @@ def local_value_and_grad(
   >>> bool(jnp.allclose(value.sum(), full_value)), bool(jnp.allclose(grads.sum(0), full_grads))
   (True, True)
   """
+  data_axis, mesh, accumulate = _parallel(data_axis, accumulate)
   axes = _sharding.check_data_axis(data_axis)
   if axes is None:
     raise TypeError(
@@ -127,12 +131,6 @@ def local_value_and_grad(
         f"rows), got reduce={reduce!r}. A token mean needs the total count over every shard, "
         "a collective: return the sum of token losses divided by the call's total count under "
         "reduce='sum' (the count known from the data, or passed in).")
-  if accumulate.get("batch_axis", 0) != 0:
-    raise ValueError(
-        f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
-        f"the batch axis must be the leading one, got batch_axis={accumulate['batch_axis']!r}. "
-        "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
-        "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
   # The core's options, validated once (roles, names and their overlaps); they run the
   # micro-batches when accumulating, and resolve each call's roles as the core does.
   core = _api.value_and_grad(
@@ -140,6 +138,12 @@ def local_value_and_grad(
       has_aux=has_aux, reduce=reduce, rng_argnums=rng_argnums, rng_argnames=rng_argnames,
       **(accumulate or {"num_micro_batches": 1}))
   opts = core.options
+  if opts.batch_axis != 0:
+    raise ValueError(
+        f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
+        f"the batch axis must be the leading one, got batch_axis={opts.batch_axis!r}. "
+        "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
+        "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
   inner = core if accumulate else jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def local_fn(*args: Any, **kwargs: Any) -> Any:
@@ -147,7 +151,7 @@ def local_value_and_grad(
       return run(args, kwargs)
 
   def run(args: tuple, kwargs: dict) -> Any:
-    m = _sharding._resolve_mesh(mesh, axes)
+    m = _sharding.resolve_mesh(mesh, axes)
     shards = math.prod(m.shape[a] for a in axes)
     roles = opts.roles(len(args), kwargs)
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
@@ -161,7 +165,7 @@ def local_value_and_grad(
           raise ValueError(
               f"batch leaf {label}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
               f"its leading axis must be a multiple of the {shards} data shards of "
-              f"{_sharding._axes_str(axes, m)}.")
+              f"{_sharding.axes_str(axes, m)}.")
         size = size or jnp.shape(leaf)[0]
       if explicit:  # a manual Explicit shard_map needs its input typed as it maps it
         where[key] = jax.tree.map(lambda x, m=m: _reshard_rows(x, m, axes), where[key])
@@ -177,7 +181,7 @@ def local_value_and_grad(
     def per_shard(largs, lkwargs):
       largs, lkwargs = list(largs), dict(lkwargs)
       for j in roles.diff:  # varying: the gradient stays this device's own, unreduced
-        largs[j] = _sharding._vary(largs[j], axes)
+        largs[j] = _sharding.vary(largs[j], axes)
       for j in roles.rng:
         largs[j] = _data_parallel.fold_shard(largs[j], axes)
       for k in roles.rng_names:
@@ -186,7 +190,7 @@ def local_value_and_grad(
       value, aux = out if has_aux else (out, None)
       lead = lambda x: (x * piece if piece != 1 else x)[None]  # noqa: E731
       value, grads = lead(value), jax.tree.map(lead, grads)
-      aux = jax.tree.map(lambda x: _sharding._vary(x, axes)[None], aux)
+      aux = jax.tree.map(lambda x: _sharding.vary(x, axes)[None], aux)
       return ((value, aux) if has_aux else value), grads
 
     mapped = jax.shard_map(per_shard, mesh=m, in_specs=in_specs,
@@ -197,9 +201,33 @@ def local_value_and_grad(
   return local_fn
 
 
+def _parallel(data_axis: Any, accumulate: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+  """``(axes, mesh, other options)`` from ``data_axis`` (a :class:`jaxaccum.DataParallel` or
+  axis names) and the deprecated ``mesh=`` keyword."""
+  accumulate = dict(accumulate)
+  mesh = None
+  if "mesh" in accumulate:
+    warnings.warn(
+        "local_value_and_grad(mesh=...) is deprecated and will be removed in the next "
+        f"release: use {_options.DEPRECATED['mesh'].instead}.", DeprecationWarning, stacklevel=3)
+    mesh = accumulate.pop("mesh")
+    if isinstance(data_axis, _options.DataParallel):
+      raise TypeError("local_value_and_grad got mesh= and data_axis=DataParallel(...) both: "
+                      "give the mesh inside DataParallel only.")
+  if isinstance(data_axis, _options.DataParallel):
+    if (data_axis.param_gather, data_axis.grad_scatter,
+        data_axis.overlap_grad_reduce) != ("step", "micro_batch", False):
+      raise TypeError(
+          f"local_value_and_grad reduces nothing across devices, so it takes "
+          f"DataParallel(axis, mesh=...) only, got {data_axis!r}: drop param_gather, "
+          "grad_scatter and overlap_grad_reduce.")
+    data_axis, mesh = data_axis.axis, data_axis.mesh
+  return data_axis, mesh, accumulate
+
+
 def _reshard_rows(x: jax.Array, mesh: Any, axes: tuple[str, ...]) -> jax.Array:
   """``x`` with its leading axis sharded over ``axes`` (its other dimensions kept)."""
-  have = _sharding._explicit_spec(x)
+  have = _sharding.explicit_spec(x)
   spec = PartitionSpec(axes, *(tuple(have[1:]) if have is not None else ()))
   return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)
                               if isinstance(mesh, jax.sharding.Mesh) else spec)

@@ -1,11 +1,17 @@
 """The transform's options: validated once, when the transform is built, and frozen.
 
+The schema is data: :data:`DEFAULTS` lists the keyword options of
+:func:`jaxaccum.value_and_grad` with their defaults, :data:`GRADIENT_OPTIONS` those that
+:func:`jaxaccum.evaluate` does not take, and :data:`DEPRECATED` the keywords folded into a
+record (:class:`DataParallel`, :class:`Terms`, a policy ``remat``, or
+:func:`jaxaccum.per_example_value_and_grad`). :func:`make_options` expands the records into
+the core's flat options and validates each :class:`Options` field with its validator.
+
 :class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
 runs the same steps on each shard with a resolved count) uses :func:`dataclasses.replace`.
-Adding an option touches two places: its :class:`Options` field with its validator
-(:func:`option`), and its line in the signature of :func:`jaxaccum.value_and_grad` (with
-its docstring entry), which passes every option here as given. :func:`jaxaccum.evaluate`
-fills the options it does not take with ``value_and_grad``'s defaults.
+Adding an option touches three places: its :class:`Options` field with its validator
+(:func:`option`), its entry in :data:`DEFAULTS`, and its line in the signature of
+:func:`jaxaccum.value_and_grad` (a test checks that the signature and the table agree).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -42,8 +49,9 @@ def _check_fun(fun: Any) -> Any:
 
 def _check_bool(name: str, value: Any) -> bool:
   if not isinstance(value, bool):
-    hint = "; pass a jax.checkpoint policy as remat_policy=..." if name == "remat" else "."
-    raise TypeError(f"{name} must be a bool, got {name}={value!r}{hint}")
+    hint = (" or a jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable"
+            if name == "remat" else "")
+    raise TypeError(f"{name} must be a bool{hint}, got {name}={value!r}.")
   return value
 
 
@@ -263,15 +271,213 @@ def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str,
   return _split.check_batch_axis(batch_axis, None if optional else len(batch) + len(names))
 
 
-def make_options(fun: Any, *, evaluate: bool = False, **options: Any) -> Options:
+# The keyword options of :func:`jaxaccum.value_and_grad`, with their defaults: its signature
+# lists these (tests/test_option_records.py checks that they agree).
+DEFAULTS: dict[str, Any] = {
+    "num_micro_batches": None, "micro_batch_size": None, "argnums": 0,
+    "batch_argnums": BATCH_ARGNUMS, "batch_argnames": None, "batch_axis": 0,
+    "has_aux": False, "reduce": "mean", "aux_reduce": None, "rng_argnums": None,
+    "rng_argnames": None, "state_argnums": None, "accumulator_dtype": None,
+    "grads_dtype": None, "remat": False, "unroll": 1, "data_axis": None,
+    "with_info": False, "skip_nonfinite": False,
+}
+
+# The options about gradients: :func:`jaxaccum.evaluate` has the others.
+GRADIENT_OPTIONS = frozenset({"argnums", "grads_dtype", "remat", "with_info"})
+
+
+class Folded(NamedTuple):
+  """A keyword option folded into a record: its default, the option that now holds it, and
+  the replacement named in its :class:`DeprecationWarning`."""
+
+  default: Any
+  into: str
+  instead: str
+  gradient: bool = True  # an option about gradients (evaluate never took it)
+
+
+# Deprecated keywords (kept for one release), each folded into ``into``.
+DEPRECATED: dict[str, Folded] = {
+    "mesh": Folded(None, "data_axis", "data_axis=jaxaccum.DataParallel(axis, mesh=mesh)",
+                   gradient=False),
+    "param_gather": Folded("step", "data_axis",
+                           "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
+    "grad_scatter": Folded("micro_batch", "data_axis",
+                           "data_axis=jaxaccum.DataParallel(axis, grad_scatter=...)"),
+    "overlap_grad_reduce": Folded(
+        False, "data_axis", "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
+    "loss_weights": Folded(None, "reduce", "reduce=jaxaccum.Terms(kinds, weights=...)"),
+    "remat_policy": Folded(None, "remat", "remat=policy (remat takes the policy itself)"),
+    "per_example_transform": Folded(
+        None, "per_example_transform",
+        "jaxaccum.per_example_value_and_grad(fun, transform, **options)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+  """The data-parallel mode: the mesh axes the batch is sharded over, and how.
+
+  Pass it as ``data_axis=`` to :func:`jaxaccum.value_and_grad` (a plain axis name, tuple of
+  names or ``"auto"`` means ``DataParallel(axis)``). Each device accumulates the gradients
+  of its own rows and they are reduced once per step, after the loop; ``fun`` sees
+  ``B / (N * D)`` rows per call on each of the ``D`` data shards. Arrays ``fun`` closes over
+  and non-batch keyword arguments are replicated. See the devices guide.
+
+  Attributes:
+    axis: the mesh axis name (or a tuple of names) the batch is sharded over, or ``"auto"``:
+      the mesh axes the batch's batch axis is sharded over (from the types under
+      ``Explicit`` mesh axes; under ``Auto`` axes only from placed arrays, outside
+      :func:`jax.jit`). Stored as a tuple of names (or ``"auto"``).
+    mesh: the mesh holding ``axis``; ``None`` uses the mesh set with :func:`jax.set_mesh`.
+    param_gather: when parameters sharded over the data axes (FSDP) are all-gathered:
+      ``"step"`` (default) once per step, before the loop (the full parameters stay live
+      across it), or ``"micro_batch"`` inside every micro-batch, behind an optimization
+      barrier that XLA cannot hoist (``N`` times the gather bytes).
+    grad_scatter: when their gradients are reduce-scattered: ``"micro_batch"`` (default)
+      inside every micro-batch, into an accumulator of the shard's size, or ``"step"``
+      once after the loop, from a full-size accumulator of local gradients. Both need an
+      FSDP parameter (an ``Explicit`` sharding type over a data axis).
+    overlap_grad_reduce: run the last micro-batch after the loop instead of inside it
+      (Megatron's option of the same name), so that the reduction of each gradient across
+      the data shards can start as soon as its last contribution exists. The results are
+      the same; the program holds the per-micro-batch computation twice (longer compile,
+      larger code) and on GPU the temporary memory of two micro-batches. Whether the
+      compiler overlaps depends on the model and on XLA's all-reduce combiner: see
+      "Overlapping the last reduction" in the devices guide.
+
+  Raises:
+    TypeError, ValueError: a bad axis, a mesh without ``axis``, an unknown placement.
+
+  >>> import jaxaccum
+  >>> dp = jaxaccum.DataParallel("data", grad_scatter="step")
+  >>> dp.axis, dp.grad_scatter
+  (('data',), 'step')
+  """
+
+  axis: tuple[AxisName, ...] | str
+  mesh: Any = None
+  param_gather: str = "step"
+  grad_scatter: str = "micro_batch"
+  overlap_grad_reduce: bool = False
+
+  def __post_init__(self):
+    axis = _sharding.check_data_axis_option(self.axis)
+    if axis is None:
+      raise TypeError(
+          "DataParallel needs the mesh axis name (or names) the batch is sharded over, e.g. "
+          "DataParallel('data'), got axis=None; for no data parallelism pass data_axis=None.")
+    object.__setattr__(self, "axis", axis)
+    _sharding.check_mesh(self.mesh, axis)
+    _sharding.check_placement("param_gather", self.param_gather, axis)
+    _sharding.check_placement("grad_scatter", self.grad_scatter, axis)
+    check_overlap(self.overlap_grad_reduce, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+  """A loss of several terms, each normalised by its own rule, and their weights.
+
+  Pass it as ``reduce=`` (a plain dict ``kinds`` means ``Terms(kinds)``): ``fun`` returns a
+  dict with the same keys (``(numerator, denominator)`` for ``"weighted"`` terms); the value
+  is the weighted total of the terms, each normalised over the whole batch, and the
+  gradients are its gradients. Terms with different divisors cost one backward pass each per
+  micro-batch.
+
+  Attributes:
+    kinds: a dict from term name to ``"mean"``, ``"sum"`` or ``"weighted"``.
+    weights: the weight of each term, a dict from term name to a number (default 1 each).
+
+  Raises:
+    TypeError, ValueError: ``kinds`` not a dict of known kinds, or ``weights`` naming an
+      unknown term or holding a non-number.
+
+  >>> import jaxaccum
+  >>> jaxaccum.Terms({"ce": "weighted", "aux": "mean"}, weights={"aux": 0.01}).weights
+  {'aux': 0.01}
+  """
+
+  kinds: dict[str, Any]
+  weights: dict[str, float] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.kinds, dict):
+      raise TypeError(
+          f"Terms takes a dict of loss terms, e.g. Terms({{'ce': 'weighted', 'aux': 'mean'}}), "
+          f"got kinds={self.kinds!r}; a single loss is reduce={self.kinds!r}.")
+    _reduce.make_terms(_reduce.check_reduce(self.kinds), self.weights)
+
+  __hash__ = None  # type: ignore[assignment]  # holds dicts
+
+
+def _expand(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, Any]:
+  """The core's flat options from the public ones: a :class:`DataParallel` ``data_axis``, a
+  :class:`Terms` ``reduce`` and a policy ``remat`` spread into the fields they stand for;
+  ``old`` holds the deprecated keywords given, which fill the same fields."""
+  raw = {**DEFAULTS, **{k: f.default for k, f in DEPRECATED.items()}, **given}
+
+  def clash(record: str, name: str) -> None:
+    raise TypeError(
+        f"{where} got {name}= and {record} both: give {name} inside {record} only "
+        f"({DEPRECATED[name].instead}).")
+
+  dp = raw["data_axis"]
+  if isinstance(dp, DataParallel):
+    for name in ("mesh", "param_gather", "grad_scatter", "overlap_grad_reduce"):
+      if name in old:
+        clash("data_axis=DataParallel(...)", name)
+    raw.update(data_axis=dp.axis, mesh=dp.mesh, param_gather=dp.param_gather,
+               grad_scatter=dp.grad_scatter, overlap_grad_reduce=dp.overlap_grad_reduce)
+  if isinstance(raw["reduce"], Terms):
+    if "loss_weights" in old:
+      clash("reduce=Terms(...)", "loss_weights")
+    raw.update(reduce=raw["reduce"].kinds, loss_weights=raw["reduce"].weights)
+  remat = raw["remat"]
+  if callable(remat) and not isinstance(remat, bool):
+    if "remat_policy" in old:
+      clash("a policy remat", "remat_policy")
+    raw.update(remat=True, remat_policy=remat)
+  return {**raw, **old}
+
+
+def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] | None = None,
+                 evaluate: bool = False, transform: Any = None,
+                 where: str = "value_and_grad", stacklevel: int = 3) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
 
-  ``options`` are :func:`jaxaccum.value_and_grad`'s keyword options, all of them, as given;
-  each :class:`Options` field validates its own (:func:`option`). ``evaluate=True`` is
+  ``given`` holds keyword options of :func:`jaxaccum.value_and_grad` (:data:`DEFAULTS`
+  fills the others), ``deprecated`` the other keywords a caller received: each known one
+  (:data:`DEPRECATED`) warns and fills its field, an unknown one is a ``TypeError``. Each
+  :class:`Options` field validates its own (:func:`option`). ``evaluate=True`` is
   :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is differentiated) is allowed
-  only there.
+  only there, and the options about gradients are refused. ``transform`` is
+  :func:`jaxaccum.per_example_value_and_grad`'s per-example transform.
   """
-  raw = {"fun": fun, "evaluate": evaluate, **options}
+  old = dict(deprecated or {})
+  unknown = [k for k in given if k not in DEFAULTS] + [
+      k for k in old if k not in DEPRECATED or evaluate and DEPRECATED[k].gradient]
+  if unknown:
+    raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}.")
+  for name in old:
+    warnings.warn(
+        f"{where}({name}=...) is deprecated and will be removed in the next release: use "
+        f"{DEPRECATED[name].instead}.", DeprecationWarning, stacklevel=stacklevel)
+  if evaluate:
+    dp, reduce = given.get("data_axis"), given.get("reduce")
+    if isinstance(dp, DataParallel) and (dp.param_gather, dp.grad_scatter,
+                                         dp.overlap_grad_reduce) != ("step", "micro_batch", False):
+      raise TypeError(
+          f"{where} takes DataParallel(axis, mesh=...) only, got {dp!r}: param_gather, "
+          "grad_scatter and overlap_grad_reduce are about gradients, and evaluate "
+          "differentiates nothing. Drop them.")
+    if isinstance(reduce, Terms) and reduce.weights is not None:
+      raise TypeError(
+          f"{where} returns each term of a Terms reduce normalised on its own (no weighted "
+          f"total), so it takes no weights: got {reduce!r}. Pass Terms(kinds) or the dict.")
+    given = {**given, "argnums": ()}
+  raw = {"fun": fun, "evaluate": evaluate, **_expand(given, old, where)}
+  if transform is not None:
+    raw["per_example_transform"] = transform
   done: dict[str, Any] = {}
   for field in dataclasses.fields(Options):
     done[field.name] = field.metadata["check"](raw, done)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import math
 import numbers
 import os
@@ -29,7 +28,7 @@ from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
-from jaxaccum import _collectives, _gpu_target, _sharding, _split
+from jaxaccum import _api, _collectives, _gpu_target, _options, _sharding, _split
 from jaxaccum._api import value_and_grad
 from jaxaccum._collectives import Collectives
 from jaxaccum._collectives import format_bytes as _fmt_bytes
@@ -617,9 +616,10 @@ def plan(
           f"plan chooses the micro-batch count itself, so {name}={options[name]!r} cannot be "
           "passed to it; drop it (or call jaxaccum.value_and_grad directly with a fixed count)."
       )
-  # Build once with N = 1 to validate the options eagerly, with the transform's own errors.
+  # Build once with N = 1 to validate the options eagerly, with the transform's own errors;
+  # the plan then reads the validated options, never the raw ones.
   try:
-    value_and_grad(fun, num_micro_batches=1, **options)
+    vg = _api.with_transform(value_and_grad, fun, dict(options, num_micro_batches=1))
   except TypeError as e:
     if "unexpected keyword argument" not in str(e):
       raise
@@ -628,48 +628,59 @@ def plan(
         f"plan got unknown option(s) {', '.join(map(repr, unknown))}; its options are those "
         f"of jaxaccum.value_and_grad: {', '.join(_VALUE_AND_GRAD_OPTIONS)}."
     ) from None
-
-  axes = _sharding.check_data_axis_option(options.get("data_axis"))
-  batch_argnums = options.get("batch_argnums", 1)
+  opts = vg.options
+  axes = opts.data_axis
   gpu = _target(target, num_devices)
   if gpu is not None:
     if isinstance(axes, tuple) and len(axes) != 1:
       raise ValueError(
           f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
-          f"name one axis, got data_axis={options['data_axis']!r}. For a mesh of several axes "
-          "build it with jaxaccum.target_mesh and pass it as mesh=..., with arguments "
+          f"name one axis, got data_axis={axes!r}. For a mesh of several axes build it with "
+          "jaxaccum.target_mesh and pass it as DataParallel(axis, mesh=...), with arguments "
           "sharded on it.")
     axis = axes[0] if isinstance(axes, tuple) else "data"
-    if axes is not None and options.get("mesh") is not None:
-      mesh = options["mesh"]
+    if axes is not None and opts.mesh is not None:
+      mesh = opts.mesh
     else:
       mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
       if axes is not None:
-        options = dict(options, mesh=mesh)
-    args = _place(args, batch_argnums, mesh, axis)
+        opts = dataclasses.replace(opts, mesh=mesh)
+  # The batch positions, resolved as the transform resolves them for this call.
+  batch = opts.roles(len(args), {}).batch
+  if gpu is not None:
+    args = _place(args, batch, mesh, axis)
 
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
-  placements = (isinstance(axes, tuple) and not {"param_gather", "grad_scatter"} & set(options)
-                and _shards_over(args, options.get("argnums", 0), axes))
+  placements = (isinstance(axes, tuple) and not _placement_given(options)
+                and _shards_over(args, opts.roles(len(args), {}).diff, axes))
 
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     extra = {} if placement is None else dict(param_gather=placement[0],
                                               grad_scatter=placement[1])
-    return jax.jit(value_and_grad(fun, num_micro_batches=n, **extra, **options))
+    return jax.jit(_api.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
 
   shards = 1
   if isinstance(axes, tuple):
-    mesh = options.get("mesh")
+    mesh = opts.mesh
     if mesh is None:
       mesh = jax.sharding.get_abstract_mesh()
       mesh = None if mesh.empty else mesh  # then the transform's own error asks for a mesh
     if mesh is not None:
       _sharding.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
-  return _search(make, args, batch_argnums, memory_budget_bytes, search, shards=shards,
-                 target=gpu, verbose=verbose, batch_axis=options.get("batch_axis", 0),
+  return _search(make, args, batch, memory_budget_bytes, search, shards=shards,
+                 target=gpu, verbose=verbose, batch_axis=opts.batch_axis,
                  placements=placements)
+
+
+def _placement_given(options: dict[str, Any]) -> bool:
+  """Whether the options fix the FSDP placement (a :class:`jaxaccum.DataParallel` with a
+  placement other than the defaults, or the deprecated keywords)."""
+  dp = options["data_axis"] if "data_axis" in options else None
+  if isinstance(dp, _options.DataParallel):
+    return (dp.param_gather, dp.grad_scatter) != ("step", "micro_batch")
+  return bool({"param_gather", "grad_scatter"} & set(options))
 
 
 def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
@@ -689,9 +700,8 @@ def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
   return False
 
 
-_VALUE_AND_GRAD_OPTIONS = tuple(
-    name for name, p in inspect.signature(value_and_grad).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _FIXED_BY_PLAN)
+_VALUE_AND_GRAD_OPTIONS = tuple(name for name in (*_options.DEFAULTS, "per_example_transform")
+                                if name not in _FIXED_BY_PLAN)
 
 
 def _batch_shards(batches: dict[int, Any]) -> int:

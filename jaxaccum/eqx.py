@@ -103,8 +103,8 @@ class _Wrapper:
   def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
     functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
     self.fun, self.has_aux = fun, has_aux
-    self.check_state = not options.get("state_argnums")
     self.core = self._core(fun, has_aux, options)
+    self.check_state = not self.core.options.state_argnums
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
     raise NotImplementedError
@@ -139,7 +139,8 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "filter_value_and_grad"
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
-    return _api.value_and_grad(fun, argnums=0, has_aux=has_aux, **options)
+    return _api.with_transform(_api.value_and_grad, fun,
+                               dict(options, argnums=0, has_aux=has_aux))
 
 
 class _EvaluateWrapper(_Wrapper):
@@ -190,8 +191,8 @@ def filter_grad(
   if fun is None:
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
-  return _api.Grad(vg, has_extra=has_aux or bool(options.get("state_argnums")),
-                   with_info=options.get("with_info", False))
+  return _api.Grad(vg, has_extra=vg.core.options.has_extra,
+                   with_info=vg.core.options.with_info)
 
 
 def filter_evaluate(

@@ -164,9 +164,9 @@ def value_and_grad(
   """
   _refuse_layout_options("value_and_grad", options, "params differentiated, ")
   _check_fun(fun)
-  return _api.value_and_grad(
-      _match_state(fun, has_aux), argnums=0, batch_argnums=batch_argnums, state_argnums=2,
-      rng_argnums=3, has_aux=has_aux, **options)
+  return _api.with_transform(_api.value_and_grad, _match_state(fun, has_aux), dict(
+      options, argnums=0, batch_argnums=batch_argnums, state_argnums=2, rng_argnums=3,
+      has_aux=has_aux))
 
 
 def evaluate(
@@ -285,26 +285,27 @@ def make_train_step(
         f"collections must be a sequence of collection names such as ('batch_stats',), got "
         f"collections={collections!r}.")
   collections = tuple(collections)
-  reduce = options.get("reduce", "mean")
-  if axis_name is not None and not (isinstance(reduce, str)
-                                    and reduce in _reduce.LOSS_KINDS):
+  vg = value_and_grad(fun, has_aux=has_aux, **options)
+  opts = vg.options
+  if axis_name is not None and not (isinstance(opts.reduce, str)
+                                    and opts.reduce in _reduce.LOSS_KINDS):
     raise ValueError(
         f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
-        f"got reduce={reduce!r}. Combine the results yourself with jax.lax.pmean/psum, or "
-        "use one of those reductions.")
-  if axis_name is not None and options.get("data_axis") is not None:
+        f"got reduce={opts.reduce!r}. Combine the results yourself with jax.lax.pmean/psum, "
+        "or use one of those reductions.")
+  if axis_name is not None and opts.data_axis is not None:
     raise ValueError(
-        f"axis_name={axis_name!r} and data_axis={options['data_axis']!r} were both given: "
+        f"axis_name={axis_name!r} and data_axis={opts.data_axis!r} were both given: "
         "axis_name combines the replicas of an enclosing jax.pmap or jax.shard_map, "
         "data_axis maps over the mesh itself. Pass one of them.")
-  for name in ("batch_argnames", "rng_argnames"):
-    if options.get(name) is not None:
+  for name, given in (("batch_argnames", opts.batch_argnames),
+                      ("rng_argnames", opts.rng_argnames)):
+    if given:
       raise TypeError(
           f"jaxaccum.linen.make_train_step takes no {name}= option: train_step(state, batch, "
           "rngs) passes no keyword arguments to fun. Put the whole batch in batch and the "
           "PRNG keys in rngs (each folded per micro-batch), or build the step on "
           "jaxaccum.linen.value_and_grad to pass keyword arguments.")
-  vg = value_and_grad(fun, has_aux=has_aux, **options)
   if axis_name is None:
     accumulated = vg
   else:
@@ -344,7 +345,7 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
     combine = functools.partial(
         _data_parallel.combine, axes=axes, grad_axes=grad_axes,
         reduce_is_sum=_reduce.sums_across_devices(opts.terms))
-    args = (_sharding._vary(params, axes), batch, _sharding._vary(model_state, axes), rngs)
+    args = (_sharding.vary(params, axes), batch, _sharding.vary(model_state, axes), rngs)
     value, extra, grads, info = _transform.accumulate(opts, args, {}, shards=shards,
                                                       combine=combine)
     (grads,) = grads  # argnums=0: the parameters' gradients

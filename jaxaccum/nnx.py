@@ -560,7 +560,7 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "value_and_grad"
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
-    return _api.value_and_grad(fun, argnums=0, **options)
+    return _api.with_transform(_api.value_and_grad, fun, dict(options, argnums=0))
 
   def _check_wrt(self, model: Any, diff: Any) -> None:
     if not jax.tree.leaves(diff):
@@ -649,8 +649,7 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  return _api.Grad(vg, has_extra=options.get("has_aux", False),
-                   with_info=options.get("with_info", False))
+  return _api.Grad(vg, has_extra=vg.has_aux, with_info=vg.core.options.with_info)
 
 
 def evaluate(

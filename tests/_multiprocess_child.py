@@ -70,7 +70,8 @@ def main(address: str, num_processes: int, process_id: int, out: str) -> None:
   batch = jax.tree.map(lambda a: place(a, rows), batch)
   results = {}
   for name, fun, reduce in (("mean", mean_loss, "mean"), ("weighted", token_loss, "weighted")):
-    for mode, options in (("plain", {}), ("data_axis", {"data_axis": "data", "mesh": mesh})):
+    parallel = {"data_axis": jaxaccum.DataParallel("data", mesh=mesh)}
+    for mode, options in (("plain", {}), ("data_axis", parallel)):
       step = jax.jit(jaxaccum.value_and_grad(
           fun, num_micro_batches=NUM_MICRO_BATCHES, reduce=reduce, **options))
       loss, grads = step(params, batch)

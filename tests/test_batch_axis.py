@@ -270,7 +270,7 @@ def test_data_axis_with_the_batch_sharded_along_axis_1(axis_type):
   ref = jax.jit(jax.value_and_grad(full, has_aux=True))(PARAMS, x, y, mask)
   step = jax.jit(jaxaccum.value_and_grad(
       loss, num_micro_batches=2, batch_argnums=(1, 2, 3), batch_axis=1, reduce="weighted",
-      has_aux=True, aux_reduce="concat", data_axis="data", mesh=mesh))
+      has_aux=True, aux_reduce="concat", data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   with jax.set_mesh(mesh):
     if axis_type == AxisType.Explicit:
       args = _sharded(x, y, mask)

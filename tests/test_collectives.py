@@ -226,8 +226,8 @@ def test_value_and_grad_with_and_without_data_axis(axis_type):
       lambda a: sds(a.shape, a.dtype, mesh, spec), tree)
   params, batch = place(params, P()), place(batch, P("data"))
   plain = jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=4))
-  once = jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=4, data_axis="data",
-                                         mesh=mesh))
+  once = jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=4,
+                 data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   for fn in (plain, once):
     got = jaxaccum.collectives(fn, params, batch)
     text = fn.lower(params, batch).compile().as_text()

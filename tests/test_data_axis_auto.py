@@ -68,8 +68,8 @@ def test_auto_axes_outside_jit_from_placed_arrays():
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
   out = jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="auto")(params, batch)
-  want = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="data",
-                                         mesh=mesh))(params, batch)
+  want = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N,
+                 data_axis=jaxaccum.DataParallel("data", mesh=mesh)))(params, batch)
   assert_close(out, ref)
   assert_close(out, want)
 
@@ -123,8 +123,9 @@ def test_auto_with_fsdp_placement_and_a_mesh_given():
   ref = jax.jit(jax.value_and_grad(loss))(params, batch)
   params = jax.device_put(params, NamedSharding(mesh, P("data")))
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="auto", mesh=mesh,
-                                         param_gather="micro_batch", grad_scatter="step"))
+  step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N,
+                 data_axis=jaxaccum.DataParallel("auto", mesh=mesh, param_gather="micro_batch",
+                                                 grad_scatter="step")))
   colls = jaxaccum.collectives(step, params, batch)
   assert colls.count("all-gather", in_loop=True) >= 1, str(colls)
   assert colls.count("reduce-scatter", in_loop=False) >= 1, str(colls)
@@ -134,9 +135,11 @@ def test_auto_with_fsdp_placement_and_a_mesh_given():
 def test_auto_is_accepted_by_the_options_and_other_strings_are_axis_names():
   jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="auto")
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="auto", mesh=mesh)
+  jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("auto",
+                          mesh=mesh))
   with pytest.raises(ValueError, match=r"data_axis='batch' names mesh axis 'batch'"):
-    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="batch", mesh=mesh)
+    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("batch",
+                            mesh=mesh))
   params, _ = _problem()
   with pytest.raises(ValueError, match=r"found no array in the batch arguments"):
     jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="auto")(

@@ -84,10 +84,10 @@ def noisy_loss(p, batch, key):
 
 @functools.cache
 def _aux_step(method):
-  return jax.jit(jaxaccum.value_and_grad(
-      noisy_loss, num_micro_batches=4, has_aux=True, rng_argnums=2, with_info=True,
-      remat=True, aux_reduce={"err": "concat", "abs": None},
-      per_example_transform=jaxaccum.clip_per_example(C, method)))
+  return jax.jit(jaxaccum.per_example_value_and_grad(
+      noisy_loss, jaxaccum.clip_per_example(C, method), num_micro_batches=4, has_aux=True,
+                                            rng_argnums=2, with_info=True,
+      remat=True, aux_reduce={"err": "concat", "abs": None}))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -146,9 +146,9 @@ def weighted_loss(p, batch):
 def test_weighted_divides_the_clipped_numerators_by_all_tokens(method):
   params, (x, y) = _problem(3)
   m = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
-  value, grads = jax.jit(jaxaccum.value_and_grad(
-      weighted_loss, num_micro_batches=2, reduce="weighted",
-      per_example_transform=jaxaccum.clip_per_example(C, method)))(params, (x, y, m))
+  value, grads = jax.jit(jaxaccum.per_example_value_and_grad(
+      weighted_loss, jaxaccum.clip_per_example(C, method), num_micro_batches=2,
+                                               reduce="weighted"))(params, (x, y, m))
   ref, _ = _loop(lambda p, b: weighted_loss(p, b)[0], params, (x, y, m), range(B),
                  divisor=float(m.sum()))
   _close(grads, ref)
@@ -160,8 +160,8 @@ def test_weighted_divides_the_clipped_numerators_by_all_tokens(method):
 def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
   mesh = jax.make_mesh((8,), ("data",))
   params, batch = _problem(4, rows=32)
-  step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2, data_axis="data", mesh=mesh,
-                               with_info=True,
+  step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2,
+                 data_axis=jaxaccum.DataParallel("data", mesh=mesh), with_info=True,
                                per_example_transform=jaxaccum.clip_per_example(C, method)))
   with jax.set_mesh(mesh):
     grads, info = step(params, batch)
@@ -254,9 +254,9 @@ def test_nnx_adapter(method, monkeypatch):
 
 @functools.cache
 def _nan_safe_step(method):
-  return jax.jit(jaxaccum.value_and_grad(
-      mean_loss, num_micro_batches=4, skip_nonfinite=True, with_info=True,
-      per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))
+  return jax.jit(jaxaccum.per_example_value_and_grad(
+      mean_loss, jaxaccum.clip_per_example(C, method, nan_safe=True), num_micro_batches=4,
+                                           skip_nonfinite=True, with_info=True))
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -281,9 +281,9 @@ def test_example_mask_removes_padding_from_sum_and_count_without_recompiling(met
     traces.append(1)
     return mean_loss(p, batch)
 
-  step = jax.jit(jaxaccum.value_and_grad(
-      loss, num_micro_batches=4, batch_argnames="mask", with_info=True,
-      per_example_transform=jaxaccum.clip_per_example(C, method, example_mask="mask")))
+  step = jax.jit(jaxaccum.per_example_value_and_grad(
+      loss, jaxaccum.clip_per_example(C, method, example_mask="mask"), num_micro_batches=4,
+                                      batch_argnames="mask", with_info=True))
   for mask in (np.arange(B) % 5 != 0, np.arange(B) < 11):
     loss_value, grads, info = step(params, (x, y), mask=jnp.asarray(mask))
     rows = np.flatnonzero(mask)
@@ -416,8 +416,8 @@ def test_time_major_aux_concat_under_batch_axis_one():
   opts = dict(num_micro_batches=4, batch_argnums=(1, 2), batch_axis=1, has_aux=True,
               aux_reduce="concat")
   (_, plain), _ = jaxaccum.value_and_grad(seq_loss, **opts)(params, xt, yt)
-  (_, aux), _ = jaxaccum.value_and_grad(
-      seq_loss, per_example_transform=jaxaccum.clip_per_example(C), **opts)(params, xt, yt)
+  (_, aux), _ = jaxaccum.per_example_value_and_grad(
+      seq_loss, jaxaccum.clip_per_example(C), **opts)(params, xt, yt)
   _close(aux, plain, rtol=1e-5)
   _close(aux, jax.vmap(_pred, (None, 0))(params, xt), rtol=1e-5)
 
@@ -429,9 +429,9 @@ def test_scalar_per_example_aux_concatenates_to_one_entry_per_example():
     loss = mean_loss(p, batch)
     return loss, loss  # each example's own loss, a scalar
 
-  (_, losses), _ = jaxaccum.value_and_grad(
-      with_loss, num_micro_batches=4, has_aux=True, aux_reduce="concat",
-      per_example_transform=jaxaccum.clip_per_example(C))(params, batch)
+  (_, losses), _ = jaxaccum.per_example_value_and_grad(
+      with_loss, jaxaccum.clip_per_example(C), num_micro_batches=4, has_aux=True,
+                                           aux_reduce="concat")(params, batch)
   _close(losses, np.array([mean_loss(params, _rows(batch, j)) for j in range(B)]), rtol=1e-5)
 
 
@@ -487,10 +487,10 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, batch))
 
   def peak(n, method=None):
-    extra = {} if method is None else {
-        "per_example_transform": jaxaccum.clip_per_example(1.0, method)}
-    m = jax.jit(jaxaccum.value_and_grad(_deep_tanh_loss, num_micro_batches=n, **extra)).lower(
-        *shapes).compile().memory_analysis()
+    vg = (jaxaccum.value_and_grad(_deep_tanh_loss, num_micro_batches=n) if method is None else
+          jaxaccum.per_example_value_and_grad(
+              _deep_tanh_loss, jaxaccum.clip_per_example(1.0, method), num_micro_batches=n))
+    m = jax.jit(vg).lower(*shapes).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
 

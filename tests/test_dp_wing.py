@@ -227,12 +227,11 @@ def test_positional_and_keyword_keys_give_each_example_its_own_fold(n, b, seed):
   w = jnp.ones(D)
   key = jax.random.key(seed)
   clip = jaxaccum.clip_per_example(C, "materialize")
-  pos = jaxaccum.value_and_grad(_mask_loss, num_micro_batches=n, has_aux=True,
-                                aux_reduce="concat", rng_argnums=2,
-                                per_example_transform=clip)
-  kw = jaxaccum.value_and_grad(lambda w, x, *, key: _mask_loss(w, x, key), num_micro_batches=n,
-                               has_aux=True, aux_reduce="concat", rng_argnames="key",
-                               per_example_transform=clip)
+  pos = jaxaccum.per_example_value_and_grad(_mask_loss, clip, num_micro_batches=n, has_aux=True,
+                                aux_reduce="concat", rng_argnums=2)
+  kw = jaxaccum.per_example_value_and_grad(lambda w, x, *, key: _mask_loss(w, x, key), clip,
+                                           num_micro_batches=n,
+                               has_aux=True, aux_reduce="concat", rng_argnames="key")
   (_, m_pos), _ = pos(w, x, key)
   (_, m_kw), _ = kw(w, x, key=key)
   # Row j is example r = j // N of micro-batch i = j % N: fold_in(fold_in(key, i), r).
@@ -300,9 +299,9 @@ def test_a_plain_state_key_is_folded_and_a_state_key_fun_replaces_is_refused():
   x, w = jnp.ones((4, D)), jnp.ones(D)
   state = {"key": jax.random.key(3), "layers": jax.random.split(jax.random.key(4), 3),
            "n": jnp.int32(0)}
-  step = jaxaccum.value_and_grad(loss, num_micro_batches=2, state_argnums=2, has_aux=True,
-                                 aux_reduce="concat",
-                                 per_example_transform=jaxaccum.clip_per_example(C))
+  step = jaxaccum.per_example_value_and_grad(loss, jaxaccum.clip_per_example(C),
+                                             num_micro_batches=2, state_argnums=2, has_aux=True,
+                                 aux_reduce="concat")
   (_, (new, (keep, also))), _ = step(w, x, state)
   for got, key in ((keep, state["key"]), (also, state["layers"][1])):
     ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, j // 2), 0.5,
@@ -317,8 +316,8 @@ def test_a_plain_state_key_is_folded_and_a_state_key_fun_replaces_is_refused():
     keep = jax.random.bernoulli(sub, 0.5, x.shape)
     return jnp.mean(jnp.where(keep, x * w, 0.0)), {"key": new_key, "n": state["n"]}
 
-  bad = jaxaccum.value_and_grad(advancing, num_micro_batches=2, state_argnums=2,
-                                per_example_transform=jaxaccum.clip_per_example(C))
+  bad = jaxaccum.per_example_value_and_grad(advancing, jaxaccum.clip_per_example(C),
+                                            num_micro_batches=2, state_argnums=2)
   with pytest.raises(TypeError,
                      match=r"state_argnums=\(2,\) depends on the example.*PRNG key held"):
     bad(w, x, state)
@@ -525,10 +524,10 @@ def test_nan_safe_with_a_mask_keeps_a_real_nan_example_out_of_the_value(program,
   x, y = _data(seed, rows, nan_rows=[bad, pad])
   mask = np.ones(rows, bool)
   mask[pad] = False
-  step = jax.jit(jaxaccum.value_and_grad(
-      loss, num_micro_batches=n, batch_argnames="mask", with_info=True,
-      per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True,
-                                                      example_mask="mask")))
+  step = jax.jit(jaxaccum.per_example_value_and_grad(
+      loss, jaxaccum.clip_per_example(C, method, nan_safe=True,
+                                                      example_mask="mask"), num_micro_batches=n,
+                                                          batch_argnames="mask", with_info=True))
   value, grads, info = step(params, (x, y), mask=jnp.asarray(mask))
   real = [j for j in range(rows) if mask[j]]
   live = [j for j in real if j != bad]
@@ -554,9 +553,10 @@ def test_weighted_with_a_mask_leaves_padding_tokens_out_of_the_denominator(progr
   mask = rng.random(rows) < 0.6
   mask[0] = True
   t[~mask] = 7.0  # padding rows claim tokens: they must not count
-  step = jax.jit(jaxaccum.value_and_grad(
-      _mlp_weighted, num_micro_batches=n, reduce="weighted", batch_argnames="mask",
-      per_example_transform=jaxaccum.clip_per_example(C, method, example_mask="mask")))
+  step = jax.jit(jaxaccum.per_example_value_and_grad(
+      _mlp_weighted, jaxaccum.clip_per_example(C, method, example_mask="mask"),
+                                               num_micro_batches=n, reduce="weighted",
+                                                   batch_argnames="mask"))
   value, grads = step(params, (x, y, t), mask=jnp.asarray(mask))
   real = np.flatnonzero(mask)
   tokens = float(t[real].sum())
@@ -581,9 +581,9 @@ def test_user_level_clipping_concatenates_a_non_scalar_aux(method, seed):
     err = _mlp_rows(p, xb) - yb
     return jnp.mean(err ** 2), {"err": err, "h": jnp.tanh(xb @ p["w1"])}
 
-  (value, aux), grads = jax.jit(jaxaccum.value_and_grad(
-      unit, num_micro_batches=n, has_aux=True, aux_reduce="concat",
-      per_example_transform=jaxaccum.clip_per_example(C, method, keep_batch_dim=False)))(
+  (value, aux), grads = jax.jit(jaxaccum.per_example_value_and_grad(
+      unit, jaxaccum.clip_per_example(C, method, keep_batch_dim=False), num_micro_batches=n,
+                                      has_aux=True, aux_reduce="concat"))(
           params, (x, y))
   ref_aux = [unit(params, (x[u], y[u]))[1] for u in range(users)]
   _close(aux, jax.tree.map(lambda *a: np.stack(a), *ref_aux))

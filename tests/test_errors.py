@@ -237,7 +237,8 @@ def test_overlap_known_only_at_the_call():
       "argnums=(1,) and batch_argnums=(1,) overlap at argument(s) [1]")):
     fn(W, BATCH)
   mesh = jax.make_mesh((8,), ("data",))
-  fn = jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh, argnums=-1)
+  fn = jaxaccum.local_value_and_grad(loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh),
+                                     argnums=-1)
   with pytest.raises(ValueError, match=re.escape(
       "argnums=(1,) and batch_argnums=(1,) overlap at argument(s) [1]")):
     fn(W, BATCH)

@@ -52,8 +52,9 @@ def _placed(mesh, param_axis, batch_axes):
 
 
 def _step(data_axis, mesh, gather, scatter, **options):
-  return jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis=data_axis,
-                                         mesh=mesh, param_gather=gather, grad_scatter=scatter,
+  return jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N,
+                 data_axis=jaxaccum.DataParallel(data_axis, mesh=mesh, param_gather=gather,
+                                                 grad_scatter=scatter),
                                          **options))
 
 
@@ -110,7 +111,8 @@ def test_weighted_loss_two_differentiated_arguments_and_remat():
   for gather, scatter in COMBOS:
     step = jax.jit(jaxaccum.value_and_grad(
         weighted, num_micro_batches=N, argnums=(0, 1), batch_argnums=2, reduce="weighted",
-        remat=True, data_axis="data", mesh=mesh, param_gather=gather, grad_scatter=scatter))
+        remat=True, data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather=gather,
+                                                    grad_scatter=scatter)))
     # remat recomputes the forward pass, gathers included, in the backward pass: a gather
     # per micro-batch runs twice per micro-batch.
     _check_placement(jaxaccum.collectives(step, params, scale, batch), gather, scatter,
@@ -171,8 +173,9 @@ def test_scan_over_layers_lm():
   sharded = {k_: jax.device_put(v, NamedSharding(mesh, specs[k_])) for k_, v in params.items()}
   placed = jax.device_put(tokens, NamedSharding(mesh, P("data")))
   for gather, scatter in COMBOS:
-    step = jax.jit(jaxaccum.value_and_grad(lm_loss, num_micro_batches=N, data_axis="data",
-                                           param_gather=gather, grad_scatter=scatter))
+    step = jax.jit(jaxaccum.value_and_grad(lm_loss, num_micro_batches=N,
+                   data_axis=jaxaccum.DataParallel("data", param_gather=gather,
+                                                   grad_scatter=scatter)))
     with jax.set_mesh(mesh):
       colls = jaxaccum.collectives(step, sharded, placed)
       value, grads = step(sharded, placed)
@@ -229,8 +232,9 @@ def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind,
   placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
   through_set_mesh = seed % 3 != 1
   step = jax.jit(jaxaccum.value_and_grad(
-      _scanned_loss, num_micro_batches=n, data_axis="data", param_gather="micro_batch",
-      grad_scatter=scatter, **({} if through_set_mesh else {"mesh": mesh})))
+      _scanned_loss, num_micro_batches=n, data_axis=jaxaccum.DataParallel(
+          "data", mesh=None if through_set_mesh else mesh, param_gather="micro_batch",
+          grad_scatter=scatter)))
   with jax.set_mesh(mesh) if through_set_mesh else contextlib.nullcontext():
     colls = jaxaccum.collectives(step, sharded, placed)
     value, grads = step(sharded, placed)
@@ -255,15 +259,20 @@ def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind,
 def test_bad_values_and_options_without_data_axis():
   with pytest.raises(ValueError, match=r"param_gather must be one of 'step', 'micro_batch', "
                      r"got param_gather='layer'"):
-    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="data", param_gather="layer")
+    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
+                            param_gather="layer"))
   with pytest.raises(ValueError, match=r"grad_scatter must be one of 'micro_batch', 'step'"):
-    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis="data", grad_scatter=True)
+    jaxaccum.value_and_grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
+                            grad_scatter=True))
   for name, value in (("param_gather", "micro_batch"), ("grad_scatter", "step")):
-    with pytest.raises(ValueError, match=rf"{name}='{value}' places.*pass data_axis=\.\.\."):
+    # The deprecated keyword (DataParallel holds it now) keeps its old error.
+    with pytest.raises(ValueError, match=rf"{name}='{value}' places.*pass data_axis=\.\.\."), \
+        pytest.warns(DeprecationWarning, match="is deprecated"):
       jaxaccum.value_and_grad(loss, num_micro_batches=2, **{name: value})
   # The defaults are accepted without data_axis: they are what runs anyway.
-  jaxaccum.value_and_grad(loss, num_micro_batches=2, param_gather="step",
-                          grad_scatter="micro_batch")
+  with pytest.warns(DeprecationWarning, match="is deprecated"):
+    jaxaccum.value_and_grad(loss, num_micro_batches=2, param_gather="step",
+                            grad_scatter="micro_batch")
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
@@ -279,8 +288,9 @@ def test_replicated_parameters_are_refused(axis_type, name, value):
   else:  # sharded, but an Auto type does not say so
     params = jax.device_put(params, NamedSharding(mesh, P("data")))
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="data",
-                                         mesh=mesh, **{name: value}))
+  step = jax.jit(jaxaccum.value_and_grad(
+      loss, num_micro_batches=N,
+      data_axis=jaxaccum.DataParallel("data", mesh=mesh, **{name: value})))
   with pytest.raises(ValueError, match=rf"{name}='{value}' places.*no differentiated argument "
                      r"is sharded.*FSDP needs Explicit mesh axes.*or drop"):
     step(params, batch)
@@ -321,9 +331,9 @@ def test_plan_chooses_the_placement_with_the_least_communication_that_fits():
   ref = {}
   for n in counts:
     for gather, scatter in order:
-      step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n, data_axis="data",
-                                             mesh=mesh, param_gather=gather,
-                                             grad_scatter=scatter))
+      step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=n,
+                     data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather=gather,
+                                                     grad_scatter=scatter)))
       ref[n, (gather, scatter)] = _memory(step.lower(params, batch).compile())
 
   def expected(budget):
@@ -338,7 +348,7 @@ def test_plan_chooses_the_placement_with_the_least_communication_that_fits():
   assert budgets, ref
   for budget in (budgets[0], 2**40):
     p = jaxaccum.plan(loss, params, batch, memory_budget_bytes=budget, search="all",
-                      data_axis="data", mesh=mesh)
+                      data_axis=jaxaccum.DataParallel("data", mesh=mesh))
     assert (p.num_micro_batches, p.placement) == expected(budget), (budget, str(p))
     assert p.peak_bytes == ref[p.num_micro_batches, p.placement]
     for c in p.candidates:
@@ -357,18 +367,18 @@ def test_plan_chooses_the_placement_with_the_least_communication_that_fits():
 
 def test_plan_keeps_a_placement_the_options_fix_and_replicated_parameters():
   mesh, params, batch = _fsdp_shapes()
-  p = jaxaccum.plan(loss, params, batch, memory_budget_bytes=2**40, data_axis="data",
-                    mesh=mesh, param_gather="micro_batch")
+  p = jaxaccum.plan(loss, params, batch, memory_budget_bytes=2**40,
+                    data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather="micro_batch"))
   assert p.placement is None and all(c.placement is None for c in p.candidates)
   assert "gather/scatter" not in p.table()
   # A budget that needs micro-batches: the fixed per-micro-batch gather is in the loop.
   p = jaxaccum.plan(loss, params, batch, memory_budget_bytes=p.peak_bytes - 1,
-                    data_axis="data", mesh=mesh, param_gather="micro_batch")
+                    data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather="micro_batch"))
   assert p.num_micro_batches > 1 and p.placement is None
   assert p.collectives.count("all-gather", in_loop=True) >= 1, str(p.collectives)
   replicated = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())),
       params)
-  p = jaxaccum.plan(loss, replicated, batch, memory_budget_bytes=2**40, data_axis="data",
-                    mesh=mesh)
+  p = jaxaccum.plan(loss, replicated, batch, memory_budget_bytes=2**40,
+                    data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   assert p.placement is None and len(p.candidates) == 1

@@ -128,7 +128,7 @@ def test_estimates_are_unbiased_under_data_axis():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   rows, n, reps = 64, 2, 300
   vg = jaxaccum.value_and_grad(mean_loss, num_micro_batches=n, with_info=True,
-                               data_axis="data", mesh=mesh)
+                               data_axis=jaxaccum.DataParallel("data", mesh=mesh))
 
   def batch_fn(k):
     x, y, _ = make_batch(k, rows)

@@ -118,8 +118,8 @@ def test_a_user_reduction_without_a_cross_device_rule_is_refused_under_data_axis
   mesh = mesh8()
   x = jax.device_put(jnp.tile(X, (2, 1)), NamedSharding(mesh, P("data")))
   f = jaxaccum.value_and_grad(
-      fun, num_micro_batches=2, has_aux=True, data_axis="data", mesh=mesh,
-      aux_reduce={"mean": "mean", "sum": optax_accumulator(AccumulationType.SUM, 2),
+      fun, num_micro_batches=2, has_aux=True, data_axis=jaxaccum.DataParallel("data", mesh=mesh),
+          aux_reduce={"mean": "mean", "sum": optax_accumulator(AccumulationType.SUM, 2),
                   "rows": "concat"})
   with pytest.raises(ValueError, match=r"aux leaf \['sum'\] is reduced with the optax "
                      r"Accumulator.*no rule for combining data shards.*Reduction with a "
@@ -136,8 +136,9 @@ def test_a_reduction_with_a_combine_runs_under_data_axis():
       update=lambda c, v, w, i: c + jnp.sum(v.astype(c.dtype) ** 2, axis=0),
       combine=lambda c, axes, is_sum: lax.psum(c, axes),
       finalize=lambda c, st, s, d: c, numeric_only=True, name="sum of squares")
-  f = jaxaccum.value_and_grad(fun, num_micro_batches=2, has_aux=True, data_axis="data",
-                              mesh=mesh, aux_reduce={"mean": "mean", "sum": "sum",
+  f = jaxaccum.value_and_grad(fun, num_micro_batches=2, has_aux=True,
+                              data_axis=jaxaccum.DataParallel("data", mesh=mesh),
+                              aux_reduce={"mean": "mean", "sum": "sum",
                                                      "rows": sum_sq})
   (_, aux), _ = jax.jit(f)(W, x)
   want = jnp.sum(fun(W, xs)[1]["rows"] ** 2)
@@ -155,8 +156,9 @@ def test_skip_nonfinite_with_an_aux_leaf_that_does_not_vary_across_shards():
   mesh = mesh8()
   xs = jnp.tile(X, (2, 1)).at[3, 0].set(jnp.nan)  # shard 0's micro-batch 1
   batch = {"x": xs}
-  f = jaxaccum.value_and_grad(fun3, num_micro_batches=2, has_aux=True, data_axis="data",
-                              mesh=mesh, skip_nonfinite=True, with_info=True,
+  f = jaxaccum.value_and_grad(fun3, num_micro_batches=2, has_aux=True,
+                              data_axis=jaxaccum.DataParallel("data", mesh=mesh),
+                              skip_nonfinite=True, with_info=True,
                               aux_reduce={"rows": None, "one": None, "flag": None,
                                           "max": "max"})
   out = jax.jit(f)(W, jax.device_put(batch, NamedSharding(mesh, P("data"))))

@@ -348,8 +348,8 @@ def test_axis_name_equals_the_core_data_axis_mode():
                  with_info=True, aux_reduce={"mse": "mean", "rows": "sum", "worst": "max",
                                              "per_mb": "stack", "pred": "concat"})
   mesh = jax.make_mesh((R,), ("data",), devices=jax.devices()[:R])
-  core = jax.jit(jaxaccum.linen.value_and_grad(loss_fn, data_axis="data", mesh=mesh,
-                                               **options))
+  core = jax.jit(jaxaccum.linen.value_and_grad(loss_fn, data_axis=jaxaccum.DataParallel("data",
+                 mesh=mesh), **options))
   ((ref_loss, (ref_state, ref_aux)), ref_grads, ref_info) = core(
       params, (x, y), {"batch_stats": stats}, {})
 

@@ -64,8 +64,8 @@ def problem():
 def test_keys_are_folded_per_shard(problem, num_micro_batches):
   mesh, w, x, (pw, px), key = problem
   accumulate = {} if num_micro_batches is None else {"num_micro_batches": num_micro_batches}
-  fn = jax.jit(jaxaccum.local_value_and_grad(dropout_loss, data_axis="data", mesh=mesh,
-                                             rng_argnums=2, **accumulate))
+  fn = jax.jit(jaxaccum.local_value_and_grad(dropout_loss, data_axis=jaxaccum.DataParallel("data",
+               mesh=mesh), rng_argnums=2, **accumulate))
   value, grads = fn(pw, px, key)
   chex.assert_trees_all_close((value, grads), hand_pieces(w, x, key, num_micro_batches),
                               rtol=1e-5, atol=1e-7)
@@ -73,14 +73,14 @@ def test_keys_are_folded_per_shard(problem, num_micro_batches):
 
 def test_keyword_batch_and_key(problem):
   mesh, w, x, (pw, px), key = problem
-  local = jaxaccum.local_value_and_grad(keyword_loss, data_axis="data", mesh=mesh,
-                                        batch_argnums=(), batch_argnames="batch",
+  local = jaxaccum.local_value_and_grad(keyword_loss, data_axis=jaxaccum.DataParallel("data",
+                                        mesh=mesh), batch_argnums=(), batch_argnames="batch",
                                         rng_argnames="key", num_micro_batches=2)
   value, grads = jax.jit(local)(pw, batch=px, key=key)
   chex.assert_trees_all_close((value, grads), hand_pieces(w, x, key, 2), rtol=1e-5, atol=1e-7)
   # The pieces sum to what value_and_grad(data_axis=) reduces: the same keys on each shard.
-  reduced = jaxaccum.value_and_grad(keyword_loss, data_axis="data", mesh=mesh,
-                                    batch_argnums=(), batch_argnames="batch",
+  reduced = jaxaccum.value_and_grad(keyword_loss, data_axis=jaxaccum.DataParallel("data",
+                                    mesh=mesh), batch_argnums=(), batch_argnames="batch",
                                     rng_argnames="key", num_micro_batches=2)
   chex.assert_trees_all_close((value.sum(), grads.sum(0)),
                               jax.jit(reduced)(pw, batch=px, key=key), rtol=1e-5, atol=1e-6)
@@ -88,8 +88,8 @@ def test_keyword_batch_and_key(problem):
 
 def test_keyword_arguments_errors(problem):
   mesh, _, _, (pw, px), key = problem
-  local = jaxaccum.local_value_and_grad(keyword_loss, data_axis="data", mesh=mesh,
-                                        batch_argnums=(), batch_argnames="batch",
+  local = jaxaccum.local_value_and_grad(keyword_loss, data_axis=jaxaccum.DataParallel("data",
+                                        mesh=mesh), batch_argnums=(), batch_argnames="batch",
                                         rng_argnames="key")
   with pytest.raises(ValueError, match=r"rng_argnames=\('key',\) names keyword argument\(s\) "
                      r"\['key'\], but the function was called with keyword arguments \['batch'\]"):

@@ -80,8 +80,9 @@ def run_window(mesh, params, batch, *, loss=loss_fn, reduce="mean", use_grad_mea
   option = {"mesh": mesh} if pass_mesh else {}  # else the mesh set with jax.set_mesh
   opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, use_grad_mean=use_grad_mean,
                             data_axis="data", **option)
-  grad_fn = jaxaccum.local_value_and_grad(loss, data_axis="data", reduce=reduce, **option,
-                                          **accumulate)
+  grad_fn = jaxaccum.local_value_and_grad(
+      loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh if pass_mesh else None),
+      reduce=reduce, **accumulate)
   step = make_step(opt, grad_fn)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   state = opt.init(params)
@@ -136,7 +137,8 @@ def test_pieces_are_each_shards_rows():
   mesh = mesh_of(AxisType.Explicit)
   params, (x, y) = make_problem()
   x, y = x[:ROWS], y[:ROWS]
-  grad_fn = jax.jit(jaxaccum.local_value_and_grad(loss_fn, data_axis="data", mesh=mesh))
+  grad_fn = jax.jit(jaxaccum.local_value_and_grad(loss_fn, data_axis=jaxaccum.DataParallel("data",
+                    mesh=mesh)))
   value, grads = grad_fn(jax.device_put(params, NamedSharding(mesh, P())),
                          jax.device_put((x, y), NamedSharding(mesh, P("data"))))
   value, grads = jax.device_get((value, grads))
@@ -170,7 +172,8 @@ def test_token_weighted_calls():
 
   tx = optax.sgd(0.1)
   opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, data_axis="data", mesh=mesh)
-  grad_fn = jaxaccum.local_value_and_grad(token_sum, data_axis="data", mesh=mesh, reduce="sum")
+  grad_fn = jaxaccum.local_value_and_grad(token_sum, data_axis=jaxaccum.DataParallel("data",
+                                          mesh=mesh), reduce="sum")
 
   @jax.jit
   def step(params, state, micro, count):
@@ -206,7 +209,8 @@ def test_collectives_one_float32_reduction_per_window(axis_type, dtype):
   params = jax.device_put(params, NamedSharding(mesh, P()))
   micro = jax.device_put(jax.tree.map(lambda a: a[::K], batch), NamedSharding(mesh, P("data")))
   opt = jaxaccum.MultiSteps(optax.adam(1e-2), every_k_schedule=K, data_axis="data", mesh=mesh)
-  grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis="data", mesh=mesh)
+  grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis=jaxaccum.DataParallel("data",
+                                          mesh=mesh))
   state = opt.init(params)
   step = make_step(opt, grad_fn)
 
@@ -255,7 +259,8 @@ def test_errors():
                      r"batch_axis=1.*jnp.moveaxis"):
     jaxaccum.local_value_and_grad(loss_fn, data_axis="data", num_micro_batches=2,
                                   batch_axis=1)
-  grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis="data", mesh=mesh)
+  grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis=jaxaccum.DataParallel("data",
+                                          mesh=mesh))
   with pytest.raises(ValueError, match=r"shape \(12, 8\).*multiple of the 8 data shards"):
     grad_fn(params, (batch[0][:12], batch[1][:12]))
 

@@ -93,8 +93,8 @@ KINDS = {
     "mean": (loss, {"reduce": "mean"}),
     "sum": (sum_loss, {"reduce": "sum", "grads_dtype": jnp.bfloat16}),
     "weighted": (weighted_loss, {"reduce": "weighted"}),
-    "terms": (terms_loss, {"reduce": {"ce": "weighted", "reg": "mean"},
-                           "loss_weights": {"reg": 0.1}}),
+    "terms": (terms_loss, {"reduce": jaxaccum.Terms({"ce": "weighted", "reg": "mean"},
+                                                    weights={"reg": 0.1})}),
 }
 
 
@@ -135,7 +135,7 @@ def test_grad_and_evaluate_name_their_call():
 
 def test_local_value_and_grad_names_its_call():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  f = jaxaccum.local_value_and_grad(loss, data_axis="data", mesh=mesh)
+  f = jaxaccum.local_value_and_grad(loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   x = jax.device_put(jax.random.normal(jax.random.key(1), (32, 3)),
                      jax.sharding.NamedSharding(mesh, P("data")))
   names = traced_names(jax.jit(f).lower(W, x).compile().as_text(), f.__name__)

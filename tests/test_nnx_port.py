@@ -285,8 +285,8 @@ def test_loss_terms_are_forwarded():
   ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(total))(model, x, y, w)
   vg = jaxaccum.nnx.value_and_grad(
       terms, num_micro_batches=N, batch_argnums=(1, 2, 3),
-      reduce={"mse": "mean", "masked": "weighted"}, loss_weights={"masked": 0.5},
-      with_info=True)
+      reduce=jaxaccum.Terms({"mse": "mean", "masked": "weighted"}, weights={"masked": 0.5}),
+                            with_info=True)
   loss, grads, info = vg(model, x, y, w)
   assert_close((loss, grads), (ref_loss, ref_grads))
   ref_terms = terms(model, x, y, w)
@@ -314,7 +314,8 @@ def test_keyword_arrays_under_data_axis_replicated_unless_named():
   @nnx.jit
   def step(model, x, y, scale):
     vg = jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=2, batch_argnames="labels",
-                                     batch_argnums=1, data_axis="data", mesh=mesh)
+                                     batch_argnums=1, data_axis=jaxaccum.DataParallel("data",
+                                         mesh=mesh))
     return vg(model, x, labels=y, scale=scale)
 
   loss, grads = step(model, x, y, scale)

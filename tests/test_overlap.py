@@ -33,7 +33,8 @@ def mesh8():
 
 def step(case: trm.Case, overlap: bool):
   """The reference-model test's library step, with overlap_grad_reduce set."""
-  extra = {"data_axis": "data", "mesh": mesh8(), "overlap_grad_reduce": overlap}
+  extra = {"data_axis": jaxaccum.DataParallel("data", mesh=mesh8(),
+                                              overlap_grad_reduce=overlap)}
   if case.rng:
     extra["rng_argnums"] = 2
   if case.state:
@@ -106,9 +107,10 @@ def mlp_data(rows=64):
 @pytest.mark.parametrize("n", [1, 4])
 def test_full_batch_and_concrete_active_count(n):
   (params, batch), on_mesh = mlp_data()
-  f = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n, has_aux=True, data_axis="data",
-                              mesh=mesh8(), aux_reduce={"rows": "concat", "mb": "stack"},
-                              overlap_grad_reduce=True)
+  f = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=n, has_aux=True,
+                              data_axis=jaxaccum.DataParallel("data", mesh=mesh8(),
+                                  overlap_grad_reduce=True),
+                              aux_reduce={"rows": "concat", "mb": "stack"})
   (loss, aux), grads = jax.jit(f)(*on_mesh)
   full_batch = jax.jit(jax.value_and_grad(mlp_loss, has_aux=True))
   (ref_loss, ref_aux), ref_grads = full_batch(params, batch)
@@ -143,7 +145,8 @@ def test_the_last_micro_batch_runs_after_the_loop(n):
   lengths = {}
   for overlap in (False, True):
     f = jaxaccum.value_and_grad(lambda p, b: mlp_loss(p, b)[0], num_micro_batches=n,
-                                data_axis="data", mesh=mesh8(), overlap_grad_reduce=overlap)
+                                data_axis=jaxaccum.DataParallel("data", mesh=mesh8(),
+                                    overlap_grad_reduce=overlap))
     lengths[overlap] = scan_lengths(jax.make_jaxpr(f)(params, batch).jaxpr)
   assert lengths[False] == [n]
   assert lengths[True] == ([n - 1] if n > 1 else [])
@@ -151,16 +154,17 @@ def test_the_last_micro_batch_runs_after_the_loop(n):
 
 def test_bad_values():
   with pytest.raises(TypeError, match="overlap_grad_reduce must be a bool"):
-    jaxaccum.value_and_grad(mlp_loss, num_micro_batches=2, data_axis="data",
-                            overlap_grad_reduce=1)
-  with pytest.raises(ValueError, match="data_axis is not set"):
+    jaxaccum.value_and_grad(mlp_loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
+                            overlap_grad_reduce=1))
+  with pytest.raises(ValueError, match="data_axis is not set"), \
+      pytest.warns(DeprecationWarning, match="is deprecated"):
     jaxaccum.grad(mlp_loss, num_micro_batches=2, overlap_grad_reduce=True)
 
 
 def test_grad_and_options_are_kept():
   (params, batch), on_mesh = mlp_data()
-  g = jaxaccum.grad(lambda p, b: mlp_loss(p, b)[0], num_micro_batches=4, data_axis="data",
-                    mesh=mesh8(), overlap_grad_reduce=True)
+  g = jaxaccum.grad(lambda p, b: mlp_loss(p, b)[0], num_micro_batches=4,
+                    data_axis=jaxaccum.DataParallel("data", mesh=mesh8(), overlap_grad_reduce=True))
   assert g.value_and_grad.options.overlap_grad_reduce is True
   chex.assert_trees_all_close(
       jax.jit(g)(*on_mesh), jax.grad(lambda p, b: mlp_loss(p, b)[0])(params, batch),

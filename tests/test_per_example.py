@@ -66,8 +66,7 @@ CLIP_JIT = jax.jit(CLIP)  # the same transform for the references' per-row loops
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_mean_matches_the_per_example_loop(n):
   params, batch = _problem()
-  step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=n,
-                                         per_example_transform=CLIP))
+  step = jax.jit(jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=n))
   loss, grads = step(params, batch)
   chex.assert_trees_all_close(grads, _loop(mean_loss, params, batch, CLIP_JIT), rtol=1e-5,
                               atol=1e-6)
@@ -85,8 +84,8 @@ def test_sum_matches_the_per_example_loop_and_grad_drops_the_value():
   chex.assert_trees_all_close(step(params, batch),
                               _loop(sum_loss, params, batch, CLIP_JIT, mean=False),
                               rtol=1e-5, atol=1e-6)
-  loss, _ = jaxaccum.value_and_grad(sum_loss, micro_batch_size=4, reduce="sum",
-                                    per_example_transform=CLIP)(params, batch)
+  loss, _ = jaxaccum.per_example_value_and_grad(sum_loss, CLIP, micro_batch_size=4,
+                                                reduce="sum")(params, batch)
   chex.assert_trees_all_close(loss, sum_loss(params, batch), rtol=1e-6)
 
 
@@ -103,8 +102,9 @@ def test_identity_transform_equals_plain_accumulation_with_aux():
   red = {"abs": None, "big": None, "peak": "max", "ok": None, "err": "concat"}
   plain = jax.jit(jaxaccum.value_and_grad(fun, num_micro_batches=4, has_aux=True,
                                           aux_reduce=red))(params, batch)
-  ident = jax.jit(jaxaccum.value_and_grad(fun, num_micro_batches=4, has_aux=True,
-                                          aux_reduce=red, per_example_transform=lambda g: g)
+  ident = jax.jit(jaxaccum.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=4,
+                  has_aux=True,
+                                          aux_reduce=red)
                   )(params, batch)
   chex.assert_trees_all_close(ident, plain, rtol=1e-5, atol=1e-6)
   (_, aux), _ = ident
@@ -159,8 +159,8 @@ def test_weighted_transforms_each_numerator_gradient_and_divides_by_all_tokens()
     return (num, den), tok
 
   batch = (x, y, mask)
-  (value, aux), grads = jax.jit(jaxaccum.value_and_grad(
-      loss, num_micro_batches=4, reduce="weighted", has_aux=True, per_example_transform=CLIP)
+  (value, aux), grads = jax.jit(jaxaccum.per_example_value_and_grad(
+      loss, CLIP, num_micro_batches=4, reduce="weighted", has_aux=True)
   )(params, batch)
   num_grad = jax.jit(jax.grad(lambda p, b: fun(p, b)[0]))
   ref = [CLIP_JIT(num_grad(params, _rows(batch, j))) for j in range(B)]
@@ -183,9 +183,9 @@ def test_dict_terms_of_one_kind_transform_the_example_total():
     t = terms(p, batch)
     return t["mse"] + 0.1 * t["l1"]
 
-  loss, grads = jax.jit(jaxaccum.value_and_grad(
-      terms, num_micro_batches=4, reduce={"mse": "mean", "l1": "mean"},
-      loss_weights={"l1": 0.1}, per_example_transform=CLIP))(params, batch)
+  loss, grads = jax.jit(jaxaccum.per_example_value_and_grad(
+      terms, CLIP, num_micro_batches=4, reduce=jaxaccum.Terms({"mse": "mean", "l1": "mean"},
+          weights={"l1": 0.1})))(params, batch)
   chex.assert_trees_all_close(grads, _loop(total, params, batch, CLIP_JIT), rtol=1e-5,
                               atol=1e-6)
   chex.assert_trees_all_close(loss, total(params, batch), rtol=1e-6)
@@ -251,8 +251,8 @@ def test_state_shared_by_examples_passes_and_per_example_state_is_an_error():
   def counted(p, batch, state):
     return mean_loss(p, batch), {"step": state["step"] + 1}
 
-  (loss, state), grads = jaxaccum.value_and_grad(
-      counted, num_micro_batches=4, state_argnums=2, per_example_transform=CLIP)(
+  (loss, state), grads = jaxaccum.per_example_value_and_grad(
+      counted, CLIP, num_micro_batches=4, state_argnums=2)(
           params, batch, {"step": jnp.int32(0)})
   assert int(state["step"]) == 4  # once per micro-batch, as without the transform
   chex.assert_trees_all_close(grads, _loop(mean_loss, params, batch, CLIP_JIT), rtol=1e-5,
@@ -261,8 +261,7 @@ def test_state_shared_by_examples_passes_and_per_example_state_is_an_error():
   def stats(p, batch, state):
     return mean_loss(p, batch), {"mean": jnp.mean(batch[0], axis=0)}
 
-  step = jaxaccum.value_and_grad(stats, num_micro_batches=4, state_argnums=2,
-                                 per_example_transform=CLIP)
+  step = jaxaccum.per_example_value_and_grad(stats, CLIP, num_micro_batches=4, state_argnums=2)
   with pytest.raises(TypeError, match="state_argnums=.*depends on the example"):
     step(params, batch, {"mean": jnp.zeros(D)})
 
@@ -314,8 +313,8 @@ def test_data_axis_on_eight_devices_matches_the_loop():
   params, (x, y) = _problem(11)
   x2, y2 = jnp.concatenate([x, -x]), jnp.concatenate([y, y + 1.0])  # 32 rows
   batch = (x2, y2)
-  step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="data",
-                                         mesh=mesh, per_example_transform=CLIP))
+  step = jax.jit(jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
+                 data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   with jax.set_mesh(mesh):
     loss, grads = step(params, batch)
   ref = [CLIP_JIT(_jgrad(mean_loss)(params, _rows(batch, j))) for j in range(32)]
@@ -337,8 +336,8 @@ def test_micro_grad_basic_translated_from_optax():
   targets = jnp.array([0, 1, 2, 3], dtype=jnp.float32)
   opts = dict(reduce="sum", has_aux=True, aux_reduce="concat", batch_argnums=(1, 2),
               micro_batch_size=2)
-  (value, values), grads = jaxaccum.value_and_grad(
-      mean_squared_loss, per_example_transform=lambda g: g, **opts)(params, features, targets)
+  (value, values), grads = jaxaccum.per_example_value_and_grad(
+      mean_squared_loss, lambda g: g, **opts)(params, features, targets)
   chex.assert_trees_all_close(grads, jnp.array([-6.0]))
   chex.assert_trees_all_close(values, jnp.array([0, 0.5, 2, 4.5]))
   chex.assert_trees_all_close(value, 7.0)
@@ -356,13 +355,13 @@ def test_micro_grad_early_stopping_translated_from_optax():
 def test_errors_name_the_option():
   params, batch = _problem()
   with pytest.raises(TypeError, match="per_example_transform must be a function"):
-    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, per_example_transform=1.0)
+    jaxaccum.per_example_value_and_grad(mean_loss, 1.0, num_micro_batches=2)
   with pytest.raises(ValueError, match=r"per_example_transform .* mixes the kinds"):
-    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, per_example_transform=CLIP,
-                            reduce={"a": "mean", "b": "sum"})
+    jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2, reduce={"a": "mean",
+                                        "b": "sum"})
   with pytest.raises(ValueError, match=r"per_example_transform .* 2 weighted terms"):
-    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, per_example_transform=CLIP,
-                            reduce={"a": "weighted", "b": "weighted"})
+    jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
+                                        reduce={"a": "weighted", "b": "weighted"})
   wrong = jaxaccum.grad(mean_loss, num_micro_batches=2,
                         per_example_transform=lambda g: (g, g))
   with pytest.raises(TypeError, match="per_example_transform must return a gradient with"):

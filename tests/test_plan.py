@@ -310,7 +310,7 @@ def test_plan_reports_the_collectives_of_each_candidate(data_axis):
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         params)
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=split), batch)
-  options = {} if data_axis is None else dict(data_axis=data_axis, mesh=mesh)
+  options = {} if data_axis is None else dict(data_axis=jaxaccum.DataParallel(data_axis, mesh=mesh))
   p = jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, search="all", **options)
   assert [c.num_micro_batches for c in p.candidates] == [1, 2]
   table = p.table().splitlines()
@@ -444,7 +444,7 @@ def test_sharded_batch_only_plans_counts_that_split_in_place(axis_type):
   params, batch = make_mlp(batch_size=size)
   options = {}
   if axis_type == "data_axis":
-    options = dict(data_axis="data", mesh=mesh)
+    options = dict(data_axis=jaxaccum.DataParallel("data", mesh=mesh))
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
   else:
     split = NamedSharding(mesh, P("data"))
@@ -570,7 +570,7 @@ def test_parameters_on_an_auto_mesh_are_not_taken_for_fsdp():
   over_data = placed(lambda a: P("data") if a.shape[0] % 8 == 0 else P())
   assert any(not s.sharding.is_fully_replicated for s in jax.tree.leaves(over_data))
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
-  options = dict(memory_budget_bytes=HUGE, data_axis="data", mesh=mesh)
+  options = dict(memory_budget_bytes=HUGE, data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   p = jaxaccum.plan(mlp_loss, over_data, batch, **options)
   ref = jaxaccum.plan(mlp_loss, placed(lambda a: P()), batch, **options)
   assert p.placement is None and [c.placement for c in p.candidates] == [None], str(p)

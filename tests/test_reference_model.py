@@ -214,7 +214,9 @@ def rules(case: Case) -> Rules:
 
 def options(case: Case) -> dict[str, Any]:
   count = ({"micro_batch_size": case.rows} if case.by_size else {"num_micro_batches": case.n})
-  return dict(count, reduce=case.reduce_option, loss_weights=case.loss_weights,
+  reduce = (case.reduce_option if case.loss_weights is None else
+            jaxaccum.Terms(case.reduce_option, weights=case.loss_weights))
+  return dict(count, reduce=reduce,
               has_aux=bool(case.aux), aux_reduce=case.aux_reduce,
               skip_nonfinite=case.skip, with_info=case.info, remat=case.remat)
 
@@ -234,7 +236,7 @@ def core_step(case: Case):
   if case.state:
     extra["state_argnums"] = 3 if case.rng else 2
   if case.shards > 1:
-    extra.update(data_axis="data", mesh=mesh8())
+    extra.update(data_axis=jaxaccum.DataParallel("data", mesh=mesh8()))
   f = jaxaccum.value_and_grad(core_fun(case), **options(case), **extra)
   return jax.jit(lambda args, k: f(*args, active_micro_batches=k))
 

@@ -160,8 +160,9 @@ def reference(w, batch, micro_batches=tuple(range(N))):
 @pytest.mark.parametrize("with_info", [False, True])
 def test_loss_terms_each_normalised_their_own_way(with_info):
   batch = _data()
-  vg = jax.jit(jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce=REDUCE,
-                                       loss_weights=WEIGHTS, with_info=with_info))
+  vg = jax.jit(jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce=jaxaccum.Terms(REDUCE,
+               weights=WEIGHTS),
+                                       with_info=with_info))
   value, grads, *info = vg(W, batch)  # without info, mean and sum terms share one sum
   (ref_v, ref_terms), ref_g = reference(W, batch)
   chex.assert_trees_all_close((value, grads), (ref_v, ref_g), rtol=1e-5, atol=1e-7)
@@ -178,7 +179,8 @@ def test_loss_terms_each_normalised_their_own_way(with_info):
 def test_loss_terms_with_skipping():
   batch = _poison(_data(), 3)
   value, grads, info = jax.jit(jaxaccum.value_and_grad(
-      multi, num_micro_batches=N, reduce=REDUCE, loss_weights=WEIGHTS, skip_nonfinite=True,
+      multi, num_micro_batches=N, reduce=jaxaccum.Terms(REDUCE, weights=WEIGHTS),
+                                                        skip_nonfinite=True,
       with_info=True))(W, batch)
   (ref_v, ref_terms), ref_g = reference(W, batch, (0, 1, 2))
   chex.assert_trees_all_close((value, grads), (ref_v, ref_g), rtol=1e-5, atol=1e-7)
@@ -188,8 +190,10 @@ def test_loss_terms_with_skipping():
 
 def test_loss_terms_errors():
   with pytest.raises(ValueError, match=r"loss_weights names \['zz'\], which are not terms"):
-    jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce=REDUCE, loss_weights={"zz": 1.0})
-  with pytest.raises(ValueError, match="loss_weights=.* was given but reduce='mean' is a single"):
+    jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce=jaxaccum.Terms(REDUCE,
+                            weights={"zz": 1.0}))
+  with pytest.raises(ValueError, match="loss_weights=.* was given but reduce='mean' is a single"), \
+      pytest.warns(DeprecationWarning, match="is deprecated"):
     jaxaccum.value_and_grad(mse, num_micro_batches=N, loss_weights={"a": 1.0})
   with pytest.raises(ValueError, match="reduce must be one of"):
     jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce={"ce": "avg"})
@@ -276,7 +280,8 @@ def test_loss_terms_under_data_axis():
     sb = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), batch)
     for with_info in (False, True):  # sum and mean terms share one accumulator, or not
       out = jax.jit(jaxaccum.value_and_grad(
-          multi, num_micro_batches=n, reduce=REDUCE, loss_weights=WEIGHTS,
-          with_info=with_info, data_axis="data"))(W, sb)
+          multi, num_micro_batches=n, reduce=jaxaccum.Terms(REDUCE, weights=WEIGHTS),
+                                                            with_info=with_info,
+                                                                data_axis="data"))(W, sb)
       chex.assert_trees_all_close(tuple(map(np.asarray, out[:2])), (ref_v, ref_g),
                                   rtol=1e-5, atol=1e-7)

@@ -198,8 +198,8 @@ def test_the_gram_guard_under_data_axis(method):
   def loss(p, x):
     return jnp.sum((x @ p["w"]) @ p["v"])
 
-  step = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, data_axis="data", mesh=mesh,
-                               reduce="sum", with_info=True,
+  step = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
+                 mesh=mesh), reduce="sum", with_info=True,
                                per_example_transform=jaxaccum.clip_per_example(1.0, method)))
   with jax.set_mesh(mesh):
     _, info = step(params, x)

@@ -127,7 +127,7 @@ def test_mean_loss_on_a_mesh(kind, axis_type, use_data_axis):
   params, batch = _problem()
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
   mesh, params, batch, data_axis = _setup(kind, axis_type, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4, **options))
 
   _assert_no_batch_movement(_compile(step, params, batch), f"{kind}, {axis_type}")
@@ -148,7 +148,7 @@ def test_token_weighted_loss_and_aux_on_a_mesh(kind, axis_type, use_data_axis):
   params, batch = _problem(1)
   (ref_loss, ref_aux), ref_grads = _token_reference(params, batch)
   mesh, params, batch, data_axis = _setup(kind, axis_type, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(
       token_loss, num_micro_batches=8, reduce="weighted", has_aux=True,
       aux_reduce=AUX_REDUCE, **options))
@@ -172,8 +172,8 @@ def test_data_axis_reduces_once_per_step_whatever_n(axis_type):
 
   counts = {}
   for n in (2, 16):
-    step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=n, data_axis="data",
-                                           mesh=mesh))
+    step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=n,
+                   data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
     colls = _compile(step, params, batch)
     assert not [c for c in colls if c.in_loop], f"N={n}: collectives in the loop: {colls}"
     _assert_no_batch_movement(colls, f"N={n}")
@@ -189,7 +189,7 @@ def test_fsdp_reduce_scatters_once_per_micro_batch_and_gathers_only_parameters()
   counts = {}
   for n in (2, 16):
     step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=n,
-                                           data_axis=data_axis, mesh=mesh))
+                                           data_axis=jaxaccum.DataParallel(data_axis, mesh=mesh)))
     colls = _compile(step, params, batch)
     in_loop = [c for c in colls if c.in_loop]
     # Per micro-batch: one reduce-scatter per FSDP gradient, nothing else.
@@ -219,7 +219,7 @@ def test_fsdp_accumulators_keep_their_parameters_sharding_under_auto_axes(use_da
   params, batch = _problem()
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(mean_loss))(params, batch)
   mesh, params, batch, data_axis = _setup("dp_fsdp", AxisType.Auto, params, batch)
-  options = {"data_axis": data_axis, "mesh": mesh} if use_data_axis else {}
+  options = {"data_axis": jaxaccum.DataParallel(data_axis, mesh=mesh)} if use_data_axis else {}
   step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4, **options))
   memory = step.lower(params, batch).compile().memory_analysis()
   shard_bytes = sum(p.addressable_shards[0].data.nbytes for p in jax.tree.leaves(params))
@@ -270,7 +270,7 @@ def test_state_keys_and_stacked_aux_under_data_axis():
   key = jax.random.key(7)
   step = jax.jit(jaxaccum.value_and_grad(
       fun, num_micro_batches=n, rng_argnums=2, state_argnums=3, has_aux=True,
-      aux_reduce="stack", data_axis="data", mesh=mesh))
+      aux_reduce="stack", data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   (loss, (new_state, aux)), grads = step(params_s, batch_s, key, state)
 
   # The reference, by hand: shard d holds rows [d * L, (d + 1) * L) (L = B / 8); a Python
@@ -321,7 +321,8 @@ def _dp(axis_type=AxisType.Explicit, rows=BATCH):
 
 def test_batch_not_divisible_by_data_axis_times_n():
   mesh, params, batch, _ = _dp(rows=96)  # 96 / 8 shards = 12 rows each; 12 % 8 != 0
-  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=8, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=8,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"batch size 96 is not divisible by the data-axis size "
                      r"8 x num_micro_batches=8 = 64.*divisors of 12.*\[1, 2, 3, 4, 6, 12\]"):
     jax.eval_shape(step, params, batch)
@@ -331,7 +332,8 @@ def test_batch_not_divisible_by_data_axis():
   mesh, _, _, _ = _dp()
   params, batch = _problem()
   batch = jax.tree.map(lambda x: x[:100], batch)  # unplaced: 100 rows cannot go on 8 devices
-  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"batch size 100 is not divisible by the data-axis "
                      r"size 8 \(data_axis over 'data' \(size 8\)\)"):
     jax.eval_shape(step, params, batch)
@@ -339,14 +341,17 @@ def test_batch_not_divisible_by_data_axis():
 
 def test_micro_batch_smaller_than_data_shards():
   mesh, params, batch, _ = _dp(rows=64)
-  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=16, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=16,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"num_micro_batches=16 makes micro-batches of 64 / 16 "
                      r"= 4 rows, smaller than the 8 data shards.*at most 8 micro-batches"):
     jax.eval_shape(step, params, batch)
-  step = jaxaccum.value_and_grad(mean_loss, micro_batch_size=4, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, micro_batch_size=4,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"micro_batch_size=4 is smaller than the 8 data shards"):
     jax.eval_shape(step, params, batch)
-  step = jaxaccum.value_and_grad(mean_loss, micro_batch_size=12, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, micro_batch_size=12,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"micro_batch_size=12 does not split batch size 64.*"
                      r"Valid sizes: \[8, 16, 32, 64\]"):
     jax.eval_shape(step, params, batch)
@@ -364,7 +369,8 @@ def test_data_axis_not_in_mesh():
   mesh, params, batch, _ = _dp()
   with pytest.raises(ValueError, match=r"data_axis='batch' names mesh axis 'batch', which is "
                      r"not in the mesh; its axes are \{'data': 8\}"):
-    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="batch", mesh=mesh)
+    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2,
+                            data_axis=jaxaccum.DataParallel("batch", mesh=mesh))
   step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis=("data", "model"))
   with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"names mesh axis 'model'"):
     jax.eval_shape(step, params, batch)
@@ -375,8 +381,10 @@ def test_bad_data_axis_and_mesh_options():
   with pytest.raises(TypeError, match=r"data_axis must be a mesh axis name.*got data_axis=0"):
     jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis=0)
   with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
-    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="data", mesh="data")
-  with pytest.raises(ValueError, match=r"mesh=... was given without data_axis"):
+    jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
+                            mesh="data"))
+  with pytest.raises(ValueError, match=r"mesh=... was given without data_axis"), \
+      pytest.warns(DeprecationWarning, match="is deprecated"):
     jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, mesh=jax.make_mesh((8,), ("d",)))
   step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="data")
   with pytest.raises(ValueError, match=r"data_axis='data' needs a mesh: pass mesh=\.\.\."):
@@ -386,7 +394,8 @@ def test_bad_data_axis_and_mesh_options():
 def test_data_axis_must_name_every_axis_the_batch_is_sharded_over():
   params, batch = _problem()
   mesh, params, batch, _ = _setup("dp_fsdp", AxisType.Explicit, params, batch)
-  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2, data_axis="data", mesh=mesh)
+  step = jaxaccum.value_and_grad(mean_loss, num_micro_batches=2,
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   with pytest.raises(ValueError, match=r"sharded over \('data', 'fsdp'\).*leaves out "
                      r"\('fsdp',\)\. Name every mesh axis.*data_axis=\('data', 'fsdp'\)"):
     jax.eval_shape(step, params, batch)
@@ -403,7 +412,7 @@ def test_sum_reduction_eager_numpy_inputs_and_keyword_arguments():
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(sum_loss))(params, batch, 0.5)
   mesh = jax.make_mesh((8,), ("data",))
   step = jaxaccum.value_and_grad(sum_loss, num_micro_batches=4, reduce="sum",
-                                 data_axis="data", mesh=mesh)
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   loss, grads = step(params, batch, scale=0.5)
   close((loss, grads), (ref_loss, ref_grads), atol=1e-6 * BATCH)  # a sum over BATCH rows
 
@@ -414,7 +423,7 @@ def test_a_call_outside_jit_runs_one_compiled_program():
   params, batch = _problem(4)
   mesh = jax.make_mesh((8,), ("data",))
   step = jaxaccum.value_and_grad(lambda p, b: jnp.mean(_nll(p, b)[0]), num_micro_batches=4,
-                                 data_axis="data", mesh=mesh)
+                                 data_axis=jaxaccum.DataParallel("data", mesh=mesh))
   step(params, batch)  # first call: also the small programs that place the arguments
   with count_compiles() as compiled:
     loss, grads = step(params, batch)
@@ -450,8 +459,9 @@ def test_nnx_model_under_data_axis_equals_full_batch(axis_type):
 
   @nnx.jit
   def step(model, batch):
-    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4, data_axis="data",
-                                       mesh=mesh)(model, batch)
+    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4,
+                                       data_axis=jaxaccum.DataParallel("data", mesh=mesh))(model,
+                                           batch)
 
   loss, grads = step(model, batch)
   close(loss, ref_loss)
@@ -460,8 +470,9 @@ def test_nnx_model_under_data_axis_equals_full_batch(axis_type):
 
   @jax.jit
   def pure_step(state, batch):  # the same step, split by hand, to read its compiled HLO
-    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4, data_axis="data",
-                                       mesh=mesh)(nnx.merge(graphdef, state), batch)
+    return jaxaccum.nnx.value_and_grad(loss_fn, num_micro_batches=4,
+                                       data_axis=jaxaccum.DataParallel("data",
+                                           mesh=mesh))(nnx.merge(graphdef, state), batch)
 
   colls = _compile(pure_step, state, batch)
   assert not [c for c in colls if c.in_loop and c.kind == "all-reduce"], colls

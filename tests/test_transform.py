@@ -334,7 +334,7 @@ def test_remat_same_numbers_less_temporary_memory():
   plain = jaxaccum.value_and_grad(deep_loss, num_micro_batches=2)
   remat = jaxaccum.value_and_grad(
       deep_loss, num_micro_batches=2,
-      remat_policy=jax.checkpoint_policies.save_only_these_names("layer_out"))
+      remat=jax.checkpoint_policies.save_only_these_names("layer_out"))
   assert_all_close(jax.jit(remat)(params, x), jax.jit(plain)(params, x))
   assert_all_close(jax.jit(remat)(params, x), jax.jit(jax.value_and_grad(deep_loss))(params, x))
 
