@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from jaxaccum import _data_parallel, _options, _transform
+from jaxaccum import _data_parallel, _options, _per_example, _transform
 from jaxaccum._options import DataParallel, Options, Terms
 from jaxaccum._types import ArgNames, ArgNums, DTypeLike
 
@@ -146,7 +146,15 @@ def value_and_grad(
       rng_argnames=rng_argnames, state_argnums=state_argnums,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
       unroll=unroll, data_axis=data_axis, with_info=with_info, skip_nonfinite=skip_nonfinite)
-  return ValueAndGrad(_options.make_options(fun, given, deprecated=deprecated))
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=_requests(deprecated)))
+
+
+def _requests(deprecated: dict[str, Any]) -> dict[str, Any]:
+  """The deprecated ``per_example_transform=`` as the per-example wing's request."""
+  transform = deprecated.get("per_example_transform")
+  if transform is None:
+    return deprecated
+  return {**deprecated, "per_example_transform": _per_example.Request(transform)}
 
 
 def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any], Any],
@@ -195,7 +203,8 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
         "jaxaccum.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
   given = {k: v for k, v in options.items() if k in _options.DEFAULTS}
   old = {k: v for k, v in options.items() if k not in _options.DEFAULTS}
-  return ValueAndGrad(_options.make_options(fun, given, deprecated=old, transform=transform,
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=old,
+                                            transform=_per_example.Request(transform),
                                             where="per_example_value_and_grad"))
 
 

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 
 from jaxaccum import _reduce, _sharding, _split
-from jaxaccum._per_example import check_per_example, masked_terms
 from jaxaccum._types import AxisName
 
 
@@ -158,7 +157,7 @@ class Options:
       raw["batch_axis"], done["batch_argnums"], done["batch_argnames"], done["batch_optional"]))
   has_aux: bool = _given("has_aux", _check_bool)
   reduce: Any = option(lambda raw, done: _reduce.check_reduce(raw["reduce"]))
-  terms: tuple[_reduce.Term, ...] = option(lambda raw, done: masked_terms(
+  terms: tuple[_reduce.Term, ...] = option(lambda raw, done: _per_example_terms(
       _reduce.make_terms(done["reduce"], raw["loss_weights"]), raw["per_example_transform"]))
   aux_reduce: Any = option(lambda raw, done: _check_aux_reduce(raw["aux_reduce"],
                                                                done["has_aux"]))
@@ -182,9 +181,10 @@ class Options:
   mesh: Any = option(lambda raw, done: _sharding.check_mesh(raw["mesh"], done["data_axis"]))
   with_info: bool = _given("with_info", _check_bool)
   skip_nonfinite: bool = _given("skip_nonfinite", _check_bool)
+  # The per-example wing's micro-batch rule (jaxaccum._per_example.PerExampleRule).
   per_example_transform: Callable[[Any], Any] | None = option(
-      lambda raw, done: check_per_example(raw["per_example_transform"], done["reduce"],
-                                          done["terms"], done["batch_argnames"]))
+      lambda raw, done: None if raw["per_example_transform"] is None else
+      raw["per_example_transform"].rule(done["reduce"], done["terms"], done["batch_argnames"]))
   # The last micro-batch runs after the scan (data_axis).
   overlap_grad_reduce: bool = option(
       lambda raw, done: check_overlap(raw["overlap_grad_reduce"], done["data_axis"]))
@@ -438,6 +438,12 @@ def _expand(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str,
       clash("a policy remat", "remat_policy")
     raw.update(remat=True, remat_policy=remat)
   return {**raw, **old}
+
+
+def _per_example_terms(terms: tuple[_reduce.Term, ...], request: Any
+                       ) -> tuple[_reduce.Term, ...]:
+  """The loss terms as a per-example request changes them (a clip's ``example_mask``)."""
+  return terms if request is None else request.masked_terms(terms)
 
 
 def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] | None = None,

@@ -88,6 +88,22 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
 
 
 @dataclasses.dataclass(frozen=True)
+class Request:
+  """What :func:`jaxaccum.per_example_value_and_grad` hands the core's options: the user's
+  transform, which the options check (:meth:`rule`) and which changes the loss terms
+  (:meth:`masked_terms`) without the core importing this wing."""
+
+  transform: Callable[[Any], Any]
+
+  def masked_terms(self, terms: tuple[_reduce.Term, ...]) -> tuple[_reduce.Term, ...]:
+    return masked_terms(terms, self.transform)
+
+  def rule(self, reduce: Any, terms: tuple[_reduce.Term, ...],
+           batch_names: tuple[str, ...]) -> PerExampleRule | None:
+    return check_per_example(self.transform, reduce, terms, batch_names)
+
+
+@dataclasses.dataclass(frozen=True)
 class PerExampleRule:
   """The core's micro-batch rule (:class:`jaxaccum._transform.MicroRule`) for a
   ``per_example_transform``: one micro-batch's contribution from its examples' transformed
