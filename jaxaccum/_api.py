@@ -1,10 +1,10 @@
 """The public transforms, ``jaxaccum.value_and_grad``, ``grad`` and ``evaluate``, as objects.
 
-:func:`value_and_grad` validates its options once (:class:`jaxaccum._options.Options`) and
+:func:`value_and_grad` validates its options once (:class:`jaxaccum._core._options.Options`) and
 returns a :class:`ValueAndGrad`: a callable object that holds them (as equinox's
 ``filter_value_and_grad`` returns a Module and flax's ``nnx.grad`` a wrapped function). A
-call runs the core (:func:`jaxaccum._transform.accumulate`) or, under ``data_axis``, the
-data-parallel driver (:func:`jaxaccum._data_parallel.data_parallel`), and returns what
+call runs the core (:func:`jaxaccum._core._transform.accumulate`) or, under ``data_axis``, the
+data-parallel driver (:func:`jaxaccum._parallel._data_parallel.data_parallel`), and returns what
 :func:`jax.value_and_grad` would (:func:`pack`). :class:`Grad` drops the value;
 :class:`Evaluate` runs the same core with nothing differentiated; the adapters
 (``jaxaccum.nnx``, ``jaxaccum.eqx``, ``jaxaccum.linen``) build on the same two objects.
@@ -19,9 +19,11 @@ from typing import Any
 
 import jax
 
-from jaxaccum import _data_parallel, _options, _per_example, _transform
-from jaxaccum._options import DataParallel, Options, Terms
-from jaxaccum._types import ArgNames, ArgNums, DTypeLike
+from jaxaccum._core import _options, _transform
+from jaxaccum._core._options import DataParallel, Options, Terms
+from jaxaccum._core._types import ArgNames, ArgNums, DTypeLike
+from jaxaccum._parallel import _data_parallel
+from jaxaccum._per_example import _rule as _per_example
 
 
 def value_and_grad(
@@ -332,7 +334,7 @@ def evaluate(
 
 class _Transform:
   """A transformed ``fun`` holding its validated options (the frozen
-  :class:`jaxaccum._options.Options`); ``__wrapped__`` is ``fun``, so ``inspect.signature``
+  :class:`jaxaccum._core._options.Options`); ``__wrapped__`` is ``fun``, so ``inspect.signature``
   and ``functools`` see ``fun``'s name, docstring and parameters."""
 
   name = ""

@@ -31,9 +31,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _api, _data_parallel, _options, _reduce, _sharding, _split, _transform
+from jaxaccum import _api
 from jaxaccum._batch_size import MultiStepsState
-from jaxaccum._types import AxisNames, PyTree
+from jaxaccum._core import _options, _reduce, _sharding, _split, _transform
+from jaxaccum._core._types import AxisNames, PyTree
+from jaxaccum._parallel import _data_parallel
 
 __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
@@ -336,7 +338,7 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
   The same steps as ``data_axis``, with the replicas made by the enclosing ``pmap`` or
   ``shard_map``: the parameters and the collections are marked varying over ``axes`` (so
   that the backward pass of a micro-batch gives the replica's own gradients, not their sum),
-  and :func:`jaxaccum._data_parallel.combine` reduces the accumulators once.
+  and :func:`jaxaccum._parallel._data_parallel.combine` reduces the accumulators once.
   """
 
   def run(params, batch, model_state, rngs):

@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxaccum import _api, _options, _split
+from jaxaccum import _api
+from jaxaccum._core import _options, _split
 
 __all__ = ("evaluate", "grad", "value_and_grad")
 

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxaccum"
 WING = sorted((PACKAGE / "_batch_size").glob("*.py"))
 # Read by the wing under its private name until _sharding (the parallel wing's) offers it.
-KNOWN_PRIVATE = {"jaxaccum._sharding.resolve_mesh"}
+KNOWN_PRIVATE = {"jaxaccum._core._sharding.resolve_mesh"}
 MAX_LINES = 80
 
 

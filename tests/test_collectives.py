@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _collectives
+from jaxaccum._planning import _collectives
 
 KIND_RE = {k: re.compile(rf"\s{k}(?:-start)?\(") for k in _collectives.KINDS}
 

@@ -72,7 +72,7 @@ def test_skip_nonfinite_tests_float64_in_float64(jit):
 
 
 def test_shared_statistics_test_each_leaf_in_its_own_dtype():
-  from jaxaccum import _stats
+  from jaxaccum._core import _stats
 
   with jax.enable_x64(True):
     big = jnp.array([1e300, -1e300], jnp.float64)

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxaccum
-from jaxaccum import _ghost
+from jaxaccum._per_example import _ghost
 from tests import _problems
 
 B, D, H = 16, _problems.TANH_D, _problems.TANH_H

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxaccum
-from jaxaccum import _stats
+from jaxaccum._core import _stats
 from tests import _dp_fuzz
 
 # Seeds of the short budget (small cases: at most two ops, 8 rows); the long run

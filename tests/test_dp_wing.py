@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxaccum
-from jaxaccum import _ghost
+from jaxaccum._per_example import _ghost
 
 C = 0.5
 

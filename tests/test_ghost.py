@@ -1,4 +1,4 @@
-"""Ghost norms (``jaxaccum._ghost``): each recognised form against brute force.
+"""Ghost norms (``jaxaccum._per_example._ghost``): each recognised form against brute force.
 
 The reference differentiates every example on its own (``jax.vmap`` of ``jax.grad``),
 takes each example's squared norm over all leaves, weighs each example's gradient by
@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxaccum
-from jaxaccum import _ghost
+from jaxaccum._per_example import _ghost
 
 E = 5  # examples
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxaccum import _ghost
+from jaxaccum._per_example import _ghost
 
 E = 4  # examples
 

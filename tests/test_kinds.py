@@ -20,7 +20,7 @@ from optax.microbatching import AccumulationType
 from optax.microbatching import _microbatching as optax_mb
 
 import jaxaccum
-from jaxaccum import _reduce
+from jaxaccum._core import _reduce
 from tests._reference import Rules, reference
 
 N = 4

@@ -2,7 +2,7 @@
 
 References are hand computations: per-call gradients from ``jax.grad`` on explicitly
 sliced micro-batches (``x[i::K]``), their squared norms summed in numpy, the estimators
-written out from their formulas (jaxaccum/_info.py), and windows built without the
+written out from their formulas (jaxaccum/_core/_info.py), and windows built without the
 skipped calls. Float32 throughout; ``rtol=1e-5`` covers summation order.
 """
 
@@ -40,7 +40,7 @@ def sq_norm(tree):
 
 
 def estimates(b, big, micro, batch):
-  """The estimators of jaxaccum/_info.py, written out."""
+  """The estimators of jaxaccum/_core/_info.py, written out."""
   g2 = (big * batch - b * micro) / (big - b)
   tr = (micro - batch) / (1 / b - 1 / big)
   return g2, tr

@@ -1,6 +1,6 @@
 """The core's three steps carry their jax.named_scope in the compiled program's metadata.
 
-Each step of :func:`jaxaccum._transform.accumulate` runs under a scope starting with
+Each step of :func:`jaxaccum._core._transform.accumulate` runs under a scope starting with
 ``jaxaccum/`` (``micro_batches``: the loop, ``reduce``: the cross-device reduction under
 ``data_axis``, ``finalize``: the division after it). The test reads the ``op_name`` of
 every instruction of the compiled HLO text and checks that ops of the loop body and of the

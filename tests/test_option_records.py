@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxaccum
-from jaxaccum import _options
+from jaxaccum._core import _options
 
 API = pathlib.Path(jaxaccum.__file__).parent / "_api.py"
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _plan
+from jaxaccum._planning import _plan
 from tests._util import assert_close, count_compiles
 
 BATCH = 64  # divisors 1, 2, 4, 8, 16, 32, 64
@@ -543,7 +543,7 @@ def test_gpu_target_errors_without_a_gpu_or_the_extra():
 
 def test_shipped_descriptions_and_the_default_budget(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-  from jaxaccum import _gpu_target
+  from jaxaccum._planning import _gpu_target
   memory = {"h100": 84942979072, "h200": 150754820096, "a100-80gb": 85100068864,
             "b200": 191514411008}
   for name, size in memory.items():

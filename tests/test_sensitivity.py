@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxaccum
-from jaxaccum import _ghost
+from jaxaccum._per_example import _ghost
 
 RNG = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""jaxaccum._validate: the scalar validators, over generated values of every kind.
+"""jaxaccum._core._validate: the scalar validators, over generated values of every kind.
 
 Each check's reference is how the value was generated (an int, a bool, a float, ...) and
 plain Python comparisons on it; the wording of each message is matched by the tests of the
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxaccum import _split, _validate
+from jaxaccum._core import _split, _validate
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True)
 INT32_MAX = 2**31 - 1

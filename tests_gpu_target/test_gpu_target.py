@@ -49,12 +49,12 @@ def mlp(width=WIDTH, depth=DEPTH, batch=BIG_BATCH, sharding=None, batch_sharding
   return params, data
 
 
-@pytest.mark.parametrize("name", jaxaccum._gpu_target.GPU_TARGETS)
+@pytest.mark.parametrize("name", jaxaccum._planning._gpu_target.GPU_TARGETS)
 def test_shipped_descriptions_parse_and_compile(name):
   mesh = jaxaccum.target_mesh(name, (2,), ("data",))
   assert mesh.devices.shape == (2,) and mesh.axis_names == ("data",)
   device = mesh.devices.flat[0]
-  text = jaxaccum._gpu_target.resolve(name).text
+  text = jaxaccum._planning._gpu_target.resolve(name).text
   assert f'device_description_str: "{device.device_kind}"' in text
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
   compiled = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T))).lower(x).compile()
@@ -174,13 +174,13 @@ def test_jax_initialised_without_cpu_platform_says_what_to_do():
 
 
 def test_unparsable_description_is_a_clear_error():
-  text = jaxaccum._gpu_target.resolve("h100").text.replace("core_count", "cores_count")
+  text = jaxaccum._planning._gpu_target.resolve("h100").text.replace("core_count", "cores_count")
   with pytest.raises(ValueError, match="could not be parsed as a GpuTargetConfigProto"):
     jaxaccum.target_mesh(text, (1,))
 
 
 def test_field_newer_xla_writes_is_dropped():
-  text = jaxaccum._gpu_target.resolve("h200").text.replace(
+  text = jaxaccum._planning._gpu_target.resolve("h200").text.replace(
       "  thread_dim_limit_z: 64",
       "  thread_dim_limit_z: 64\n  collective_memory_granularity: 2097152")
   mesh = jaxaccum.target_mesh(text, (1,))

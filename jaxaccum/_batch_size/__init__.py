@@ -11,7 +11,7 @@ samples seen, reading any state's counter (``batch_size_ramp``, ``batch_size_ram
 ``_seesaw`` turns a reference schedule's learning-rate decay into a ramp of ``k`` read by
 ``_ramp``, with a counter of its own and a guard on ``NoiseScale`` (``seesaw``); ``_rows``
 feeds the loader's fresh rows only to the ``k`` micro-batches that run (``place_active_rows``,
-``RowFeeder``). Their scalar checks are ``jaxaccum._validate``'s. The wing sits below the
+``RowFeeder``). Their scalar checks are ``jaxaccum._core._validate``'s. The wing sits below the
 API: ``AdaptiveBatch.check`` reads a transform's ``options`` without importing ``_api``.
 """
 

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _split, _validate
 from jaxaccum._batch_size import _counter, _multisteps
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
-from jaxaccum._info import AccumInfo
+from jaxaccum._core import _split, _validate
+from jaxaccum._core._info import AccumInfo
 
 _INT32_MAX = _validate.INT32_MAX
 _RULES = ("norm_test", "b_simple")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _validate
+from jaxaccum._core import _validate
 
 LO_BITS = 24  # the low word's bits
 LO = 1 << LO_BITS  # the high word's unit

@@ -23,8 +23,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _info, _reduce, _sharding, _stats, _validate
-from jaxaccum._types import PyTree
+from jaxaccum._core import _info, _reduce, _sharding, _stats, _validate
+from jaxaccum._core._types import PyTree
 
 # The defaults' leaves below (the empty AccumInfo's too, jax.Array in its fields) are numpy
 # scalars, so that importing jaxaccum does not start a JAX backend.

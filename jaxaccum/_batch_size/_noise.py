@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _validate
-from jaxaccum._info import AccumInfo
+from jaxaccum._core import _validate
+from jaxaccum._core._info import AccumInfo
 
 
 class NoiseScaleState(NamedTuple):

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _validate
 from jaxaccum._batch_size import _counter
+from jaxaccum._core import _validate
 
 _INT32_MAX = _validate.INT32_MAX
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _split, _validate
-from jaxaccum._types import PyTree
+from jaxaccum._core import _split, _validate
+from jaxaccum._core._types import PyTree
 
 _FILLS = ("zeros", "repeat")
 

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _validate
 from jaxaccum._batch_size import _counter, _ramp
 from jaxaccum._batch_size._noise import NoiseScale, NoiseScaleState
-from jaxaccum._info import AccumInfo
+from jaxaccum._core import _validate
+from jaxaccum._core._info import AccumInfo
 
 _INT32_MAX = _validate.INT32_MAX
 _OPTIMIZERS = ("adam", "sgd")

@@ -1,28 +1,28 @@
 """The core run of the accumulation: scan -> reduce -> finalize.
 
 The public transforms (:mod:`jaxaccum._api`), the data-parallel driver
-(:mod:`jaxaccum._data_parallel`), ``pipeline`` and the adapters all run it. It runs in three
-steps, each a map over the carry's entries (:data:`CARRY`: loss numerators and
+(:mod:`jaxaccum._parallel._data_parallel`), ``pipeline`` and the adapters all run it. It
+runs in three steps, each a map over the carry's entries (:data:`CARRY`: loss numerators and
 denominators, gradient groups, aux, state, the ``with_info`` statistics and per-example
 norms), each entry a record of ``init``, ``update``, ``combine`` and ``finalize`` in the
-manner of the aux reductions (:class:`jaxaccum._reduce.Reduction`):
+manner of the aux reductions (:class:`jaxaccum._core._reduce.Reduction`):
 
 1. :func:`run_micro_batches`: one :func:`jax.lax.scan` over the micro-batches (scheduled by
    :func:`schedule`) adds each micro-batch's contribution to every entry of a
    :class:`Carry` and threads the mutable state;
 2. ``reduce``: under ``data_axis``, one cross-device reduction of the carry after the loop
-   (:func:`combine_carry`, called by :func:`jaxaccum._data_parallel.combine`); nothing
+   (:func:`combine_carry`, called by :func:`jaxaccum._parallel._data_parallel.combine`); nothing
    otherwise;
 3. :func:`finalize_carry`: divides by what the reductions say (micro-batches kept, total
    denominators) and builds :func:`jax.value_and_grad`'s output.
 
 How one micro-batch contributes is a :class:`MicroRule`: forward only (``evaluate``), one
 VJP per gradient group, or a wing's rule (per-example gradients,
-:mod:`jaxaccum._per_example`, which the core does not import). What ``fun`` returns is
-checked in :mod:`jaxaccum._outputs`.
+:mod:`jaxaccum._per_example._rule`, which the core does not import). What ``fun`` returns is
+checked in :mod:`jaxaccum._core._outputs`.
 
-The loss is one or several *terms* (:class:`jaxaccum._reduce.Term`). Terms that share a
-divisor share one gradient accumulator (a *group*, :func:`jaxaccum._reduce.make_groups`):
+The loss is one or several *terms* (:class:`jaxaccum._core._reduce.Term`). Terms that share a
+divisor share one gradient accumulator (a *group*, :func:`jaxaccum._core._reduce.make_groups`):
 a single loss has one group, and so one backward pass per micro-batch, as
 :func:`jax.value_and_grad`.
 """
@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _info, _outputs, _reduce, _sharding, _split, _stats
-from jaxaccum._options import Options, Roles
-from jaxaccum._split import describe as _describe
-from jaxaccum._types import PyTree
+from jaxaccum._core import _info, _outputs, _reduce, _sharding, _split, _stats
+from jaxaccum._core._options import Options, Roles
+from jaxaccum._core._split import describe as _describe
+from jaxaccum._core._types import PyTree
 
 
 class BatchBroadcastWarning(UserWarning):
@@ -163,7 +163,7 @@ class MicroCall(NamedTuple):
 class MicroRule(Protocol):
   """How one micro-batch contributes: forward only (:data:`FORWARD`, ``evaluate``), one
   VJP per gradient group (:data:`VJP`), or a wing's rule such as the per-example one
-  (:class:`jaxaccum._per_example.PerExampleRule`, held by ``Options.per_example_transform``).
+  (:class:`jaxaccum._per_example._rule.PerExampleRule`, held by ``Options.per_example_transform``).
   """
 
   @property
@@ -441,7 +441,7 @@ class Update(NamedTuple):
 
 class Across(NamedTuple):
   """How the carry is reduced over the data axes ``axes`` after the loop (see
-  :func:`jaxaccum._data_parallel.combine`): per gradient leaf, the axes it is still summed
+  :func:`jaxaccum._parallel._data_parallel.combine`): per gradient leaf, the axes it is still summed
   over and the reduce-scatters (``scatter(g, gathers)``) still to be done."""
 
   axes: tuple
@@ -454,7 +454,7 @@ class Across(NamedTuple):
 
 class CarryEntry(NamedTuple):
   """One field of the :class:`Carry`, in the manner of the aux
-  :class:`jaxaccum._reduce.Reduction`: its value before the loop (``init``), what one
+  :class:`jaxaccum._core._reduce.Reduction`: its value before the loop (``init``), what one
   micro-batch adds (``update``), its reduction across data shards (``combine``) and what
   it gives the output after them (``finalize``; ``None`` for an entry that others read).
   """

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum._types import PyTree
+from jaxaccum._core._types import PyTree
 
 
 def describe(x: Any) -> str:

@@ -7,7 +7,7 @@ returns the fewest micro-batches whose program fits the budget. Nothing is ever 
 the arguments may be :class:`jax.ShapeDtypeStruct` s, so planning allocates nothing.
 
 With ``target="h100"`` (or another described GPU) the programs are compiled for that GPU on a
-machine without one, see :mod:`jaxaccum._gpu_target`.
+machine without one, see :mod:`jaxaccum._planning._gpu_target`.
 
 The search (``N = 1`` first, then a binary search over the other divisors) is described in
 :func:`plan` and docs/planning.md.
@@ -28,10 +28,12 @@ from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
-from jaxaccum import _api, _collectives, _gpu_target, _options, _sharding, _split
+from jaxaccum import _api
 from jaxaccum._api import value_and_grad
-from jaxaccum._collectives import Collectives
-from jaxaccum._collectives import format_bytes as _fmt_bytes
+from jaxaccum._core import _options, _sharding, _split
+from jaxaccum._planning import _collectives, _gpu_target
+from jaxaccum._planning._collectives import Collectives
+from jaxaccum._planning._collectives import format_bytes as _fmt_bytes
 
 # The default budget keeps this fraction of the device's `bytes_limit` free for what the
 # compiled program's own figure does not count: allocator fragmentation, buffers alive outside

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _sharding, _split
-from jaxaccum._types import PyTree
+from jaxaccum._core import _sharding, _split
+from jaxaccum._core._types import PyTree
 
 
 def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
@@ -296,7 +296,8 @@ def _recompute_in_backward(mapped, body, mesh, axis: str, p_spec: PartitionSpec,
 
 
 def _check_count(name: str, value: Any) -> int:
-  """:func:`jaxaccum._split.check_count` for a count that is required (it lets ``None`` pass)."""
+  """:func:`jaxaccum._core._split.check_count` for a count that is required (it lets
+  ``None`` pass)."""
   if value is None:
     raise TypeError(f"{name} must be a positive Python int, got None. Pass a static integer "
                     f"such as {name}=8.")

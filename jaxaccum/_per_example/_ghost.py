@@ -86,8 +86,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxaccum import _reduce, _sharding, _stats
-from jaxaccum._types import PyTree
+from jaxaccum._core import _reduce, _sharding, _stats
+from jaxaccum._core._types import PyTree
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -1149,7 +1149,7 @@ class _Run(_Walk):
 
 def _widened(x: Any) -> Any:
   """``x`` in the dtype the core accumulates it in (float32 for a narrower floating value,
-  else as is: :func:`jaxaccum._reduce.accumulator_dtype_for`)."""
+  else as is: :func:`jaxaccum._core._reduce.accumulator_dtype_for`)."""
   x = jnp.asarray(x)
   return x.astype(_reduce.accumulator_dtype_for(x.dtype, None))
 

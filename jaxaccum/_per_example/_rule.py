@@ -3,13 +3,14 @@
 Under ``per_example_transform`` each micro-batch's contribution is computed one example at a
 time (``jax.vmap`` over its rows), each example's gradient transformed (or clipped, with
 :func:`jaxaccum.clip_per_example`) before the examples are summed. The core
-(:mod:`jaxaccum._transform`) knows nothing of it: :func:`check_per_example` validates the
-user's transform and returns a :class:`PerExampleRule`, which :class:`jaxaccum._options.Options`
-holds as ``per_example_transform``; the core's micro-batch body calls that rule as it calls
-its own forward-only and VJP rules (:class:`jaxaccum._transform.MicroRule`).
+(:mod:`jaxaccum._core._transform`) knows nothing of it: :func:`check_per_example` validates the
+user's transform and returns a :class:`PerExampleRule`, which
+:class:`jaxaccum._core._options.Options` holds as ``per_example_transform``; the core's
+micro-batch body calls that rule as it calls its own forward-only and VJP rules
+(:class:`jaxaccum._core._transform.MicroRule`).
 
-The clip's norms, factors and ghost-norm program live in :mod:`jaxaccum._stats` and
-:mod:`jaxaccum._ghost`.
+The clip's norms, factors and ghost-norm program live in :mod:`jaxaccum._core._stats` and
+:mod:`jaxaccum._per_example._ghost`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _ghost, _reduce, _split, _stats
-from jaxaccum._split import describe as _describe
+from jaxaccum._core import _reduce, _split, _stats
+from jaxaccum._core._split import describe as _describe
+from jaxaccum._per_example import _ghost
 
 if TYPE_CHECKING:
-  from jaxaccum import _options
-  from jaxaccum._options import Options
-  from jaxaccum._reduce import Group
-  from jaxaccum._transform import MicroCall
+  from jaxaccum._core import _options
+  from jaxaccum._core._options import Options
+  from jaxaccum._core._reduce import Group
+  from jaxaccum._core._transform import MicroCall
 
 
 # --- The options: what per_example_transform accepts ----------------------------------------
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_reduce.Term, ...]:
   """Under ``clip_per_example(example_mask=)`` a mean divides by the real examples: its
-  kind becomes :data:`jaxaccum._reduce.MASKED_MEAN`."""
+  kind becomes :data:`jaxaccum._core._reduce.MASKED_MEAN`."""
   if not (isinstance(transform, _stats.ClipPerExample) and transform.example_mask):
     return terms
   return tuple(dataclasses.replace(t, kind=_reduce.MASKED_MEAN) if t.kind.rows_mean else t
@@ -105,7 +107,7 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleRule:
-  """The core's micro-batch rule (:class:`jaxaccum._transform.MicroRule`) for a
+  """The core's micro-batch rule (:class:`jaxaccum._core._transform.MicroRule`) for a
   ``per_example_transform``: one micro-batch's contribution from its examples' transformed
   gradients (:func:`per_example`). ``transform`` is the user's transform as given."""
 
@@ -163,7 +165,7 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
   example as a batch of one (``clip_per_example(keep_batch_dim=False)``: on the row itself),
   transforms each example's gradient, and reduces the examples to the micro-batch's values
   as the loss kind says (mean or sum; a weighted term sums numerators and denominators) and
-  each aux leaf as its reduction says. A :class:`jaxaccum._stats.ClipPerExample` takes the
+  each aux leaf as its reduction says. A :class:`jaxaccum._core._stats.ClipPerExample` takes the
   clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
@@ -486,11 +488,11 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
 
   ``f(diff, x) -> (objective, out)`` is one example's objective; ``xs`` the examples,
   mapped as ``jax.vmap(f, in_axes=(None, in_axes))``. Each example's gradient ``g_e`` is
-  formed under vmap, its norm taken (:func:`jaxaccum._stats.norm`), ``weigh(norms)`` gives
+  formed under vmap, its norm taken (:func:`jaxaccum._core._stats.norm`), ``weigh(norms)`` gives
   the factors ``c_e``, and the result is ``sum_e c_e g_e`` (an example with ``c_e = 0``
   adds exactly zero). Returns ``(outs, grad_sum, norms)``: the vmapped ``out``, the sum
   with ``diff``'s structure and dtypes, and the ``(E,)`` float32 norms. The ghost-norm
-  path (``jaxaccum._ghost.clipped_sum``) computes the same without the per-example
+  path (``jaxaccum._per_example._ghost.clipped_sum``) computes the same without the per-example
   gradients, from squared norms. ``groups``: each leaf of ``diff``'s clip group (per-layer
   clipping): ``weigh`` then gets ``(E, G)`` norms, one per group, and gives a factor per
   group; the norms returned are each example's whole-gradient norm.

@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _api, _data_parallel, _options, _sharding, _transform
-from jaxaccum._types import ArgNames, ArgNums
+from jaxaccum import _api
+from jaxaccum._core import _options, _sharding, _transform
+from jaxaccum._core._types import ArgNames, ArgNums
+from jaxaccum._parallel import _data_parallel
 
 
 def local_value_and_grad(

@@ -14,7 +14,7 @@ axes are reduced after the loop. The other placements: :func:`_placed_gathers`.
 
 What the mode computes (the rows ``fun`` sees, how the loss, aux, state and PRNG keys
 combine over the shards) is described in ``docs/devices.md``, "What ``data_axis``
-computes"; each aux reduction's rule is its ``combine`` in :mod:`jaxaccum._reduce`.
+computes"; each aux reduction's rule is its ``combine`` in :mod:`jaxaccum._core._reduce`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _reduce, _sharding, _split, _transform
-from jaxaccum._options import Options
-from jaxaccum._types import AxisName, PyTree
+from jaxaccum._core import _reduce, _sharding, _split, _transform
+from jaxaccum._core._options import Options
+from jaxaccum._core._types import AxisName, PyTree
 
 
 def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
@@ -507,7 +507,7 @@ def _scatter(x: jax.Array, gathers: tuple) -> jax.Array:
 def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName, ...],
             grad_axes: tuple, reduce_is_sum: bool, grad_scatters: tuple | None = None):
   """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop,
-  each entry as its record says (:data:`jaxaccum._transform.CARRY`).
+  each entry as its record says (:data:`jaxaccum._core._transform.CARRY`).
 
   ``grad_axes`` gives, per gradient leaf, the data axes it still has to be summed over:
   all of them for a replicated parameter; those it is not sharded over for an FSDP

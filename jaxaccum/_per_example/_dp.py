@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _api, _stats
+from jaxaccum import _api
+from jaxaccum._core import _stats
 
 
 class DpNoiseState(NamedTuple):

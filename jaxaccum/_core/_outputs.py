@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _reduce
-from jaxaccum._split import describe as _describe
+from jaxaccum._core import _reduce
+from jaxaccum._core._split import describe as _describe
 
 if TYPE_CHECKING:
-  from jaxaccum._options import Options
+  from jaxaccum._core._options import Options
 
 
 def _check_scalar(name: str, value: Any, what: str, hint: str = "") -> jax.Array:

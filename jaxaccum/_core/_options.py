@@ -25,8 +25,8 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum import _reduce, _sharding, _split
-from jaxaccum._types import AxisName
+from jaxaccum._core import _reduce, _sharding, _split
+from jaxaccum._core._types import AxisName
 
 
 class Roles(NamedTuple):
@@ -181,7 +181,7 @@ class Options:
   mesh: Any = option(lambda raw, done: _sharding.check_mesh(raw["mesh"], done["data_axis"]))
   with_info: bool = _given("with_info", _check_bool)
   skip_nonfinite: bool = _given("skip_nonfinite", _check_bool)
-  # The per-example wing's micro-batch rule (jaxaccum._per_example.PerExampleRule).
+  # The per-example wing's micro-batch rule (jaxaccum._per_example._rule.PerExampleRule).
   per_example_transform: Callable[[Any], Any] | None = option(
       lambda raw, done: None if raw["per_example_transform"] is None else
       raw["per_example_transform"].rule(done["reduce"], done["terms"], done["batch_argnames"]))

@@ -6,7 +6,7 @@ are tied to their parameters' shardings under ``Auto`` axes (:func:`align`), and
 whose leading axis is sharded over ``D`` devices is checked to split into micro-batches of a
 multiple of ``D`` rows, which is what keeps the column-major split free of communication.
 The ``data_axis`` and ``mesh`` options are validated here; the data-parallel mode that uses
-them is :mod:`jaxaccum._data_parallel`.
+them is :mod:`jaxaccum._parallel._data_parallel`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 from jaxlib.mlir.dialects import sdy
 
-from jaxaccum import _split
-from jaxaccum._types import AxisName, PyTree
+from jaxaccum._core import _split
+from jaxaccum._core._types import AxisName, PyTree
 
 # --- "Shard like": a sharding propagation hint for Auto mesh axes -------------------------
 #
@@ -138,7 +138,7 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
   Micro-batch ``i`` takes rows ``i, i + N, ...``; with the batch axis in ``D`` contiguous
   blocks, every device keeps its own rows only when ``D`` divides ``B // N``. (For
   ``Auto`` mesh axes the sharding is unknown at trace time; see the README.)
-  ``batch_axes`` gives each leaf's batch axis (:func:`jaxaccum._split.batch_axes`).
+  ``batch_axes`` gives each leaf's batch axis (:func:`jaxaccum._core._split.batch_axes`).
   """
   for argnum, tree in batches.items():
     for (path, leaf), a in zip(jax.tree_util.tree_leaves_with_path(tree),
@@ -226,7 +226,7 @@ def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree]
   """``data_axis="auto"``: the mesh axes every batch leaf's batch axis is sharded over.
 
   ``batches`` maps a label (``"argument 1 ('batch')"``) to a batch argument, ``leaf_axes``
-  (:func:`jaxaccum._split.batch_axes`, keyed alike) each leaf's batch axis. A leaf's axes
+  (:func:`jaxaccum._core._split.batch_axes`, keyed alike) each leaf's batch axis. A leaf's axes
   are read from its type under ``Explicit`` mesh axes, or from a placed (concrete) array's
   sharding under ``Auto`` axes; inside :func:`jax.jit` a tracer typed with ``Auto`` axes
   carries no sharding, so there the axes must be named. Returns ``(axes, mesh)``, the mesh

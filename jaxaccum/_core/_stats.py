@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._types import PyTree
+from jaxaccum._core._types import PyTree
 
 
 def _inexact(tree: PyTree) -> list[jax.Array]:

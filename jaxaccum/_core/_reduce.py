@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _split
-from jaxaccum._types import AxisNames, PyTree
+from jaxaccum._core import _split
+from jaxaccum._core._types import AxisNames, PyTree
 
 
 def check_dtype(name: str, dtype: Any) -> np.dtype | None:
@@ -383,7 +383,7 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0,
   :class:`Reduction` s; ``None`` becomes each leaf's default (:func:`_default_kind`). Checks
   that every leaf can be reduced as asked; ``rows``, the rows of one micro-batch, is the
   size that a per-example (``"concat"``) leaf must have along ``axis`` (the batch axis,
-  :func:`jaxaccum._split.common_axis`; negative counts from the end of the leaf).
+  :func:`jaxaccum._core._split.common_axis`; negative counts from the end of the leaf).
   ``one_example`` says that ``aux_shapes`` are one example's, under
   ``per_example_transform``: ``"batch_of_one"`` (``rows`` is 1; a scalar leaf is that
   example's row) or ``"row"`` (``fun`` saw the row without a batch axis: every leaf is

@@ -1,0 +1,9 @@
+"""The per-example wing: each example's gradient transformed (DP-SGD's clip) before the sum.
+
+``_rule`` is what the core sees: ``Request`` (what ``per_example_value_and_grad`` hands the
+options) becomes a ``PerExampleRule``, the core's micro-batch rule for one micro-batch's
+examples under ``vmap``; ``_ghost`` forms the clipped sum from per-example norms read from
+the traced program (one walk of sub-programs, a table of site rules), without the
+per-example gradients; ``_dp`` holds DP-SGD's noise (``dp_noise``, ``dp_optimizer``) and its
+checks. Only this wing imports the ghost analysis (``tests/test_architecture.py``).
+"""

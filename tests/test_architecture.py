@@ -1,0 +1,124 @@
+"""The package's shape, held: a narrow main entry, short functions, modules that talk through
+each other's public names, an import graph without circles in few floors, the ghost analysis
+reached only through the per-example wing, and the core importing nothing from its wings.
+
+The measures are ``tools/architecture.py``'s (read with :mod:`ast`); each is checked here on
+the package and, so that a broken measure cannot pass, on a small planted package.
+"""
+
+import pathlib
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import architecture  # noqa: E402
+
+MODS = architecture.modules()
+MAX_KEYWORD_OPTIONS = 20
+MAX_FUNCTION_LINES = 80
+MAX_PRIVATE_USES = 5
+MAX_FLOORS = 9
+CORE = "jaxaccum._core"
+PER_EXAMPLE = "jaxaccum._per_example"
+
+
+def test_value_and_grad_has_at_most_twenty_keyword_options():
+  options = architecture.keyword_options(MODS, "jaxaccum._api", "value_and_grad")
+  assert len(options) <= MAX_KEYWORD_OPTIONS, options
+
+
+def test_no_function_is_longer_than_eighty_code_lines():
+  long = [(n, name) for n, name in architecture.function_lengths(MODS)
+          if n > MAX_FUNCTION_LINES]
+  assert not long, long
+
+
+def test_modules_use_few_of_each_others_private_names():
+  uses = [u for mod in MODS.values() for u in architecture.private_uses(mod, MODS)]
+  assert len(uses) <= MAX_PRIVATE_USES, uses
+
+
+def test_the_import_graph_has_no_circle_and_few_floors():
+  floors = architecture.floors(MODS)
+  assert max(floors.values()) + 1 <= MAX_FLOORS, sorted(floors.items(), key=lambda x: x[1])
+
+
+def test_only_the_per_example_wing_imports_the_ghost_analysis():
+  ghosts = [n for n in MODS if n.rsplit(".", 1)[-1] == "_ghost"]
+  assert ghosts
+  for ghost in ghosts:
+    outside = {m for m in architecture.importers(MODS, ghost)
+               if not m.startswith(PER_EXAMPLE)}
+    assert not outside, (ghost, outside)
+
+
+def test_the_core_imports_nothing_outside_it():
+  core = {n: m for n, m in MODS.items() if n.startswith(CORE)}
+  assert core
+  for name, mod in core.items():
+    outside = {i for i in architecture.imports(mod, MODS) if not i.startswith(CORE)}
+    assert not outside, (name, outside)
+
+
+# --- the measures themselves, on a planted package ------------------------------------------
+
+
+@pytest.fixture
+def planted(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "_sub").mkdir(parents=True)
+  files = {
+      "__init__.py": "from pkg import _a\n",
+      "_a.py": """
+          from pkg import _b
+          from pkg._sub import _c
+
+          def f(*, x, y=1):
+            z = _b._hidden
+            return _c.public(z) + _b.shown
+          """,
+      "_b.py": "from pkg._sub._c import _private\n_hidden = shown = _private\n",
+      "_sub/__init__.py": "",
+      "_sub/_c.py": """
+          from typing import TYPE_CHECKING
+
+          if TYPE_CHECKING:  # for annotations only: not an import circle
+            from pkg import _a
+
+          _private = 1
+
+          def public(z):
+            # a comment
+
+            a = z
+            b = a
+            return b
+          """,
+  }
+  for name, text in files.items():
+    (pkg / name).write_text(textwrap.dedent(text))
+  return pkg
+
+
+def test_the_measures_on_a_planted_package(planted):
+  mods = architecture.modules(planted)
+  assert set(mods) == {"pkg", "pkg._a", "pkg._b", "pkg._sub", "pkg._sub._c"}
+  assert architecture.keyword_options(mods, "pkg._a", "f") == ["x", "y"]
+  assert dict((n, c) for c, n in architecture.function_lengths(mods)) == {
+      "pkg._a.f": 2, "pkg._sub._c.public": 3}
+  uses = sorted(u.split(" ")[1] for m in mods.values()
+                for u in architecture.private_uses(m, mods))
+  assert uses == ["pkg._b._hidden", "pkg._sub._c._private"]
+  floors = architecture.floors(mods)
+  assert floors["pkg._sub._c"] == 0 and floors["pkg._b"] == 1 and floors["pkg._a"] == 2
+  assert architecture.importers(mods, "pkg._sub") == {"pkg._a", "pkg._b"}
+
+
+def test_an_import_circle_is_found(planted):
+  (planted / "_sub" / "_c.py").write_text("from pkg import _a\n")
+  with pytest.raises(ValueError, match="import circle"):
+    architecture.floors(architecture.modules(planted))
