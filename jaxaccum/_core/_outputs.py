@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jaxaccum._core import _reduce
-from jaxaccum._core._split import describe as _describe
+from jaxaccum._core._validate import describe as _describe
 
 if TYPE_CHECKING:
   from jaxaccum._core._options import Options

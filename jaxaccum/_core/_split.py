@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,25 +29,15 @@ import numpy as np
 from jax import lax
 
 from jaxaccum._core._types import PyTree
-
-
-def describe(x: Any) -> str:
-  """A short description of a value for error messages."""
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  text = repr(x)
-  return f"{type(x).__name__} {text}" if len(text) < 80 else type(x).__name__
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+from jaxaccum._core._validate import describe as describe
+from jaxaccum._core._validate import is_int
 
 
 def check_count(name: str, value: Any) -> int | None:
   """Returns ``value`` as an int, or raises if it is not a positive integer."""
   if value is None:
     return None
-  if not _is_int(value):
+  if not is_int(value):
     raise TypeError(
         f"{name} must be a positive Python int, got {value!r} of type "
         f"{type(value).__name__}. Pass a static integer such as {name}=8; a traced "
@@ -65,10 +54,10 @@ def normalize_argnums(name: str, value: Any, *, allow_empty: bool) -> tuple[int,
     if allow_empty:
       return ()
     raise TypeError(f"{name} must be an int or a tuple of ints, got None.")
-  if _is_int(value):
+  if is_int(value):
     return (int(value),)
   if isinstance(value, Sequence) and not isinstance(value, str):
-    if not all(_is_int(v) for v in value):
+    if not all(is_int(v) for v in value):
       raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}.")
     out = [int(v) for v in value]
     if not out and not allow_empty:
@@ -160,7 +149,7 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
         "with one entry per batch argument (batch_argnums in order, then batch_argnames), "
         "each an int or a pytree prefix of that argument with int leaves, as jax.vmap's "
         f"in_axes; got batch_axis={got!r}.")
-  if _is_int(value):
+  if is_int(value):
     return int(value)
   if not isinstance(value, tuple):
     raise bad(value)
@@ -171,7 +160,7 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
             f"batch_axis={value!r} has a None entry: every leaf of a batch argument is split "
             "along its batch axis. Pass an array that is not to be split as a non-batch "
             "argument instead.")
-      if not _is_int(leaf):
+      if not is_int(leaf):
         raise bad(value)
   if num_batch_args is not None and len(value) != num_batch_args:
     raise ValueError(
@@ -184,7 +173,7 @@ def check_batch_axis(value: Any, num_batch_args: int | None = None) -> int | tup
 def _check_entry(batch_axis: Any, what: str) -> None:
   """Validates the ``batch_axis`` of one pytree: an int, or a pytree prefix of it with ints."""
   leaves = jax.tree.leaves(batch_axis, is_leaf=lambda x: x is None)
-  if not leaves or not all(_is_int(a) for a in leaves):
+  if not leaves or not all(is_int(a) for a in leaves):
     raise TypeError(
         f"batch_axis must be an int or a pytree prefix of {what} with an int at each leaf (as "
         f"jax.vmap's in_axes), got batch_axis={batch_axis!r}.")

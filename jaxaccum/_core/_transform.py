@@ -41,8 +41,8 @@ from jax import lax
 
 from jaxaccum._core import _info, _outputs, _reduce, _sharding, _split, _stats
 from jaxaccum._core._options import Options, Roles
-from jaxaccum._core._split import describe as _describe
 from jaxaccum._core._types import PyTree
+from jaxaccum._core._validate import describe as _describe
 
 
 class BatchBroadcastWarning(UserWarning):

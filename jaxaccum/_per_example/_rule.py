@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum._core import _reduce, _split, _stats
-from jaxaccum._core._split import describe as _describe
+from jaxaccum._core._validate import describe as _describe
 from jaxaccum._per_example import _ghost
 
 if TYPE_CHECKING:
