@@ -156,8 +156,12 @@ def test_terms_validates_itself():
     jaxaccum.Terms("mean")
   with pytest.raises(ValueError, match=r"reduce must be one of"):
     jaxaccum.Terms({"a": "median"})
-  with pytest.raises(ValueError, match=r"names \['zz'\], which are not terms"):
+  with pytest.raises(ValueError, match=r"^weights names \['zz'\], which are not terms"):
     jaxaccum.Terms({"a": "mean"}, weights={"zz": 1.0})
+  with pytest.raises(TypeError, match=r"^weights\['a'\] must be a Python or NumPy number"):
+    jaxaccum.Terms({"a": "mean"}, weights={"a": "heavy"})
+  with pytest.raises(TypeError, match=r"^weights must be a dict"):
+    jaxaccum.Terms({"a": "mean"}, weights=[1.0])
 
 
 def test_a_plain_value_means_the_record():

@@ -405,7 +405,7 @@ class Terms:
       raise TypeError(
           f"Terms takes a dict of loss terms, e.g. Terms({{'ce': 'weighted', 'aux': 'mean'}}), "
           f"got kinds={self.kinds!r}; a single loss is reduce={self.kinds!r}.")
-    _reduce.make_terms(_reduce.check_reduce(self.kinds), self.weights)
+    _reduce.make_terms(_reduce.check_reduce(self.kinds), self.weights, name="weights")
 
   __hash__ = None  # type: ignore[assignment]  # holds dicts
 

@@ -645,32 +645,36 @@ def check_reduce(reduce: Any) -> Any:
   return reduce
 
 
-def make_terms(reduce: Any, loss_weights: Any) -> tuple[Term, ...]:
-  """The loss terms for ``reduce`` (a name or a dict of names) and ``loss_weights``."""
+def make_terms(reduce: Any, loss_weights: Any, *, name: str = "loss_weights"
+               ) -> tuple[Term, ...]:
+  """The loss terms for ``reduce`` (a name or a dict of names) and ``loss_weights``; errors
+  call the weights ``name`` (``"weights"`` for :class:`jaxaccum.Terms`)."""
+  example = ("jaxaccum.Terms({'ce': 'weighted', 'aux': 'mean'}, weights={'aux': 0.01})"
+             if name == "weights" else
+             "reduce={'ce': 'weighted', 'aux': 'mean'}, loss_weights={'aux': 0.01}")
   if isinstance(reduce, str):
     if loss_weights is not None:
       raise ValueError(
-          f"loss_weights={loss_weights!r} was given but reduce={reduce!r} is a single "
-          "reduction: loss_weights weighs the terms of a dict reduce, e.g. "
-          "reduce={'ce': 'weighted', 'aux': 'mean'}, loss_weights={'aux': 0.01}.")
+          f"{name}={loss_weights!r} was given but reduce={reduce!r} is a single "
+          f"reduction: {name} weighs the terms of a dict reduce, e.g. {example}.")
     return (Term((), LOSS_KINDS[reduce]),)
   flat = jax.tree_util.tree_leaves_with_path(reduce)
-  weights = dict(loss_weights or {})
   if loss_weights is not None and not isinstance(loss_weights, dict):
     raise TypeError(
-        f"loss_weights must be a dict from term name to a float, got {loss_weights!r}.")
+        f"{name} must be a dict from term name to a float, got {loss_weights!r}.")
+  weights = dict(loss_weights or {})
   keys = [jax.tree_util.keystr(p)[2:-2] if len(p) == 1 else None for p, _ in flat]
   unknown = [k for k in weights if k not in keys]
   if unknown:
     raise ValueError(
-        f"loss_weights names {unknown}, which are not terms of reduce={reduce!r}. Name "
+        f"{name} names {unknown}, which are not terms of reduce={reduce!r}. Name "
         "top-level terms of the dict that fun returns.")
   terms = []
   for (path, kind), key in zip(flat, keys, strict=True):
     w = weights.get(key, 1.0)
     if isinstance(w, bool) or not isinstance(w, (int, float, np.floating, np.integer)):
       raise TypeError(
-          f"loss_weights[{key!r}] must be a Python or NumPy number, got {w!r}.")
+          f"{name}[{key!r}] must be a Python or NumPy number, got {w!r}.")
     terms.append(Term(tuple(path), LOSS_KINDS[kind], float(w)))
   return tuple(terms)
 
