@@ -374,19 +374,20 @@ class _Wrapper:
     for name, value in (("batch_argnums", batch_argnums), ("rng_argnums", rng_argnums)):
       _check_not_model(name, _split.normalize_argnums(name, value, allow_empty=True),
                        self.names)
-    # The core validates the options in fun's positions; self.roles resolves each call's
-    # roles there, and the core runs with the threaded state appended after fun's arguments.
+    # The core validates the options in fun's positions, self.options resolves each call's
+    # roles there (without argnums, so that a position landing on the model gets the model's
+    # message), and the core runs with the threaded state appended after fun's arguments.
     core = self._core(fun, dict(
         options, has_aux=has_aux, batch_argnames=batch_argnames, rng_argnums=rng_argnums,
         batch_argnums=_options.BATCH_ARGNUMS if self.default_batch else batch_argnums))
-    self.roles = dataclasses.replace(core.options, argnums=())
+    self.options = dataclasses.replace(core.options, argnums=())
     self.core = type(core)(core.options.with_appended_state())
     self._check_signature()
     self.signature = _inner_signature(fun, self.names)
 
   def _check_signature(self) -> None:
     """``fun`` takes the model and the positional batch and key arguments."""
-    opts = self.roles
+    opts = self.options
     positions = (() if opts.batch_optional else opts.batch_argnums) + opts.rng_argnums
     needed = 1 + max((j for j in positions if j >= 0), default=0)
     found = _split.short_signature(self.fun, needed)
@@ -440,7 +441,7 @@ class _Wrapper:
           f"the first argument ({_arg_label(self.names, 0)}) must be an NNX object such as "
           f"an nnx.Module, got {_split.describe(args[0])}. For plain pytrees of parameters "
           f"use jaxaccum.{self.name}.")
-    roles = self.roles.roles(len(args), kwargs)  # the core's resolver, in fun's positions
+    roles = self.options.roles(len(args), kwargs)  # the core's resolver, in fun's positions
     _check_not_model("batch_argnums", roles.batch, self.names)
     _check_not_model("rng_argnums", roles.rng, self.names)
     batch_pos, rng_pos = roles.batch, roles.rng

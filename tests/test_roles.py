@@ -69,7 +69,7 @@ def test_nnx_roles_equal_core_roles_and_reference(nargs, batch, default, names, 
     with pytest.raises(ValueError):
       vg.core.options.roles(nargs + 1, kwargs)  # the core refuses the shifted positions too
     return
-  roles = vg.roles.roles(nargs, kwargs)
+  roles = vg.options.roles(nargs, kwargs)
   assert (roles.batch, roles.rng) == expected
   assert vg._check_call(args, kwargs) == expected[0] + expected[1]
   core = vg.core.options.roles(nargs + 1, kwargs)  # fun's arguments, then the state
