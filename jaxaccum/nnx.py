@@ -26,6 +26,7 @@ full batch's). See "State: BatchNorm, Dropout, nnx.Rngs, nested objects" in the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -202,25 +203,12 @@ def _check_variables(call: _Call, new_graphdef: Any, *new_states: Any) -> None:
             f"value back, e.g. var[...] = new_value.astype({a.dtype}).")
 
 
-def _positions(name: str, value: Any, nargs: int, fun_name: str, names: list[str]) -> tuple:
-  """Resolves the adapter's argnums (counted in fun's arguments) against this call."""
-  out = []
-  for j in value:
-    if not -nargs <= j < nargs:
-      raise TypeError(
-          f"{name}={j} is out of range: the accumulated {fun_name} must be called as "
-          "(model, batch, ...) with each batch argument positionally, got "
-          f"{nargs} positional argument(s). "
-          "The usual causes: the loss closes over the batch (make the batch an argument, "
-          "fun(model, batch), and call it with the full batch) or the batch is passed by "
-          "keyword (name it in batch_argnames=..., e.g. batch_argnames='batch').")
-    j %= nargs
-    if j == 0:
-      raise ValueError(
-          f"{name} names argument 0 ({_arg_label(names, 0)}), which is the model. Point it "
-          "at the arguments after the model.")
-    out.append(j)
-  return tuple(out)
+def _check_not_model(name: str, positions: Sequence[int], names: list[str]) -> None:
+  """Argument 0 is the model: it is threaded, never split nor folded."""
+  if 0 in positions:
+    raise ValueError(
+        f"{name} names argument 0 ({_arg_label(names, 0)}), which is the model. Point it "
+        "at the arguments after the model.")
 
 
 def value_and_grad(
@@ -285,15 +273,15 @@ def value_and_grad(
 
   Raises:
     TypeError: ``fun`` cannot take the model and its positional batch arguments, the
-      first argument is not an NNX object, a batch argument is missing from the call
-      (the message names the usual causes: a loss that closes over the batch, a batch
-      passed by keyword) or holds an NNX object, ``fun`` changed the shape or dtype of a
-      variable (named by its path, e.g. ``model.ema``), or ``argnums``/``state_argnums``
-      is given.
+      first argument is not an NNX object, a batch argument holds an NNX object, ``fun``
+      changed the shape or dtype of a variable (named by its path, e.g. ``model.ema``), or
+      ``argnums``/``state_argnums`` is given.
     ValueError: the model has no variables matching ``wrt``, a batch argument is the
-      model, or ``fun`` changed the model's structure. Other options and batches are
-      checked by :func:`jaxaccum.value_and_grad`, whose messages name ``fun``'s
-      parameters.
+      model, a batch argument is missing from the call (resolved as
+      :func:`jaxaccum.value_and_grad` resolves it; the message names the usual causes: a
+      loss that closes over the batch, a batch passed by keyword), or ``fun`` changed the
+      model's structure. Other options and batches are checked by
+      :func:`jaxaccum.value_and_grad`, whose messages name ``fun``'s parameters.
 
   >>> import jax.numpy as jnp, optax
   >>> from flax import nnx
@@ -318,56 +306,6 @@ def value_and_grad(
                               options)
 
 
-class _Layout(NamedTuple):
-  """The argument roles that :func:`value_and_grad` was given, checked against ``fun``."""
-
-  optional: bool  # the default batch_argnums=1 with batch_argnames: only if it is passed
-  batch: tuple[int, ...]  # batch_argnums, in fun's positions
-  rng: tuple[int, ...]  # rng_argnums, in fun's positions
-  batch_names: tuple[str, ...]
-  default_batch: bool  # batch_argnums was not given (messages say "by default")
-  names: list[str]  # fun's positional parameter names, for messages
-  fun_name: str
-
-
-def _check_layout(fun: Any, options: dict[str, Any], batch_argnums: Any, batch_argnames: Any,
-                  rng_argnums: Any, where: str = "value_and_grad") -> _Layout:
-  """The construction-time checks of :func:`value_and_grad`'s (or :func:`evaluate`'s)
-  arguments; ``where`` names the transform in messages."""
-  for name, why in _RESERVED.items():
-    if name in options:
-      raise TypeError(f"jaxaccum.nnx.{where} takes no {name}= option: {why}.")
-  _api.check_callable(fun, "fun(model, batch, ...)")
-  if batch_argnums is None:
-    batch_argnums = _options.BATCH_ARGNUMS
-  # As in the core: with batch_argnames, the default batch argument 1 applies when passed.
-  optional = batch_argnums is _options.BATCH_ARGNUMS and batch_argnames is not None
-  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=True)
-  rng = _split.normalize_argnums("rng_argnums", rng_argnums, allow_empty=True)
-  needed = 1 + max((j for j in (() if optional else batch) + rng if j >= 0), default=0)
-  found = _split.short_signature(fun, needed)
-  if found:
-    raise TypeError(
-        f"fun must take the model and the batch as its first "
-        f"{'two' if needed == 2 else needed} positional arguments, fun(model, batch, ...), "
-        f"but {found}. If fun closes over the batch (def loss_fn(model): ... batch ...), it "
-        "cannot be split: take it as an argument, fun(model, batch), and call the "
-        "accumulated function with the full batch. Pack the inputs and targets into one "
-        "batch pytree such as (x, y), or name keyword batch arguments with "
-        "batch_argnames=('batch',).")
-  both = [] if optional else sorted(set(batch) & set(rng))
-  if both:
-    raise ValueError(
-        f"rng_argnums={rng_argnums!r} names argument {both[0]}, which is the batch "
-        f"(batch_argnums={batch}). rng_argnums must point at PRNG-key arguments, such "
-        "as fun(model, batch, key) with rng_argnums=2. Keys inside the model (nnx.Rngs) need "
-        "no option: they are threaded and advance by themselves.")
-  batch_names = ((batch_argnames,) if isinstance(batch_argnames, str)
-                 else tuple(batch_argnames or ()))
-  return _Layout(optional, batch, rng, batch_names, batch_argnums is _options.BATCH_ARGNUMS,
-                 _param_names(fun), getattr(fun, "__name__", "fun"))
-
-
 def _wrt_predicate(wrt: Any) -> Callable[[Any, Any], bool]:
   try:
     return nnx.filterlib.to_predicate(wrt)
@@ -375,23 +313,6 @@ def _wrt_predicate(wrt: Any) -> Callable[[Any, Any], bool]:
     raise TypeError(
         f"wrt must be an NNX filter such as nnx.Param, a Variable type, a tuple of filters or "
         f"nnx.All(...), got wrt={wrt!r}.") from None
-
-
-def _core_options(layout: _Layout, options: dict[str, Any], batch_argnames: Any,
-                  has_aux: bool) -> dict[str, Any]:
-  """The core's options: fun's positions shifted past the threaded state, passed last."""
-
-  def shift(argnums):
-    return tuple(j if j >= 0 else j - 1 for j in argnums)
-
-  core = dict(options, state_argnums=-1, has_aux=has_aux)
-  if layout.rng:
-    core["rng_argnums"] = shift(layout.rng)
-  if not layout.optional:
-    core["batch_argnums"] = shift(layout.batch)
-  if batch_argnames is not None:
-    core["batch_argnames"] = batch_argnames
-  return core
 
 
 class _Threaded(NamedTuple):
@@ -404,11 +325,11 @@ class _Threaded(NamedTuple):
   slots: dict[int | str, _Slots]  # positional index or keyword name -> slots
 
 
-def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[int, ...]
+def _thread(names: list[str], args: tuple, kwargs: dict[str, Any], split: tuple[int, ...]
             ) -> _Threaded:
   """Takes every NNX object out of the arguments not in ``split`` (batch and key arguments)."""
   nodes: list[Any] = [args[0]]
-  labels: list[str] = [_arg_label(layout.names, 0)]
+  labels: list[str] = [_arg_label(names, 0)]
   all_slots: dict[int | str, _Slots] = {}
 
   def strip(tree: Any, key: int | str, name: str) -> Any:
@@ -419,7 +340,7 @@ def _thread(layout: _Layout, args: tuple, kwargs: dict[str, Any], split: tuple[i
       labels.extend(found_labels)
     return stripped
 
-  core_args = tuple(a if j in split else strip(a, j, _arg_label(layout.names, j))
+  core_args = tuple(a if j in split else strip(a, j, _arg_label(names, j))
                     for j, a in enumerate(args[1:], start=1))
   core_kwargs = {name: strip(v, name, name) for name, v in kwargs.items()}
   return _Threaded(tuple(nodes), tuple(labels), core_args, core_kwargs, all_slots)
@@ -442,12 +363,43 @@ class _Wrapper:
   def __init__(self, fun: Callable[..., Any], wrt: Any, batch_argnums: Any, batch_argnames: Any,
                rng_argnums: Any, has_aux: bool, options: dict[str, Any]):
     functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
-    self.layout = _check_layout(fun, options, batch_argnums, batch_argnames, rng_argnums,
-                                self.name)
+    for name, why in _RESERVED.items():
+      if name in options:
+        raise TypeError(f"jaxaccum.nnx.{self.name} takes no {name}= option: {why}.")
+    _api.check_callable(fun, "fun(model, batch, ...)")
     self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
+    self.names, self.fun_name = _param_names(fun), getattr(fun, "__name__", "fun")
+    self.default_batch = batch_argnums is None or batch_argnums is _options.BATCH_ARGNUMS
     self.wrt_pred = _wrt_predicate(wrt)
-    self.core = self._core(fun, _core_options(self.layout, options, batch_argnames, has_aux))
-    self.signature = _inner_signature(fun, self.layout.names)
+    for name, value in (("batch_argnums", batch_argnums), ("rng_argnums", rng_argnums)):
+      _check_not_model(name, _split.normalize_argnums(name, value, allow_empty=True),
+                       self.names)
+    # The core validates the options in fun's positions, self.options resolves each call's
+    # roles there (without argnums, so that a position landing on the model gets the model's
+    # message), and the core runs with the threaded state appended after fun's arguments.
+    core = self._core(fun, dict(
+        options, has_aux=has_aux, batch_argnames=batch_argnames, rng_argnums=rng_argnums,
+        batch_argnums=_options.BATCH_ARGNUMS if self.default_batch else batch_argnums))
+    self.options = dataclasses.replace(core.options, argnums=())
+    self.core = type(core)(core.options.with_appended_state())
+    self._check_signature()
+    self.signature = _inner_signature(fun, self.names)
+
+  def _check_signature(self) -> None:
+    """``fun`` takes the model and the positional batch and key arguments."""
+    opts = self.options
+    positions = (() if opts.batch_optional else opts.batch_argnums) + opts.rng_argnums
+    needed = 1 + max((j for j in positions if j >= 0), default=0)
+    found = _split.short_signature(self.fun, needed)
+    if found:
+      raise TypeError(
+          f"fun must take the model and the batch as its first "
+          f"{'two' if needed == 2 else needed} positional arguments, fun(model, batch, ...), "
+          f"but {found}. If fun closes over the batch (def loss_fn(model): ... batch ...), it "
+          "cannot be split: take it as an argument, fun(model, batch), and call the "
+          "accumulated function with the full batch. Pack the inputs and targets into one "
+          "batch pytree such as (x, y), or name keyword batch arguments with "
+          "batch_argnames=('batch',).")
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
     raise NotImplementedError
@@ -466,7 +418,7 @@ class _Wrapper:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     split = self._check_call(args, kwargs)
-    threaded = _thread(self.layout, args, kwargs, split)
+    threaded = _thread(self.names, args, kwargs, split)
     graphdef, diff, rest = nnx.split(threaded.nodes, self.model_pred, ...)
     self._check_wrt(args[0], diff)
     old = {tuple(p): v for s in (diff, rest) for p, v in nnx.to_flat_state(s)}
@@ -480,25 +432,24 @@ class _Wrapper:
 
   def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
     """Checks the model and the split arguments; returns the batch and key positions."""
-    layout = self.layout
     if not args:
       raise TypeError(
-          f"the accumulated {layout.fun_name} must be called with the model as its first "
+          f"the accumulated {self.fun_name} must be called with the model as its first "
           "positional argument, fun(model, batch, ...); got no positional arguments.")
     if not isinstance(args[0], nnx.Pytree):
       raise TypeError(
-          f"the first argument ({_arg_label(layout.names, 0)}) must be an NNX object such as "
+          f"the first argument ({_arg_label(self.names, 0)}) must be an NNX object such as "
           f"an nnx.Module, got {_split.describe(args[0])}. For plain pytrees of parameters "
           f"use jaxaccum.{self.name}.")
-    rng_pos = _positions("rng_argnums", layout.rng, len(args), layout.fun_name, layout.names)
-    batch_pos = (((1,) if len(args) > 1 and 1 not in rng_pos else ()) if layout.optional else
-                 _positions("batch_argnums", layout.batch, len(args), layout.fun_name,
-                            layout.names))
+    roles = self.options.roles(len(args), kwargs)  # the core's resolver, in fun's positions
+    _check_not_model("batch_argnums", roles.batch, self.names)
+    _check_not_model("rng_argnums", roles.rng, self.names)
+    batch_pos, rng_pos = roles.batch, roles.rng
     for j in batch_pos + rng_pos:
       if _has_node(args[j]):
         _raise_node_in_batch(args, j, "batch_argnums" if j in batch_pos else "rng_argnums",
-                             layout.default_batch, layout.names)
-    for name in layout.batch_names:
+                             self.default_batch, self.names)
+    for name in roles.batch_names:
       if name in kwargs and _has_node(kwargs[name]):
         raise TypeError(
             f"batch_argnames names {name!r}, which holds an NNX object; NNX objects are "
@@ -515,7 +466,7 @@ class _Wrapper:
 
     if self.signature is not None:
       inner.__signature__ = self.signature  # type: ignore[attr-defined]
-    inner.__name__ = self.layout.fun_name
+    inner.__name__ = self.fun_name
     inner.__qualname__ = getattr(self.fun, "__qualname__", inner.__name__)
     return inner
 

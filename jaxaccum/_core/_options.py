@@ -235,6 +235,21 @@ class Options:
             f"e.g. {example.format(k=missing[0])}, or name it by position with {positional}.")
     return roles
 
+  def with_appended_state(self) -> Options:
+    """These options for a call given one more positional argument, the state, last.
+
+    An adapter (:mod:`jaxaccum.nnx`) validates the options in its caller's positions and
+    resolves each call's roles with :meth:`roles` there; the core it runs is passed the
+    caller's arguments and the threaded state after them, so the caller's negative positions
+    move one further from the end and ``state_argnums`` is ``-1``. Both resolve a call to
+    the same roles (``tests/test_roles.py``).
+    """
+    def shift(argnums: tuple[int, ...]) -> tuple[int, ...]:
+      return tuple(j - 1 if j < 0 else j for j in argnums)
+    return dataclasses.replace(
+        self, argnums=shift(self.argnums), batch_argnums=shift(self.batch_argnums),
+        rng_argnums=shift(self.rng_argnums), state_argnums=(-1,), state_is_tuple=False)
+
 
 def arg_label(fun: Any, j: int) -> str:
   """``argument j ('name')`` when ``fun``'s signature names position ``j``."""
