@@ -12,6 +12,11 @@ from its ``Explicit`` sharding type) is all-gathered, by default once before the
 accumulator of the shard's size (``grad_scatter="micro_batch"``); only the remaining data
 axes are reduced after the loop. The other placements: :func:`_placed_gathers`.
 
+What each replica does (parameters and state marked varying, PRNG keys checked and folded
+with the replica's index, the core's run and :func:`combine`) is :func:`on_replicas`, the one
+replica driver: :func:`jaxaccum.local_value_and_grad` runs it with no combine, and Linen's
+``make_train_step(axis_name=...)`` inside the user's ``pmap`` or ``shard_map``.
+
 What the mode computes (the rows ``fun`` sees, how the loss, aux, state and PRNG keys
 combine over the shards) is described in ``docs/devices.md``, "What ``data_axis``
 computes"; each aux reduction's rule is its ``combine`` in :mod:`jaxaccum._core._reduce`.
