@@ -181,22 +181,32 @@ def test_local_value_and_grad_folds_each_shards_key():
                  jax.tree.map(lambda g: g / replicas, ref_grads))
 
 
+BAD_KEYS = {
+    "floats": (lambda key: jnp.ones(3), r"no need to split it"),
+    # One key per row of the whole batch (8 rows, 4 per replica): the hint names the batch's size.
+    "per-example": (lambda key: jax.random.split(key, 8),
+                    r"Its leading axis of size 8 is the batch's"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_KEYS))
 @pytest.mark.parametrize("driver", ["data_axis", "axis_name"])
-def test_a_key_argument_that_holds_no_key_is_refused_before_it_is_folded(driver):
+def test_a_key_argument_that_holds_no_key_is_refused_before_it_is_folded(driver, bad):
   """The driver checks key arguments before folding them: the core's message, not JAX's."""
-  params, x, y, _ = _data(0, 8)
-  bad = {"dropout": jnp.ones(3)}
+  params, x, y, key = _data(0, 8)
+  make, hint = BAD_KEYS[bad]
+  bad_rngs = {"dropout": make(key)}
   if driver == "data_axis":
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     run = lambda: jaxaccum.linen.value_and_grad(  # noqa: E731
         loss_fn, num_micro_batches=2, has_aux=True, aux_reduce={"bits": "concat"},
-        data_axis=jaxaccum.DataParallel("data", mesh=mesh))(params, (x, y), {}, bad)
+        data_axis=jaxaccum.DataParallel("data", mesh=mesh))(params, (x, y), {}, bad_rngs)
   else:
     rep = jax.tree.map(lambda a: np.broadcast_to(a, (2,) + np.shape(a)), _state(params))
     split = jax.tree.map(lambda a: a.reshape((2, -1) + a.shape[1:]), (x, y))
     run = lambda: jax.pmap(  # noqa: E731
-        lambda s, b: _step(2)(s, b, bad), axis_name="batch", devices=jax.devices()[:2])(
+        lambda s, b: _step(2)(s, b, bad_rngs), axis_name="batch", devices=jax.devices()[:2])(
             rep, split)
   with pytest.raises(TypeError, match=r"rng_argnums names argument 3 .*\['dropout'\] is .*"
-                                      r"not a single PRNG key"):
+                                      r"not a single PRNG key\." + ".*" + hint):
     run()
