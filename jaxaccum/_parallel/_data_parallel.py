@@ -208,14 +208,15 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
 
 
 def _rows(opts: Options, roles: Roles, args: list, kwargs: dict) -> int:
-  """The replica's rows: the size of its first batch leaf along its batch axis (0 if none)."""
+  """The replica's rows: the size of its first batch leaf along its batch axis (0 if it has
+  none; the core then explains what is wrong with the batch)."""
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   leaves = jax.tree.leaves(batches)
   if not leaves:
     return 0
-  along = jax.tree.leaves(_split.batch_axes(batches, opts.batch_axis))
-  return int(np.shape(leaves[0])[along[0]])
+  shape, along = np.shape(leaves[0]), jax.tree.leaves(_split.batch_axes(batches, opts.batch_axis))
+  return int(shape[along[0]]) if 0 <= along[0] < len(shape) else 0
 
 
 def map_replicas(body: Callable[..., Any], *, mesh: Any, axes: tuple[AxisName, ...],
