@@ -22,18 +22,16 @@ This module does not import flax itself: it works on any ``TrainState``-like obj
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxaccum import _api
 from jaxaccum._batch_size import MultiStepsState
-from jaxaccum._core import _options, _reduce, _sharding, _split, _transform
+from jaxaccum._core import _options, _reduce, _sharding, _split
 from jaxaccum._core._types import AxisNames, PyTree
 from jaxaccum._parallel import _data_parallel
 
@@ -235,10 +233,13 @@ def make_train_step(
   gradients, aux (but ``"concat"`` rows stay on their replica), collections
   (``batch_stats``: floating leaves averaged, integer leaves the maximum) and
   :class:`jaxaccum.AccumInfo` are reduced as there, so every replica applies the same
-  update and the replicas stay identical. PRNG keys are used as passed (fold in
-  ``jax.lax.axis_index`` for masks that differ across replicas). Without ``axis_name``
-  nothing is exchanged: under ``pmap`` each replica applies the gradient of its own rows
-  only, and the replicas drift apart.
+  update and the replicas stay identical. PRNG keys follow the ``data_axis`` rule too:
+  each key of ``rngs`` reaches replica ``d`` as ``jax.random.fold_in(key, d)``, ``d`` its
+  index along ``axis_name`` (``jax.lax.axis_index(axis_name)``), so the replicas draw
+  different dropout masks from one key passed to all of them, and micro-batch ``i`` of
+  replica ``d`` uses ``fold_in(fold_in(key, d), i)``. Without ``axis_name`` nothing is
+  exchanged and nothing folded per replica: under ``pmap`` each replica applies the
+  gradient of its own rows only, and the replicas drift apart.
 
   Args:
     fun: the loss, ``fun(params, batch, model_state, rngs)``.
@@ -335,24 +336,18 @@ def make_train_step(
 def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[..., Any]:
   """The core run of ``opts`` on one replica, its carry combined over ``axes`` after the loop.
 
-  The same steps as ``data_axis``, with the replicas made by the enclosing ``pmap`` or
-  ``shard_map``: the parameters and the collections are marked varying over ``axes`` (so
-  that the backward pass of a micro-batch gives the replica's own gradients, not their sum),
-  and :func:`jaxaccum._parallel._data_parallel.combine` reduces the accumulators once.
+  The replica driver of ``data_axis`` (:func:`jaxaccum._parallel._data_parallel.on_replicas`),
+  with the replicas made by the enclosing ``pmap`` or ``shard_map``: the parameters and the
+  collections are marked varying over ``axes``, each key of ``rngs`` is folded with the
+  replica's index, and the accumulators are combined once after the loop.
   """
 
   def run(params, batch, model_state, rngs):
-    shards = math.prod(lax.axis_size(a) for a in axes)
-    grad_axes = (axes,) * len(jax.tree.leaves(params))
-    combine = functools.partial(
-        _data_parallel.combine, axes=axes, grad_axes=grad_axes,
-        reduce_is_sum=_reduce.sums_across_devices(opts.terms))
-    args = (_sharding.vary(params, axes), batch, _sharding.vary(model_state, axes), rngs)
-    value, extra, grads, info = _transform.accumulate(opts, args, {}, shards=shards,
-                                                      combine=combine)
-    (grads,) = grads  # argnums=0: the parameters' gradients
-    out = ((value, extra), grads)
-    return (*out, info) if opts.with_info else out
+    args = (params, batch, model_state, rngs)
+    out = _data_parallel.on_replicas(opts, opts.roles(len(args), {}), args, {}, axes=axes)
+    (grads,) = out.grads  # argnums=0: the parameters' gradients
+    return _api.pack(out.value, out.extra, grads, out.info, has_extra=True,
+                     with_info=opts.with_info)
 
   return run
 

@@ -81,7 +81,7 @@ class Carry(NamedTuple):
   norms: jax.Array | None = None
 
 
-def _check_keys(opts: Options, argnum: int | str, tree: PyTree, size: int,
+def check_keys(opts: Options, argnum: int | str, tree: PyTree, size: int,
                 batch: tuple[int, ...], batch_names: tuple[str, ...] = ()) -> None:
   """Every leaf of a key argument (``argnum`` a position, or a keyword's name) is one key."""
   if isinstance(argnum, str):
@@ -326,9 +326,9 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
 def _check_roles(opts: Options, roles: Roles, args: tuple, kwargs: dict, size: int) -> None:
   """Checks the key and differentiated arguments of one call (before the split)."""
   for j in roles.rng:
-    _check_keys(opts, j, args[j], size, roles.batch)
+    check_keys(opts, j, args[j], size, roles.batch)
   for k in roles.rng_names:
-    _check_keys(opts, k, kwargs[k], size, roles.batch, roles.batch_names)
+    check_keys(opts, k, kwargs[k], size, roles.batch, roles.batch_names)
   for j in roles.diff:
     _check_inexact(opts, j, args[j])
 

@@ -12,6 +12,11 @@ from its ``Explicit`` sharding type) is all-gathered, by default once before the
 accumulator of the shard's size (``grad_scatter="micro_batch"``); only the remaining data
 axes are reduced after the loop. The other placements: :func:`_placed_gathers`.
 
+What each replica does (parameters and state marked varying, PRNG keys checked and folded
+with the replica's index, the core's run and :func:`combine`) is :func:`on_replicas`, the one
+replica driver: :func:`jaxaccum.local_value_and_grad` runs it with no combine, and Linen's
+``make_train_step(axis_name=...)`` inside the user's ``pmap`` or ``shard_map``.
+
 What the mode computes (the rows ``fun`` sees, how the loss, aux, state and PRNG keys
 combine over the shards) is described in ``docs/devices.md``, "What ``data_axis``
 computes"; each aux reduction's rule is its ``combine`` in :mod:`jaxaccum._core._reduce`.
@@ -32,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _reduce, _sharding, _split, _transform
-from jaxaccum._core._options import Options
+from jaxaccum._core._options import Options, Roles
 from jaxaccum._core._types import AxisName, PyTree
 
 
@@ -74,42 +79,24 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   arrays = (*placed.arrays, act)
   in_specs = (*placed.in_specs, PartitionSpec())
   local_opts = dataclasses.replace(opts, count=n, size=None, data_axis=None, mesh=None)
-  reduce_is_sum = _reduce.sums_across_devices(opts.terms)
   meta: dict[str, Any] = {}
 
   def local(*local_arrays):
     *leaves, local_act = local_arrays
     largs, lkwargs = placed.unflatten(leaves, len(args))
-    for j in (*roles.diff, *roles.state):
-      largs[j] = _sharding.vary(largs[j], axes)
-    # After _vary: a parameter gathered before the loop must vary over every data axis, or
-    # its cotangent would be summed over the others inside every micro-batch.
-    fun, closed = _placed_gathers(opts, roles, placed, mesh, largs, lkwargs)
-    for j in roles.diff:
-      largs[j] = _sharding.vary(largs[j], axes)
-    for j in roles.rng:
-      largs[j] = fold_shard(largs[j], axes)
-    for k in roles.rng_names:
-      lkwargs[k] = fold_shard(lkwargs[k], axes)
-
-    def across(carry, stacked, kinds):
-      meta["kinds"] = kinds
-      return combine(carry, stacked, kinds, axes=axes, grad_axes=grad_axes,
-                     reduce_is_sum=reduce_is_sum, grad_scatters=scatters)
-
-    value, extra, grads, info = _transform.accumulate(
-        dataclasses.replace(local_opts, fun=fun), tuple(largs), lkwargs, local_act, n=n,
-        shards=shards, combine=across, own=closed)
+    out = on_replicas(local_opts, roles, largs, lkwargs, local_act, axes=axes, n=n,
+                      grad_axes=grad_axes, grad_scatters=scatters,
+                      place=functools.partial(_placed_gathers, opts, roles, placed, mesh))
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
-    kept, rows, meta["unsplit"] = _split_rows(opts, extra, meta["kinds"])
-    return value, kept, rows, grads, info
+    kept, rows, meta["unsplit"] = _split_rows(opts, out.extra, out.kinds)
+    return out.value, kept, rows, out.grads, out.info
 
   out_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(axes), tuple(grad_specs),
                PartitionSpec())
   # Under jit so that a call outside jit runs one program instead of shard_map's
   # op-by-op interpretation (seconds for every call).
-  mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                                 out_specs=out_specs, axis_names=frozenset(axes)))
+  mapped = jax.jit(map_replicas(local, mesh=mesh, axes=axes, in_specs=in_specs,
+                                out_specs=out_specs))
   try:
     value, kept, rows, grads, info = mapped(*arrays)
   except NotImplementedError as e:
@@ -128,6 +115,117 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   # them to their parameters' shardings (a local slice if those are sharded).
   grads = _sharding.align(grads, tuple(args[j] for j in roles.diff))
   return value, extra, grads, info
+
+
+class Replica(NamedTuple):
+  """One replica's result from :func:`on_replicas`: the core's ``finalize`` output, combined
+  over the replicas, and the aux reductions' kinds (``None`` if no combine ran)."""
+
+  value: Any
+  extra: Any
+  grads: tuple
+  info: Any
+  kinds: PyTree
+
+
+def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
+                active: Any = None, *, axes: tuple[AxisName, ...], n: int | None = None,
+                grad_axes: tuple | None = None, grad_scatters: tuple | None = None,
+                place: Callable[[list, dict], tuple[Callable[..., Any], list]] | None = None,
+                run: Callable[[tuple, dict], Any] | None = None) -> Any:
+  """One replica's run, inside :func:`jax.shard_map` or :func:`jax.pmap` over ``axes``.
+
+  The one rule of every replica driver: ``data_axis`` (:func:`data_parallel`),
+  :func:`jaxaccum.local_value_and_grad` and Linen's ``make_train_step(axis_name=...)``.
+
+  1. The differentiated and the state arguments are marked varying over ``axes``, so that
+     the backward pass of a micro-batch gives this replica's own gradient, not its sum over
+     the replicas.
+  2. ``place(args, kwargs)``, if given (``data_axis``'s FSDP all-gathers,
+     :func:`_placed_gathers`), updates the argument lists in place and returns the ``fun``
+     to run and the arrays it closes over as parameters; the differentiated arguments are
+     then marked varying again.
+  3. Each PRNG key argument (``rng_argnums``, ``rng_argnames``), checked to hold keys, reaches
+     replica ``d`` as ``jax.random.fold_in(key, d)`` (:func:`fold_shard`), so that the
+     replicas draw different numbers; the core then folds in the micro-batch's index.
+  4. The core's accumulation runs on the replica's rows and :func:`combine` reduces its
+     carry over ``axes`` once, after the loop. With ``run``, ``run(args, kwargs)`` runs
+     instead and its result, the replica's own piece, is returned unreduced.
+
+  Args:
+    opts: the core's options; ``fun`` runs on the replica's rows.
+    roles: the roles of this call's arguments (``opts.roles(...)``).
+    args: the replica's positional arguments.
+    kwargs: the replica's keyword arguments.
+    active: the core's ``active_micro_batches``, or ``None``.
+    axes: the manual axes the replicas are laid along.
+    n: the number of micro-batches, or ``None`` for the core to read it from the options.
+    grad_axes: per gradient leaf, the axes its gradient is still summed over; ``None``:
+      all of ``axes`` (replicated parameters).
+    grad_scatters: per gradient leaf, the reduce-scatters left to :func:`combine`.
+    place: see step 2.
+    run: see step 4.
+
+  Returns:
+    A :class:`Replica`, or what ``run`` returns.
+  """
+  largs, lkwargs = list(args), dict(kwargs)
+  for j in (*roles.diff, *roles.state):
+    largs[j] = _sharding.vary(largs[j], axes)
+  own: Sequence[Any] = ()
+  if place is not None:
+    fun, own = place(largs, lkwargs)
+    opts = dataclasses.replace(opts, fun=fun)
+    # After the first vary: a parameter gathered before the loop must vary over every data
+    # axis, or its cotangent would be summed over the others inside every micro-batch.
+    for j in roles.diff:
+      largs[j] = _sharding.vary(largs[j], axes)
+  shards = math.prod(lax.axis_size(a) for a in axes)
+  if roles.rng or roles.rng_names:
+    # The whole batch's size, for the hint on per-example keys: each replica holds 1/shards.
+    size = shards * _rows(opts, roles, largs, lkwargs)
+    for j in roles.rng:
+      _transform.check_keys(opts, j, largs[j], size, roles.batch)
+      largs[j] = fold_shard(largs[j], axes)
+    for k in roles.rng_names:
+      _transform.check_keys(opts, k, lkwargs[k], size, roles.batch, roles.batch_names)
+      lkwargs[k] = fold_shard(lkwargs[k], axes)
+  if run is not None:
+    return run(tuple(largs), lkwargs)
+  if grad_axes is None:
+    grad_axes = (axes,) * sum(len(jax.tree.leaves(largs[j])) for j in roles.diff)
+  seen: dict[str, PyTree] = {}
+
+  def across(carry, stacked, kinds):
+    seen["kinds"] = kinds
+    return combine(carry, stacked, kinds, axes=axes, grad_axes=grad_axes,
+                   reduce_is_sum=_reduce.sums_across_devices(opts.terms),
+                   grad_scatters=grad_scatters)
+
+  value, extra, grads, info = _transform.accumulate(
+      opts, tuple(largs), lkwargs, active, n=n, shards=shards, combine=across, own=own)
+  return Replica(value, extra, grads, info, seen.get("kinds"))
+
+
+def _rows(opts: Options, roles: Roles, args: list, kwargs: dict) -> int:
+  """The replica's rows: the size of its first batch leaf along its batch axis (0 if it has
+  none; the core then explains what is wrong with the batch)."""
+  batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
+  batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
+  leaves = jax.tree.leaves(batches)
+  if not leaves:
+    return 0
+  shape, along = np.shape(leaves[0]), jax.tree.leaves(_split.batch_axes(batches, opts.batch_axis))
+  return int(shape[along[0]]) if 0 <= along[0] < len(shape) else 0
+
+
+def map_replicas(body: Callable[..., Any], *, mesh: Any, axes: tuple[AxisName, ...],
+                 in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+  """``body`` (which calls :func:`on_replicas`) mapped over the replicas of ``mesh``:
+  :func:`jax.shard_map`, manual over ``axes`` only, the mesh's other axes left to the
+  compiler."""
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=frozenset(axes))
 
 
 class _Placed(NamedTuple):

@@ -158,7 +158,6 @@ def local_value_and_grad(
     roles = opts.roles(len(args), kwargs)
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
     arrays, kw_arrays = list(args), dict(kwargs)
-    size = 0
     for key in (*roles.batch, *roles.batch_names):
       where = arrays if isinstance(key, int) else kw_arrays
       label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
@@ -168,35 +167,26 @@ def local_value_and_grad(
               f"batch leaf {label}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
               f"its leading axis must be a multiple of the {shards} data shards of "
               f"{_sharding.axes_str(axes, m)}.")
-        size = size or jnp.shape(leaf)[0]
       if explicit:  # a manual Explicit shard_map needs its input typed as it maps it
         where[key] = jax.tree.map(lambda x, m=m: _reshard_rows(x, m, axes), where[key])
-    for j in roles.rng:
-      _transform._check_keys(opts, j, args[j], size, roles.batch)
-    for k in roles.rng_names:
-      _transform._check_keys(opts, k, kwargs[k], size, roles.batch, roles.batch_names)
     spec = lambda batch: PartitionSpec(axes) if batch else PartitionSpec()  # noqa: E731
     in_specs = (tuple(spec(j in roles.batch) for j in range(len(args))),
                 {k: spec(k in roles.batch_names) for k in kwargs})
     piece = 1 / shards if reduce == "mean" else 1  # the pieces sum to the batch's mean
 
     def per_shard(largs, lkwargs):
-      largs, lkwargs = list(largs), dict(lkwargs)
-      for j in roles.diff:  # varying: the gradient stays this device's own, unreduced
-        largs[j] = _sharding.vary(largs[j], axes)
-      for j in roles.rng:
-        largs[j] = _data_parallel.fold_shard(largs[j], axes)
-      for k in roles.rng_names:
-        lkwargs[k] = _data_parallel.fold_shard(lkwargs[k], axes)
-      out, grads = inner(*largs, **lkwargs)
+      # Unreduced: the driver marks the parameters varying and folds the keys, then runs
+      # inner on the shard's rows, with no combine.
+      out, grads = _data_parallel.on_replicas(
+          opts, roles, largs, lkwargs, axes=axes, run=lambda a, k: inner(*a, **k))
       value, aux = out if has_aux else (out, None)
       lead = lambda x: (x * piece if piece != 1 else x)[None]  # noqa: E731
       value, grads = lead(value), jax.tree.map(lead, grads)
       aux = jax.tree.map(lambda x: _sharding.vary(x, axes)[None], aux)
       return ((value, aux) if has_aux else value), grads
 
-    mapped = jax.shard_map(per_shard, mesh=m, in_specs=in_specs,
-                           out_specs=PartitionSpec(axes), axis_names=frozenset(axes))
+    mapped = _data_parallel.map_replicas(per_shard, mesh=m, axes=axes, in_specs=in_specs,
+                                         out_specs=PartitionSpec(axes))
     return mapped(tuple(arrays), kw_arrays)
 
   local_fn.__doc__ = fun.__doc__
