@@ -64,6 +64,18 @@ def test_the_core_imports_nothing_outside_it():
     assert not outside, (name, outside)
 
 
+def test_the_core_and_the_batch_size_wing_sit_below_the_api():
+  """``AdaptiveBatch.check`` reads a transform's options without importing the API; the
+  count ramp reads a state's counter without importing the controller."""
+  above = {"jaxaccum._api", "jaxaccum.nnx", "jaxaccum.linen", "jaxaccum.eqx"}
+  for name, mod in MODS.items():
+    if name.startswith((CORE, "jaxaccum._batch_size")):
+      assert not architecture.imports(mod, MODS) & above, name
+  ramp = architecture.imports(MODS["jaxaccum._batch_size._ramp"], MODS)
+  assert "jaxaccum._batch_size._adaptive" not in ramp
+  assert "jaxaccum._batch_size._counter" in ramp
+
+
 # --- the measures themselves, on a planted package ------------------------------------------
 
 

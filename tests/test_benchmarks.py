@@ -92,7 +92,7 @@ def test_the_public_names_check_finds_every_form():
   """The checker itself, on sources that use private names in each way and on ones that
   do not (dunders such as ``__version__`` are public)."""
   bad = {
-      "from jaxaccum import _collectives": "jaxaccum._planning._collectives",
+      "from jaxaccum import _collectives": "jaxaccum._collectives",
       "import jaxaccum._planning._collectives as c": "jaxaccum._planning._collectives",
       "from jaxaccum._planning._plan import plan": "jaxaccum._planning._plan.plan",
       "import jaxaccum\nx = jaxaccum._planning._collectives._contexts":
