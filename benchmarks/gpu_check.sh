@@ -9,7 +9,7 @@
 #      planner's H200 prediction (benchmarks/results/gpu/plan_h200.json, made on a CPU host)
 #      against the allocator's peak, with half as many micro-batches tried last.
 # DRY_RUN=1: the same steps on this machine's CPU, as the test suite runs them
-# (tests/test_gpu_check.py): no install, no tests, bench_gpu_lm.py --tiny on a prediction
+# (tests/planning/test_gpu_check.py): no install, no tests, bench_gpu_lm.py --tiny on a prediction
 # made here first. PYTHON picks the interpreter (python by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ if "$py" -c "import pytest" 2>/dev/null; then
   # float32 tolerances of 1e-5 need full-precision matmuls (GPUs default to TF32).
   JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TESTS_TIMEOUT:-100}" \
     "$py" -m pytest -q -o addopts="-p no:cacheprovider" \
-    tests/test_transform.py tests/test_weighted.py 2>&1 | tee "$out/tests.txt" | tail -3
+    tests/core/test_transform.py tests/core/test_weighted.py 2>&1 | tee "$out/tests.txt" | tail -3
 else
   echo "pytest is not installed on this machine: tests not run" | tee "$out/tests.txt"
 fi

@@ -2,7 +2,7 @@
 
 ``OUT`` set to ``die`` makes the process exit with code 3 at once (to test the harness).
 
-Started by ``tests/test_multiprocess.py`` with 2 CPU devices per process. Joins the JAX
+Started by ``tests/parallel/test_multiprocess.py`` with 2 CPU devices per process. Joins the JAX
 distributed runtime (gloo CPU collectives), builds a global batch sharded over every
 process's devices, runs one accumulated step with and without ``data_axis``, and writes
 the (replicated) loss and gradients that this process sees to ``OUT`` as an ``.npz``.

@@ -14,7 +14,7 @@ and leave ``benchmarks/results`` alone; the results are read further (no timing 
 ``bench_evaluate.py``'s values against hand references, ``bench_per_example.py``'s and
 ``bench_dp_padding.py``'s clipped gradients against each other, and the tables of
 ``bench_adaptive_grid.py`` and ``bench_seesaw.py``. ``bench_gpu_lm.py``'s tiny mode runs in
-``tests/test_gpu_check.py``, as the GPU check's dry run: its plan (``--predict``), then the
+``tests/planning/test_gpu_check.py``, as the GPU check's dry run: its plan (``--predict``), then the
 run on that plan.
 """
 
@@ -52,9 +52,9 @@ TINY = {
 # Compiled for described GPUs: run by tests_gpu_target/test_benchmarks.py.
 GPU_TARGET_TINY = {"bench_gpu_target.py": (), "bench_overlap.py": (),
                    "bench_pipeline.py": ("--target-only",)}
-# Run tiny by another test: the GPU check's dry run (tests/test_gpu_check.py) runs
+# Run tiny by another test: the GPU check's dry run (tests/planning/test_gpu_check.py) runs
 # bench_gpu_lm.py's --tiny --predict and then its run on that prediction.
-RUN_ELSEWHERE = {"bench_gpu_lm.py": "tests/test_gpu_check.py"}
+RUN_ELSEWHERE = {"bench_gpu_lm.py": "tests/planning/test_gpu_check.py"}
 
 
 def private_uses(source: str) -> list[str]:

@@ -192,7 +192,8 @@ def test_fsdp_gathers_of_scanned_layers_stay_in_the_loop(through_set_mesh):
   """``param_gather="micro_batch"`` on a scan over stacked layers (weights ``(L, D, D)``
   sharded ``P(None, "data", None)``), compiled for 8 described H100s on an Explicit mesh:
   the stack's all-gather runs in every micro-batch, none before the loop, for both
-  ``grad_scatter`` placements (the same rule ``tests/test_fsdp_placement.py`` checks on CPU)."""
+  ``grad_scatter`` placements (the same rule ``tests/parallel/test_fsdp_placement.py`` checks
+  on CPU)."""
   base = jaxaccum.target_mesh("h100", (8,), ("data",))
   mesh = jax.sharding.Mesh(base.devices, base.axis_names,
                            axis_types=(jax.sharding.AxisType.Explicit,))

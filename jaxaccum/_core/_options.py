@@ -242,7 +242,7 @@ class Options:
     resolves each call's roles with :meth:`roles` there; the core it runs is passed the
     caller's arguments and the threaded state after them, so the caller's negative positions
     move one further from the end and ``state_argnums`` is ``-1``. Both resolve a call to
-    the same roles (``tests/test_roles.py``).
+    the same roles (``tests/adapters/test_roles.py``).
     """
     def shift(argnums: tuple[int, ...]) -> tuple[int, ...]:
       return tuple(j - 1 if j < 0 else j for j in argnums)
@@ -287,7 +287,7 @@ def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str,
 
 
 # The keyword options of :func:`jaxaccum.value_and_grad`, with their defaults: its signature
-# lists these (tests/test_option_records.py checks that they agree).
+# lists these (tests/core/test_option_records.py checks that they agree).
 DEFAULTS: dict[str, Any] = {
     "num_micro_batches": None, "micro_batch_size": None, "argnums": 0,
     "batch_argnums": BATCH_ARGNUMS, "batch_argnames": None, "batch_axis": 0,

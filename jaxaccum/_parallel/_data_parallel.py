@@ -500,7 +500,7 @@ def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
   every all-gather stays in the loop with this pin; with the earlier one (a scalar whose
   barrier output nothing used) the scanned model's gather ran once, before the loop, on both.
   Compiled for 8 described H100s (jax 0.10.2; ``L = 4``, ``D = 512``, bfloat16), the scanned
-  model's gathers stay in the loop with either pin. ``tests/test_fsdp_placement.py`` and
+  model's gathers stay in the loop with either pin. ``tests/parallel/test_fsdp_placement.py`` and
   ``tests_gpu_target`` check this.
   """
   batch = {k: jax.tree.flatten(call_args[k] if isinstance(k, int) else call_kwargs.get(k))

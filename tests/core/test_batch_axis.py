@@ -3,7 +3,7 @@
 References: the full batch through plain ``jax.value_and_grad`` (the split must not change
 the numbers), and a Python loop over micro-batches sliced by hand, ``x[:, i::N]`` for
 ``batch_axis=1`` (micro-batch ``i`` of ``N`` holds indices ``i, i + N, ...`` along the axis),
-never the library's own split. float32 tolerances as in ``tests/test_transform.py``.
+never the library's own split. float32 tolerances as in ``tests/core/test_transform.py``.
 """
 
 import functools

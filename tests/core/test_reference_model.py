@@ -444,7 +444,7 @@ def check_adapter(case: Case):
   if case.adapter == "linen":
     case = dataclasses.replace(case, state=True)  # Linen threads model_state always
   if case.adapter == "eqx":
-    case = dataclasses.replace(case, state=False)  # eqx.nn.State: tests/test_eqx.py
+    case = dataclasses.replace(case, state=False)  # eqx.nn.State: tests/adapters/test_eqx.py
   args = make_data(case)
   out = ADAPTERS[case.adapter](case, args)
   compare(out, reference(core_fun(case), args, rules(case)), case)

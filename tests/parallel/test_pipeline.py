@@ -434,7 +434,7 @@ def test_pipeline_lm_example_matches_the_unpipelined_run(tmp_path):
   import pathlib
   import sys
 
-  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pipeline_lm.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "pipeline_lm.py"
   spec = importlib.util.spec_from_file_location("_example_pipeline_lm", path)
   example = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = example  # dataclasses look their module up there

@@ -10,7 +10,7 @@ import numpy as np
 
 from tests._problems import micro_batch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load(name):

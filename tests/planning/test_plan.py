@@ -424,7 +424,7 @@ def test_memory_figure_uses_xla_peak_only_where_it_counts_temporaries():
 
 
 def test_example_script_prints_the_plan(capsys):
-  path = pathlib.Path(__file__).parents[1] / "examples" / "plan_memory.py"
+  path = pathlib.Path(__file__).parents[2] / "examples" / "plan_memory.py"
   spec = importlib.util.spec_from_file_location("plan_memory_example", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 
 from tests import _multisteps_lm as lm
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 

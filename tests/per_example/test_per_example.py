@@ -58,7 +58,7 @@ def _norm(tree):
 
 
 # method="materialize": each example's gradient formed, as any transform's is; the other
-# methods of clip_per_example run the same options in tests/test_dp.py.
+# methods of clip_per_example run the same options in tests/per_example/test_dp.py.
 CLIP = jaxaccum.clip_per_example(0.5, "materialize")
 CLIP_JIT = jax.jit(CLIP)  # the same transform for the references' per-row loops
 

@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from tests import test_reference_model as trm
 from tests._reference import reference
 from tests._util import scan_lengths
+from tests.core import test_reference_model as trm
 
 
 @functools.cache

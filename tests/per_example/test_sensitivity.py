@@ -3,8 +3,8 @@ per-layer clip norms, each against an independent reference over generated cases
 
 The references never go through the library's norms: float64 NumPy for the wide squared
 norms and the direct products, and ``jax.grad`` on each example alone (sliced by hand) for
-the clipped sums. ``tests/test_dp_fuzz.py`` checks the whole path on generated models; here
-each rule is checked on its own, where a wrong rule shows directly.
+the clipped sums. ``tests/per_example/test_dp_fuzz.py`` checks the whole path on generated
+models; here each rule is checked on its own, where a wrong rule shows directly.
 """
 
 import chex
