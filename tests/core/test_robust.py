@@ -189,7 +189,7 @@ def test_loss_terms_with_skipping():
 
 
 def test_loss_terms_errors():
-  with pytest.raises(ValueError, match=r"loss_weights names \['zz'\], which are not terms"):
+  with pytest.raises(ValueError, match=r"^weights names \['zz'\], which are not terms"):
     jaxaccum.value_and_grad(multi, num_micro_batches=N, reduce=jaxaccum.Terms(REDUCE,
                             weights={"zz": 1.0}))
   with pytest.raises(ValueError, match="loss_weights=.* was given but reduce='mean' is a single"), \
