@@ -450,7 +450,18 @@ def program(request, monkeypatch):
   if forced is not None:
     monkeypatch.setattr(_ghost, "clipped_sum",
                         functools.partial(_ghost.clipped_sum, program=forced))
-  return method, loss, params
+  return name, method, loss, params
+
+
+# Each program's steps, jitted once and shared by the seeds (same shapes: compiled once).
+# Keyed by the program's name, so a step is traced under its own program's patch.
+_STEPS = {}
+
+
+def _shared_step(key, build):
+  if key not in _STEPS:
+    _STEPS[key] = jax.jit(build())
+  return _STEPS[key]
 
 
 def _data(seed, rows, nan_rows=(), weighted=False):
@@ -478,7 +489,7 @@ def _ref(loss, params, batch, rows, divisor):
 @pytest.mark.parametrize("program", PROGRAMS, ids=[p[0] for p in PROGRAMS], indirect=True)
 @pytest.mark.parametrize("seed", range(2))
 def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, seed):
-  method, loss, init = program
+  name, method, loss, init = program
   n, b = 4, 3
   rows = n * b
   params = init(seed)
@@ -488,7 +499,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   x, y = _data(seed, rows, nan_rows=dead_rows)
   mask = np.ones(rows, bool)
   mask[dead_rows] = False
-  step = jax.jit(jaxaccum.grad(
+  step = _shared_step((name, "zero: mask"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n, batch_argnames="mask",
       per_example_transform=jaxaccum.clip_per_example(C, method, example_mask="mask")))
   live = [j for j in range(rows) if mask[j]]
@@ -496,7 +507,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
   _close(grads, _ref(loss, params, (x, y), live, len(live)))
   # nan_safe: every example of micro-batch `dead` is not finite.
-  safe = jax.jit(jaxaccum.grad(
+  safe = _shared_step((name, "zero: nan_safe"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n,
       per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))
   grads = safe(params, (x, y))
@@ -504,7 +515,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   _close(grads, _ref(loss, params, (x, y), live, rows))
   # The micro-batch alone, as a batch of one micro-batch: exactly zero.
   alone = jax.tree.map(lambda a: a[dead::n], (x, y))
-  zero = jax.jit(jaxaccum.grad(
+  zero = _shared_step((name, "zero: alone"), lambda: jaxaccum.grad(
       loss, num_micro_batches=1, reduce="sum",
       per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))(params,
                                                                                  alone)
@@ -515,7 +526,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
 @pytest.mark.parametrize("program", PROGRAMS, ids=[p[0] for p in PROGRAMS], indirect=True)
 @pytest.mark.parametrize("seed", range(2))
 def test_nan_safe_with_a_mask_keeps_a_real_nan_example_out_of_the_value(program, seed):
-  method, loss, init = program
+  name, method, loss, init = program
   n, b = 2, 4
   rows = n * b
   rng = np.random.default_rng(seed)
@@ -524,7 +535,7 @@ def test_nan_safe_with_a_mask_keeps_a_real_nan_example_out_of_the_value(program,
   x, y = _data(seed, rows, nan_rows=[bad, pad])
   mask = np.ones(rows, bool)
   mask[pad] = False
-  step = jax.jit(jaxaccum.per_example_value_and_grad(
+  step = _shared_step((name, "nan_safe + mask"), lambda: jaxaccum.per_example_value_and_grad(
       loss, jaxaccum.clip_per_example(C, method, nan_safe=True,
                                                       example_mask="mask"), num_micro_batches=n,
                                                           batch_argnames="mask", with_info=True))
@@ -543,7 +554,7 @@ def test_nan_safe_with_a_mask_keeps_a_real_nan_example_out_of_the_value(program,
                          indirect=True)
 @pytest.mark.parametrize("seed", range(3))
 def test_weighted_with_a_mask_leaves_padding_tokens_out_of_the_denominator(program, seed):
-  method, _, init = program
+  name, method, _, init = program
   n, b = 3, 2
   rows = n * b
   params = init(seed)
@@ -553,7 +564,7 @@ def test_weighted_with_a_mask_leaves_padding_tokens_out_of_the_denominator(progr
   mask = rng.random(rows) < 0.6
   mask[0] = True
   t[~mask] = 7.0  # padding rows claim tokens: they must not count
-  step = jax.jit(jaxaccum.per_example_value_and_grad(
+  step = _shared_step((name, "weighted + mask"), lambda: jaxaccum.per_example_value_and_grad(
       _mlp_weighted, jaxaccum.clip_per_example(C, method, example_mask="mask"),
                                                num_micro_batches=n, reduce="weighted",
                                                    batch_argnames="mask"))
