@@ -22,7 +22,7 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
   "$py" benchmarks/bench_gpu_lm.py --tiny --predict \
     --out-dir "$out" >"$out/plan.txt" 2>&1 || { tail -20 "$out/plan.txt"; exit 1; }
   exec "$py" benchmarks/bench_gpu_lm.py --tiny --prediction "$out/plan_here_tiny.json" \
-    --repeats 2 --out-dir "$out"
+    --repeats 1 --warmup 0 --out-dir "$out"
 fi
 "$py" -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | tail -2
 "$py" -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
