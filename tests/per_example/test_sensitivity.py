@@ -7,6 +7,8 @@ the clipped sums. ``tests/per_example/test_dp_fuzz.py`` checks the whole path on
 models; here each rule is checked on its own, where a wrong rule shows directly.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -111,12 +113,18 @@ def _mlp_params(seed, scan=False):
   return {"enc": enc, "head": jax.random.normal(k[2], (4 if scan else 6, 3))}
 
 
+@functools.cache
+def _jgrad(loss):
+  """``jax.jit(jax.grad(loss))``, one per loss: compiled once for the rows and the seeds."""
+  return jax.jit(jax.grad(loss))
+
+
 def _per_layer_reference(loss, params, batch, limits):
   """sum_e of each group's gradient clipped to its own norm, example by example."""
   total = None
   rows = jax.tree.leaves(batch)[0].shape[0]
   for j in range(rows):
-    g = jax.grad(loss)(params, jax.tree.map(lambda a, j=j: np.asarray(a)[j:j + 1], batch))
+    g = _jgrad(loss)(params, jax.tree.map(lambda a, j=j: np.asarray(a)[j:j + 1], batch))
     clipped = {}
     for name, c in limits.items():
       leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g[name])]
