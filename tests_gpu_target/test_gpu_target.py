@@ -210,8 +210,9 @@ def test_fsdp_gathers_of_scanned_layers_stay_in_the_loop(through_set_mesh):
 
   for scatter in ("micro_batch", "step"):
     step = jax.jit(jaxaccum.value_and_grad(
-        loss, num_micro_batches=n, data_axis="data", param_gather="micro_batch",
-        grad_scatter=scatter, **({} if through_set_mesh else {"mesh": mesh})))
+        loss, num_micro_batches=n, data_axis=jaxaccum.DataParallel(
+            "data", mesh=None if through_set_mesh else mesh, param_gather="micro_batch",
+            grad_scatter=scatter)))
     if through_set_mesh:
       with jax.set_mesh(mesh):
         found = jaxaccum.collectives(step.lower(params, batch).compile())

@@ -38,8 +38,10 @@ def compiled_schedule(overlap, flags, width=1024, depth=4, **options):
   params.append({"w": sds((width, 1), jnp.bfloat16, sharding=rep)})
   batch = (sds((2048, width), jnp.bfloat16, sharding=rows),
            sds((2048, 1), jnp.float32, sharding=rows))
-  fn = jaxaccum.value_and_grad(mlp_loss, num_micro_batches=4, data_axis="data", mesh=mesh,
-                               overlap_grad_reduce=overlap, **options)
+  fn = jaxaccum.value_and_grad(
+      mlp_loss, num_micro_batches=4,
+      data_axis=jaxaccum.DataParallel("data", mesh=mesh, overlap_grad_reduce=overlap),
+      **options)
   compiled = jax.jit(fn).lower(params, batch).compile(compiler_options=flags or None)
   found = jaxaccum.collectives(compiled)
   assert found.count(in_loop=True) == 0  # data_axis: every reduction after the loop
