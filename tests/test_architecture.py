@@ -21,7 +21,7 @@ MODS = architecture.modules()
 MAX_KEYWORD_OPTIONS = 20
 MAX_FUNCTION_LINES = 80
 MAX_PRIVATE_USES = 5
-MAX_FLOORS = 9
+MAX_FLOORS = 10
 CORE = "jaxaccum._core"
 PER_EXAMPLE = "jaxaccum._per_example"
 

@@ -7,7 +7,7 @@ new state and aux, raising a ``TypeError`` that names what is wrong and how to f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,8 @@ import numpy as np
 from jax import lax
 
 from jaxaccum._core import _reduce
+from jaxaccum._core._options import Options
 from jaxaccum._core._validate import describe as _describe
-
-if TYPE_CHECKING:
-  from jaxaccum._core._options import Options
 
 
 def _check_scalar(name: str, value: Any, what: str, hint: str = "") -> jax.Array:

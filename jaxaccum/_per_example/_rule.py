@@ -18,22 +18,18 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._core import _reduce, _split, _stats
+from jaxaccum._core import _options, _reduce, _split, _stats
+from jaxaccum._core._options import Options
+from jaxaccum._core._reduce import Group
+from jaxaccum._core._transform import MicroCall
 from jaxaccum._core._validate import describe as _describe
 from jaxaccum._per_example import _ghost
-
-if TYPE_CHECKING:
-  from jaxaccum._core import _options
-  from jaxaccum._core._options import Options
-  from jaxaccum._core._reduce import Group
-  from jaxaccum._core._transform import MicroCall
-
 
 # --- The options: what per_example_transform accepts ----------------------------------------
 
