@@ -23,7 +23,7 @@ from jaxaccum._core import _options, _transform
 from jaxaccum._core._options import DataParallel, Options, Terms
 from jaxaccum._core._types import ArgNames, ArgNums, DTypeLike
 from jaxaccum._parallel import _data_parallel
-from jaxaccum._per_example import _rule as _per_example
+from jaxaccum._per_example import _rule
 
 
 def value_and_grad(
@@ -156,7 +156,7 @@ def _requests(deprecated: dict[str, Any]) -> dict[str, Any]:
   transform = deprecated.get("per_example_transform")
   if transform is None:
     return deprecated
-  return {**deprecated, "per_example_transform": _per_example.Request(transform)}
+  return {**deprecated, "per_example_transform": _rule.Request(transform)}
 
 
 def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any], Any],
@@ -206,7 +206,7 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
   given = {k: v for k, v in options.items() if k in _options.DEFAULTS}
   old = {k: v for k, v in options.items() if k not in _options.DEFAULTS}
   return ValueAndGrad(_options.make_options(fun, given, deprecated=old,
-                                            transform=_per_example.Request(transform),
+                                            transform=_rule.Request(transform),
                                             where="per_example_value_and_grad"))
 
 
