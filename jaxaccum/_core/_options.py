@@ -302,30 +302,27 @@ GRADIENT_OPTIONS = frozenset({"argnums", "grads_dtype", "remat", "with_info"})
 
 
 class Folded(NamedTuple):
-  """A keyword option folded into a record: its default, the option that now holds it, and
-  the replacement named in its :class:`DeprecationWarning`."""
+  """A keyword option folded into a record: its default and the replacement named in its
+  :class:`DeprecationWarning`."""
 
   default: Any
-  into: str
   instead: str
   gradient: bool = True  # an option about gradients (evaluate never took it)
 
 
-# Deprecated keywords (kept for one release), each folded into ``into``.
+# Deprecated keywords (kept for one release), each folded into the option its
+# replacement names.
 DEPRECATED: dict[str, Folded] = {
-    "mesh": Folded(None, "data_axis", "data_axis=jaxaccum.DataParallel(axis, mesh=mesh)",
-                   gradient=False),
-    "param_gather": Folded("step", "data_axis",
-                           "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
-    "grad_scatter": Folded("micro_batch", "data_axis",
+    "mesh": Folded(None, "data_axis=jaxaccum.DataParallel(axis, mesh=mesh)", gradient=False),
+    "param_gather": Folded("step", "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
+    "grad_scatter": Folded("micro_batch",
                            "data_axis=jaxaccum.DataParallel(axis, grad_scatter=...)"),
     "overlap_grad_reduce": Folded(
-        False, "data_axis", "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
-    "loss_weights": Folded(None, "reduce", "reduce=jaxaccum.Terms(kinds, weights=...)"),
-    "remat_policy": Folded(None, "remat", "remat=policy (remat takes the policy itself)"),
+        False, "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
+    "loss_weights": Folded(None, "reduce=jaxaccum.Terms(kinds, weights=...)"),
+    "remat_policy": Folded(None, "remat=policy (remat takes the policy itself)"),
     "per_example_transform": Folded(
-        None, "per_example_transform",
-        "jaxaccum.per_example_value_and_grad(fun, transform, **options)"),
+        None, "jaxaccum.per_example_value_and_grad(fun, transform, **options)"),
 }
 
 
