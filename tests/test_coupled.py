@@ -432,6 +432,9 @@ def test_check_encode_passes_a_row_independent_encoder_and_names_one_that_mixes_
   step = jaxaccum.cached_value_and_grad(clip_encode, clip_loss, num_micro_batches=2)
   found = step.check_encode(p, b)
   assert set(found) == {"reps", "grads"} and max(found.values()) < 1e-5, found
+  with pytest.raises(ValueError, match=r"check_encode: rtol must be a positive number, got "
+                     r"rtol=0"):
+    step.check_encode(p, b, rtol=0)
 
   def batch_norm(p, batch):  # normalised with the batch's own statistics
     z = clip_encode(p, batch)
