@@ -529,7 +529,8 @@ def plan_for_device(device_kind: str, plans: pathlib.Path = RESULTS) -> pathlib.
   on a CPU host) for the card ``device_kind`` names (``jax.devices()[0].device_kind``).
 
   A plan whose described device is that card by name is taken first (``"NVIDIA H100 80GB
-  HBM3"``); else one of the same model (a letter and three digits: ``H100``, ``H200``); else ``None``, and the run plans in process for the device present
+  HBM3"``); else one of the same model (a letter and three digits: ``H100``, ``H200``);
+  else ``None``, and the run plans in process for the device present
   (``tests/planning/test_gpu_check.py`` checks the choice for each card).
   """
   def model(name: str) -> str | None:
