@@ -271,3 +271,42 @@ def test_hsdp_with_a_gathered_keyword_argument():
     got[gather] = _through_batch(functools.partial(step, scale=on_fsdp))(sharded, placed, cts)
   assert_close(got["micro_batch"], got["step"], rtol=1e-6)
   assert_close(got["micro_batch"], (ref_out, ref_ct))
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def _ties(jaxpr):
+  """Per jaxpr (inner ones included): the tie's calls in it and the variables it reads."""
+  for eqn in jaxpr.eqns:
+    inner = list(_sub_jaxprs(eqn))
+    if eqn.primitive.name == "custom_jvp_call" and any(
+        e.primitive.name == "optimization_barrier" for j in inner for e in j.eqns):
+      read = {id(v) for e in jaxpr.eqns for v in (*e.invars, *jaxpr.outvars)}
+      yield eqn, read
+    for sub in inner:
+      yield from _ties(sub)
+
+
+def test_fun_reads_every_output_of_the_tie():
+  """Why the tie holds: every output of its barrier is read (``fun`` reads the micro-batch
+  from it, the gathers the shards). XLA's simplifier drops a barrier operand whose output
+  nothing reads where nothing else reads the operand either (a scalar from the micro-batch
+  was dropped so, and the gathers left the loop); a barrier output that is read cannot be
+  replaced by its input. On jax 0.10 the compiled placement tests cannot see an unread
+  micro-batch output (XLA keeps an operand that ``fun`` also reads directly): this does."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params, batch, _ = _problem(0, 64)
+  sharded = _place(params, mesh, {"w1": P("data"), "b1": P("data"), "w2": P()})
+  placed = _place(batch, mesh, dict.fromkeys(batch, P("data")))
+  step = _placed_step("micro_batch", "micro_batch", 4, mesh)[0]
+  ties = list(_ties(jax.make_jaxpr(step)(sharded, placed).jaxpr))
+  assert ties
+  for eqn, read in ties:
+    # Two gathered leaves (w1, b1) and the three leaves of the micro-batch.
+    assert len(eqn.outvars) == 5 and all(id(v) in read for v in eqn.outvars), eqn
