@@ -3,6 +3,7 @@ both optimizers, the cap) and over generated schedules, exact counts past 2**31,
 compiled program while k changes, every row used once (RowFeeder), MultiSteps windows, the
 noise guard, an orbax round trip, and the errors."""
 
+import functools
 import math
 from fractions import Fraction
 
@@ -465,6 +466,48 @@ def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_si
   count = rule.sample_count(state)
   np.testing.assert_allclose(float(rule.learning_rate(state)),
                              float(REF(count)) * math.sqrt(ks[-1] / 2), rtol=1e-6)
+
+
+# Rules with B_simple read from each step alone (noise_decay=0), one compiled run each.
+GUARDED = {guard: jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
+                                  noise_guard=guard, noise_decay=0.0) for guard in (1.0, 2.0)}
+
+
+@functools.cache
+def guarded_run(guard):
+  rule = GUARDED[guard]
+
+  @jax.jit
+  def run(b_simple):
+    def step(state, b):
+      k = rule.micro_batches(state)
+      return rule.update(state, info_for(k, g2=1.0, tr=b)), k
+    return jax.lax.scan(step, rule.init(), b_simple)[1]
+
+  return run
+
+
+@settings(max_examples=10, deadline=None)
+@example(guard=1.0, b_simple=[100.5] * 3 + [1.5] + [100.5] * 56)  # small where k stays
+@given(guard=st.sampled_from([1.0, 2.0]),
+       b_simple=st.lists(st.sampled_from([1.5, 2.5, 5.5, 9.5, 17.5, 33.5, 100.5]),
+                         min_size=60, max_size=60))
+def test_noise_guard_reads_the_noise_only_when_the_level_would_change(guard, b_simple):
+  """B_simple moving from step to step: the ramp stops only on a step that would take it
+  to the next level with a batch above guard * B_simple (that step's, as noise_decay=0
+  reads it); a small B_simple on a step that stays at its level stops nothing. Reference:
+  the rule by hand (``hand``), 2 rows per micro-batch; B_simple is a half-integer, so no
+  batch (an even number of rows) is within round-off of guard * B_simple."""
+  want, count, frozen = [], 0, None
+  for b in b_simple:
+    k = frozen or hand(REF, count, init=2, cap=16)[0]
+    want.append(k)
+    count += 2 * k
+    k_next = hand(REF, count, init=2, cap=16)[0]
+    if frozen is None and k_next > k and k_next * 2 > guard * b:
+      frozen = k
+  ks = guarded_run(guard)(jnp.asarray(b_simple, jnp.float32))
+  assert ks.tolist() == want
 
 
 def test_b2_coupling_in_closed_form():
