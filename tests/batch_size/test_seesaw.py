@@ -440,6 +440,21 @@ def info_for(k, g2, tr, m=2.0):
       skipped=jnp.int32(0))
 
 
+def guarded_by_hand(guard, b_simple):
+  """The k of each step of REF's rule (init 2, cap 16, 2 rows per micro-batch) with
+  ``noise_guard=guard``, by hand, given each step's B_simple: the ramp's k until a step
+  whose next level's batch (k' * 2 rows) would pass guard * B_simple; then k stays there."""
+  want, count, frozen = [], 0, None
+  for b in b_simple:
+    k = frozen or hand(REF, count, init=2, cap=16)[0]
+    want.append(k)
+    count += 2 * k
+    k_next = hand(REF, count, init=2, cap=16)[0]
+    if frozen is None and k_next > k and k_next * 2 > guard * b:
+      frozen = k
+  return want
+
+
 @pytest.mark.parametrize("b_simple,guard", [(5.0, 1.0), (9.0, 1.0), (100.0, 1.0), (5.0, 2.0)])
 def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_simple, guard):
   rule = jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
@@ -450,17 +465,7 @@ def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_si
     k = int(rule.micro_batches(state))
     ks.append(k)
     state = update(state, info_for(k, g2=1.0, tr=b_simple))
-  # By hand: the ramp's k until the next level's batch (k' * 2 rows) would pass
-  # guard * B_simple; then k stays there.
-  want, count, frozen = [], 0, None
-  for _ in range(60):
-    k = frozen or hand(REF, count, init=2, cap=16)[0]
-    want.append(k)
-    count += 2 * k
-    k_next = hand(REF, count, init=2, cap=16)[0]
-    if frozen is None and k_next > k and k_next * 2 > guard * b_simple:
-      frozen = k
-  assert ks == want
+  assert ks == guarded_by_hand(guard, [b_simple] * 60)
   assert max(ks) * 2 <= max(guard * b_simple, 4)
   # The learning rate keeps decaying as plain decay at the frozen k.
   count = rule.sample_count(state)
@@ -498,16 +503,8 @@ def test_noise_guard_reads_the_noise_only_when_the_level_would_change(guard, b_s
   reads it); a small B_simple on a step that stays at its level stops nothing. Reference:
   the rule by hand (``hand``), 2 rows per micro-batch; B_simple is a half-integer, so no
   batch (an even number of rows) is within round-off of guard * B_simple."""
-  want, count, frozen = [], 0, None
-  for b in b_simple:
-    k = frozen or hand(REF, count, init=2, cap=16)[0]
-    want.append(k)
-    count += 2 * k
-    k_next = hand(REF, count, init=2, cap=16)[0]
-    if frozen is None and k_next > k and k_next * 2 > guard * b:
-      frozen = k
   ks = guarded_run(guard)(jnp.asarray(b_simple, jnp.float32))
-  assert ks.tolist() == want
+  assert ks.tolist() == guarded_by_hand(guard, b_simple)
 
 
 def test_b2_coupling_in_closed_form():
