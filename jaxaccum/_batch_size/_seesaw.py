@@ -180,6 +180,8 @@ class Seesaw:
     if _counter.has_counter(count):
       level = self._count_level(count)
       inside = jnp.minimum(_counter.samples(count), jnp.asarray(self._f32_last)[level])
+      # A level with no float32 inside it (two thresholds within one float32 step) reads the
+      # reference at its first float32 at or above: the next level's, the lower rate.
       return jnp.maximum(inside, jnp.asarray(self._f32_first)[level])
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
