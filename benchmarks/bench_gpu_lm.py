@@ -45,8 +45,8 @@ their speed. Output:
 
   # on a CPU host, in the environment with the gpu-plan extra:
   JAX_PLATFORMS=cpu .venv-gpu/bin/python benchmarks/bench_gpu_lm.py --predict --target h200
-  # on the H200:
-  python benchmarks/bench_gpu_lm.py --prediction benchmarks/results/gpu/plan_h200.json
+  # on the H100 or H200: the committed plan for the card present (plan_for_device)
+  python benchmarks/bench_gpu_lm.py --prediction auto
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -523,6 +524,29 @@ def run(*, tiny: bool, prediction: dict[str, Any] | None, repeats: int, warmup: 
   return results
 
 
+def plan_for_device(device_kind: str, plans: pathlib.Path = RESULTS) -> pathlib.Path | None:
+  """The committed plan (``plan_<target>.json`` in ``plans``, made by ``--predict --target``
+  on a CPU host) for the card ``device_kind`` names (``jax.devices()[0].device_kind``).
+
+  A plan whose described device is that card by name is taken first (``"NVIDIA H100 80GB
+  HBM3"``); else one of the same model (a letter and three digits: ``H100``, ``H200``);
+  else ``None``, and the run plans in process for the device present
+  (``tests/planning/test_gpu_check.py`` checks the choice for each card).
+  """
+  def model(name: str) -> str | None:
+    m = re.search(r"\b([A-Z]\d{3})", name.removeprefix("NVIDIA "))
+    return m.group(1) if m else None
+
+  found = {}
+  for path in sorted(plans.glob("plan_*.json")):
+    described = json.loads(path.read_text()).get("device", "")
+    found[path] = described.removesuffix(" (described)")
+  same = [path for path, name in found.items() if name == device_kind]
+  family = [path for path, name in found.items()
+            if model(device_kind) is not None and model(name) == model(device_kind)]
+  return (same or family or [None])[0]
+
+
 def plan_check(cfg: LMConfig, prediction: dict[str, Any], acc: dict[str, Any] | None,
                shared: Shared) -> dict[str, Any]:
   """The predicted peak against the measured one, and whether half as many micro-batches
@@ -675,7 +699,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"CPU: {TINY_BUDGET:,})")
   parser.add_argument("--flags", action="store_true",
                       help="with --predict: also compile the step with each XLA flag")
-  parser.add_argument("--prediction", type=pathlib.Path, default=None)
+  parser.add_argument("--prediction", type=pathlib.Path, default=None,
+                      help="a --predict JSON, or 'auto': the committed plan for the card "
+                      "present (plan_for_device); without it the plan is made in process")
   parser.add_argument("--repeats", type=int, default=None, help="default 5 (--tiny: 1)")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--time-budget", type=float, default=180.0)
@@ -701,6 +727,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "flags" in out:
       print(flags_markdown(out["flags"]))
     return out
+  if args.prediction == pathlib.Path("auto"):  # the committed plan for the card present
+    kind = jax.devices()[0].device_kind
+    args.prediction = plan_for_device(kind)
+    print(f"device {kind!r}: prediction "
+          f"{args.prediction or 'made in process (no committed plan for this card)'}")
   prediction = json.loads(args.prediction.read_text()) if args.prediction else None
   repeats = args.repeats or (1 if args.tiny else 5)
   results = run(tiny=args.tiny, prediction=prediction, repeats=repeats,

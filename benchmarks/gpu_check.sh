@@ -6,8 +6,11 @@
 #   1. the core's numerical tests, on the GPU (skipped with a note if pytest is missing);
 #   2. benchmarks/bench_gpu_lm.py at its GPU size (a 136M-parameter LM, batch 128 x 1024
 #      tokens) within a time budget: every method side by side, the XLA GPU flags, and the
-#      planner's H200 prediction (benchmarks/results/gpu/plan_h200.json, made on a CPU host)
-#      against the allocator's peak, with half as many micro-batches tried last.
+#      planner's prediction for the card present against the allocator's peak, with half as
+#      many micro-batches tried last. The prediction is the committed plan for the card that
+#      jax.devices()[0].device_kind names (benchmarks/results/gpu/plan_h100.json or
+#      plan_h200.json, made on a CPU host; --prediction auto), or, for another card, one made
+#      in process on the device.
 # DRY_RUN=1: the same steps on this machine's CPU, as the test suite runs them
 # (tests/planning/test_gpu_check.py): no install, no tests, bench_gpu_lm.py --tiny on a prediction
 # made here first. PYTHON picks the interpreter (python by default).
@@ -37,5 +40,5 @@ else
   echo "pytest is not installed on this machine: tests not run" | tee "$out/tests.txt"
 fi
 timeout "${BENCH_TIMEOUT:-180}" "$py" benchmarks/bench_gpu_lm.py \
-  --prediction benchmarks/results/gpu/plan_h200.json --time-budget "${BENCH_BUDGET:-140}" \
+  --prediction auto --time-budget "${BENCH_BUDGET:-140}" \
   --out-dir "$out" 2>&1 | tee "$out/bench_gpu_lm.txt" | tail -40

@@ -109,6 +109,17 @@ def planted(tmp_path):
             a = z
             b = a
             return b
+
+          def outer(wrap):
+            '''A docstring, not counted.
+
+            # nor this line of it
+            '''
+            @wrap  # a nested function's decorator is a code line
+            def inner():
+              return 1
+
+            return inner
           """,
   }
   for name, text in files.items():
@@ -121,7 +132,8 @@ def test_the_measures_on_a_planted_package(planted):
   assert set(mods) == {"pkg", "pkg._a", "pkg._b", "pkg._sub", "pkg._sub._c"}
   assert architecture.keyword_options(mods, "pkg._a", "f") == ["x", "y"]
   assert dict((n, c) for c, n in architecture.function_lengths(mods)) == {
-      "pkg._a.f": 2, "pkg._sub._c.public": 3}
+      "pkg._a.f": 2, "pkg._sub._c.public": 3, "pkg._sub._c.outer": 4,
+      "pkg._sub._c.inner": 1}
   uses = sorted(u.split(" ")[1] for m in mods.values()
                 for u in architecture.private_uses(m, mods))
   assert uses == ["pkg._b._hidden", "pkg._sub._c._private"]

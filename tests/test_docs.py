@@ -39,3 +39,20 @@ def test_readme_links_resolve():
   assert targets, "the README links into docs/"
   broken = [t for t in targets if not (ROOT / t).exists()]
   assert not broken, f"README.md links to missing files: {broken}"
+
+
+def test_guides_table_links_are_defined_in_the_readme_and_the_site_index():
+  """docs/index.md includes the README's guides table, whose links are reference links: each
+  needs its definition in both files, to a page that exists (the strict docs build fails on
+  a missing one)."""
+  readme = (ROOT / "README.md").read_text()
+  table = re.search(r"\[start:guides\] -->(.*?)<!-- --8<-- \[end:guides\]", readme, re.S)
+  assert table, "README.md marks its guides table with --8<-- [start:guides] / [end:guides]"
+  labels = sorted(set(re.findall(r"\]\[([\w-]+)\]", table.group(1))))
+  assert labels, "the guides table links with reference links"
+  for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+    defined = dict(re.findall(r"^\[([\w-]+)\]: (\S+)$", path.read_text(), re.M))
+    missing = [label for label in labels if label not in defined]
+    assert not missing, f"{path.name} does not define the guides table's links {missing}"
+    broken = [defined[label] for label in labels if not (path.parent / defined[label]).exists()]
+    assert not broken, f"{path.name} defines the guides table's links to missing pages {broken}"

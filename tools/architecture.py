@@ -109,17 +109,18 @@ def private_uses(mod: Module, names: dict[str, Module]) -> list[str]:
 
 
 def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) -> int:
+  """The code lines of ``fn``'s body, counted plainly: every line from the end of its
+  docstring (or from its first statement, decorators included) to its last line, except
+  blank and comment lines."""
   body = fn.body
-  if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-      and isinstance(body[0].value.value, str)):
-    body = body[1:]
-  lines = set()
-  for stmt in body:
-    for i in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1):
-      text = source[i - 1].strip()
-      if text and not text.startswith("#"):
-        lines.add(i)
-  return len(lines)
+  first = body[0]
+  if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+      and isinstance(first.value.value, str)):
+    start = (first.end_lineno or first.lineno) + 1
+  else:
+    start = min([first.lineno] + [d.lineno for d in getattr(first, "decorator_list", [])])
+  texts = (source[i - 1].strip() for i in range(start, (fn.end_lineno or fn.lineno) + 1))
+  return sum(1 for text in texts if text and not text.startswith("#"))
 
 
 def function_lengths(mods: dict[str, Module]) -> list[tuple[int, str]]:

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxaccum._core import _validate
 
@@ -61,10 +60,3 @@ def words31(state: Any) -> tuple[jax.Array, jax.Array]:
   shift = 31 - LO_BITS
   return hi >> shift, ((hi & ((1 << shift) - 1)) << LO_BITS) | lo
 
-
-def split(counts: Any) -> tuple[np.ndarray, np.ndarray]:
-  """Python int counts below ``2**62`` as the counter's ``(hi, lo)`` words, NumPy int32
-  arrays; ``hi`` saturates at ``2**31 - 1``, to compare with a counter."""
-  counts = np.asarray(counts, np.int64)
-  return (np.minimum(counts >> LO_BITS, _validate.INT32_MAX).astype(np.int32),
-          (counts & (LO - 1)).astype(np.int32))

@@ -253,6 +253,82 @@ def _count_words(count: Any) -> tuple[jax.Array, jax.Array]:
   return jnp.where(negative, -1, high), jnp.where(negative, 0, low)
 
 
+def _read_schedule(schedule: Any) -> tuple[str, list[tuple[Any, Any]]]:
+  """``(text for messages, [(threshold, value), ...])`` of a schedule string or mapping."""
+  if isinstance(schedule, str):
+    return schedule, _parse_schedule(schedule)
+  if isinstance(schedule, Mapping):
+    return repr(dict(schedule)), list(schedule.items())
+  raise TypeError(
+      "batch_size_ramp_by_count: schedule must be a string of THRESHOLD:VALUE pairs "
+      "(e.g. '0:768 250B:1536') or a mapping {threshold: value}, got "
+      f"{schedule!r} of type {type(schedule).__name__}.")
+
+
+def _micro_batches_at(threshold: Any, value: Any, text: str, micro_batch_size: int | None,
+                      num_micro_batches: int | None) -> int:
+  """The ``k`` of one checked ``threshold: value`` entry (``value // micro_batch_size``
+  when the values are batch sizes in rows)."""
+  if not _validate.is_int(threshold) or not 0 <= int(threshold) <= COUNT_MAX:
+    raise ValueError(
+        f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
+        f"or tokens seen), got {threshold!r} in schedule {text}.")
+  if not _validate.is_int(value) or not 1 <= int(value) <= _INT32_MAX:
+    raise ValueError(
+        f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
+        f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
+        f"), got {value!r} in schedule {text}.")
+  k = value = int(value)
+  if micro_batch_size is not None:
+    micro_batch_size = int(micro_batch_size)
+    if value % micro_batch_size:
+      below = max(value // micro_batch_size, 1) * micro_batch_size
+      above = (value // micro_batch_size + 1) * micro_batch_size
+      raise ValueError(
+          f"batch_size_ramp_by_count: the batch size {value} at threshold {threshold} is "
+          f"not a multiple of micro_batch_size={micro_batch_size}; use batch sizes that "
+          f"are whole numbers of micro-batches (e.g. {below} or {above}).")
+    k = value // micro_batch_size
+  if num_micro_batches is not None and k > int(num_micro_batches):
+    raise ValueError(
+        f"batch_size_ramp_by_count: the value at threshold {threshold} is k={k} "
+        f"micro-batches, more than num_micro_batches={num_micro_batches}; split the "
+        f"batch into at least {k} micro-batches or lower the schedule.")
+  return k
+
+
+def _table(pairs: list[tuple[Any, Any]], text: str, micro_batch_size: int | None,
+           num_micro_batches: int | None) -> tuple[list[int], list[int]]:
+  """The schedule's sorted ``(thresholds, ks)``, each entry checked; the first threshold
+  must be 0 and none may repeat."""
+  checked = []
+  for threshold, value in pairs:
+    k = _micro_batches_at(threshold, value, text, micro_batch_size, num_micro_batches)
+    checked.append((int(threshold), k))
+  checked.sort()
+  thresholds = [t for t, _ in checked]
+  if len(set(thresholds)) != len(thresholds):
+    raise ValueError(
+        f"batch_size_ramp_by_count: a threshold appears twice in schedule {text}.")
+  if thresholds[0] != 0:
+    raise ValueError(
+        f"batch_size_ramp_by_count: the first threshold must be 0 (the value at the start "
+        f"of training), got {thresholds[0]} in schedule {text}; add '0:VALUE'.")
+  return thresholds, [k for _, k in checked]
+
+
+def _python_count(count: float | np.floating) -> int:
+  """A Python or NumPy float count as the int it is compared as: floored, negative counts
+  -1, at most ``2**62 - 1``; NaN and infinities refused."""
+  if not math.isfinite(count):
+    raise ValueError(
+        f"a batch_size_ramp_by_count schedule got count={count}: it takes the samples "
+        "or tokens seen, a finite number; pass the count as an int (e.g. "
+        "AdaptiveBatch.sample_count(state), or the controller's state itself), or "
+        "check the float that produced it.")
+  return -1 if count < 0 else min(math.floor(count), COUNT_MAX)
+
+
 def batch_size_ramp_by_count(
     schedule: str | Mapping[int, int],
     *,
@@ -319,61 +395,14 @@ def batch_size_ramp_by_count(
   >>> jax.jit(jax.vmap(ramp))(tokens)
   Array([2, 4, 8], dtype=int32)
   """
-  if isinstance(schedule, str):
-    text = schedule
-    pairs = _parse_schedule(schedule)
-  elif isinstance(schedule, Mapping):
-    text = repr(dict(schedule))
-    pairs = list(schedule.items())
-  else:
-    raise TypeError(
-        "batch_size_ramp_by_count: schedule must be a string of THRESHOLD:VALUE pairs "
-        "(e.g. '0:768 250B:1536') or a mapping {threshold: value}, got "
-        f"{schedule!r} of type {type(schedule).__name__}.")
+  text, pairs = _read_schedule(schedule)
   for name, size in (("micro_batch_size", micro_batch_size),
                      ("num_micro_batches", num_micro_batches)):
     if size is not None and (not _validate.is_int(size) or size < 1):
       raise ValueError(
           f"batch_size_ramp_by_count: {name} must be a positive int or None, got "
           f"{name}={size!r}.")
-  checked = []
-  for threshold, value in pairs:
-    if not _validate.is_int(threshold) or not 0 <= int(threshold) <= COUNT_MAX:
-      raise ValueError(
-          f"batch_size_ramp_by_count: thresholds must be ints in [0, 2**62 - 1] (samples "
-          f"or tokens seen), got {threshold!r} in schedule {text}.")
-    if not _validate.is_int(value) or not 1 <= int(value) <= _INT32_MAX:
-      raise ValueError(
-          f"batch_size_ramp_by_count: the value at threshold {threshold} must be a positive "
-          f"int (a {'batch size in rows' if micro_batch_size else 'number of micro-batches'}"
-          f"), got {value!r} in schedule {text}.")
-    k = value = int(value)
-    if micro_batch_size is not None:
-      micro_batch_size = int(micro_batch_size)
-      if value % micro_batch_size:
-        below = max(value // micro_batch_size, 1) * micro_batch_size
-        above = (value // micro_batch_size + 1) * micro_batch_size
-        raise ValueError(
-            f"batch_size_ramp_by_count: the batch size {value} at threshold {threshold} is "
-            f"not a multiple of micro_batch_size={micro_batch_size}; use batch sizes that "
-            f"are whole numbers of micro-batches (e.g. {below} or {above}).")
-      k = value // micro_batch_size
-    if num_micro_batches is not None and k > int(num_micro_batches):
-      raise ValueError(
-          f"batch_size_ramp_by_count: the value at threshold {threshold} is k={k} "
-          f"micro-batches, more than num_micro_batches={num_micro_batches}; split the "
-          f"batch into at least {k} micro-batches or lower the schedule.")
-    checked.append((int(threshold), k))
-  checked.sort()
-  thresholds = [t for t, _ in checked]
-  if len(set(thresholds)) != len(thresholds):
-    raise ValueError(
-        f"batch_size_ramp_by_count: a threshold appears twice in schedule {text}.")
-  if thresholds[0] != 0:
-    raise ValueError(
-        f"batch_size_ramp_by_count: the first threshold must be 0 (the value at the start "
-        f"of training), got {thresholds[0]} in schedule {text}; add '0:VALUE'.")
-  values = [k for _, k in checked]
+  thresholds, values = _table(pairs, text, micro_batch_size, num_micro_batches)
   high_np = np.asarray([t // _WORD for t in thresholds], np.int32)
   low_np = np.asarray([t % _WORD for t in thresholds], np.int32)
   values_np = np.asarray(values, np.int32)
@@ -381,17 +410,10 @@ def batch_size_ramp_by_count(
   def ramp(count: Any) -> jax.Array:
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
+    if isinstance(count, (float, np.floating)):
+      count = _python_count(count)
     if _validate.is_int(count):  # exact in Python, whatever its size
       return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, int(count)) - 1, 0)])
-    if isinstance(count, (float, np.floating)):
-      if not math.isfinite(count):
-        raise ValueError(
-            f"a batch_size_ramp_by_count schedule got count={count}: it takes the samples "
-            "or tokens seen, a finite number; pass the count as an int (e.g. "
-            "AdaptiveBatch.sample_count(state), or the controller's state itself), or "
-            "check the float that produced it.")
-      count = -1 if count < 0 else min(math.floor(count), COUNT_MAX)
-      return jnp.asarray(values_np[max(bisect.bisect_right(thresholds, count) - 1, 0)])
     high, low = _count_words(count)
     reached = (high > high_np) | ((high == high_np) & (low >= low_np))
     index = jnp.maximum(jnp.sum(reached, dtype=jnp.int32) - 1, 0)

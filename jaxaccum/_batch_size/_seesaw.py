@@ -15,7 +15,6 @@ exact sample counter and, with ``noise_guard=``, a level at which the ramp stopp
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import math
@@ -34,6 +33,10 @@ from jaxaccum._core._info import AccumInfo
 _INT32_MAX = _validate.INT32_MAX
 _OPTIMIZERS = ("adam", "sgd")
 _PROBES = 257  # points at which the reference is checked for a rise
+# A level is reached within this relative tolerance, 8 float32 ulps (at 1): a reference that
+# decays by exactly 1/r (1/3, 0.1) gives float32 values that round up to one or a few ulps
+# above peak / r**j, and must still ramp once per r-fold decay.
+LEVEL_RTOL = 8 * float(np.finfo(np.float32).eps)
 
 
 class SeesawState(NamedTuple):
@@ -109,8 +112,8 @@ class Seesaw:
   _lr_factors: np.ndarray = dataclasses.field(init=False, repr=False)
   _ks: np.ndarray = dataclasses.field(init=False, repr=False)
   _ramp: Callable[[Any], jax.Array] = dataclasses.field(init=False, repr=False)
-  _th_hi: np.ndarray = dataclasses.field(init=False, repr=False)
-  _th_lo: np.ndarray = dataclasses.field(init=False, repr=False)
+  _f32_first: np.ndarray = dataclasses.field(init=False, repr=False)
+  _f32_last: np.ndarray = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     ratios = np.asarray(self.ks, np.float64) / self.init_micro_batches
@@ -119,9 +122,12 @@ class Seesaw:
     object.__setattr__(self, "_ks", np.asarray(self.ks, np.int32))
     object.__setattr__(self, "_ramp", _ramp.batch_size_ramp_by_count(
         dict(zip(self.thresholds, range(1, len(self.ks) + 1), strict=True))))
-    th_hi, th_lo = _counter.split(self.thresholds)
-    object.__setattr__(self, "_th_hi", th_hi)
-    object.__setattr__(self, "_th_lo", th_lo)
+    # Per level, the float32 counts inside it: from the first float32 at or above its
+    # threshold to the last one below the next level's (schedule_count).
+    first = [_float32_at_least(t) for t in self.thresholds]
+    last = [np.nextafter(f, np.float32(-np.inf)) for f in first[1:]] + [np.float32(np.inf)]
+    object.__setattr__(self, "_f32_first", np.asarray(first, np.float32))
+    object.__setattr__(self, "_f32_last", np.asarray(last, np.float32))
 
   def __repr__(self) -> str:
     return (f"Seesaw(init_micro_batches={self.init_micro_batches}, max_micro_batches="
@@ -138,18 +144,17 @@ class Seesaw:
 
   def level(self, count: Any) -> jax.Array:
     """The ramp level at ``count`` (int32): ``k = ks[level]``, the guard's cap applied."""
+    level = self._count_level(count)
     if isinstance(count, SeesawState):
-      hi = jnp.asarray(count.samples_hi, jnp.int32)
-      lo = jnp.asarray(count.samples_lo, jnp.int32)
-      reached = (hi > self._th_hi) | ((hi == self._th_hi) & (lo >= self._th_lo))
-      level = jnp.sum(reached, dtype=jnp.int32) - 1
       return jnp.minimum(level, jnp.asarray(count.max_level, jnp.int32))
+    return level
+
+  def _count_level(self, count: Any) -> jax.Array:
+    """The level the count has reached (int32), before the guard's cap: exact for a
+    Python int, a JAX or NumPy integer or float and a state's counter
+    (:func:`jaxaccum.batch_size_ramp_by_count`)."""
     if isinstance(count, (float, np.floating)) and math.isnan(count):
       raise ValueError("seesaw: the count is nan; pass the samples (or tokens) seen.")
-    if isinstance(count, np.ndarray) and count.shape == ():
-      count = count[()]
-    if _validate.is_int(count):  # exact in Python, whatever its size
-      return jnp.int32(max(bisect.bisect_right(self.thresholds, int(count)) - 1, 0))
     return self._ramp(count) - 1
 
   def micro_batches(self, count: Any) -> jax.Array:
@@ -162,10 +167,22 @@ class Seesaw:
     return jnp.asarray(self._lr_factors)[self.level(count)]
 
   def schedule_count(self, count: Any) -> Any:
-    """The count as the reference is called with it: a Python int stays one, a state's
-    exact counter becomes float32 (relative error below ``6e-8``), an array is unchanged."""
+    """The count as the reference is called with it: a Python int stays one, an array is
+    unchanged, and a state's exact counter becomes the float32 nearest it within the level
+    the counter has reached (relative error below ``1.2e-7``).
+
+    Float32 cannot hold every count past ``2**24``: the nearest float32 to a count at a
+    level's threshold may lie below it, where the reference has not yet decayed. The level
+    and the reference's count then come from the one exact counter: the float32 is taken
+    at or above the threshold of the counter's level and below the next one's, so that
+    ``learning_rate`` is the reference at the level that ``micro_batches`` runs.
+    """
     if _counter.has_counter(count):
-      return _counter.samples(count)
+      level = self._count_level(count)
+      inside = jnp.minimum(_counter.samples(count), jnp.asarray(self._f32_last)[level])
+      # A level with no float32 inside it (two thresholds within one float32 step) reads the
+      # reference at its first float32 at or above: the next level's, the lower rate.
+      return jnp.maximum(inside, jnp.asarray(self._f32_first)[level])
     if isinstance(count, np.ndarray) and count.shape == ():
       count = count[()]
     if _validate.is_int(count):
@@ -273,6 +290,17 @@ class Seesaw:
     return _counter.sample_count(state)
 
 
+def _float32_at_least(n: int) -> np.float32:
+  """The smallest float32 at or above the Python int ``n`` (``0 <= n < 2**62``)."""
+  x = np.float32(n)  # the nearest, or a neighbour: then one step corrects it
+  up, down = np.float32(np.inf), np.float32(-np.inf)
+  while float(x) < n:  # Python compares a float with an int exactly
+    x = np.nextafter(x, up)
+  while float(np.nextafter(x, down)) >= n:
+    x = np.nextafter(x, down)
+  return x
+
+
 def _check_no_rise(schedule: Callable[[Any], Any], start: int, horizon: int,
                    peak: float) -> None:
   """Raises if the reference rises after its peak ``schedule(start) = peak`` (or is not
@@ -296,21 +324,24 @@ def _check_no_rise(schedule: Callable[[Any], Any], start: int, horizon: int,
 def _levels(schedule: Callable[[Any], Any], start: int, horizon: int, peak: float, *,
             init: int, cap: int, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """The ramp's ``(thresholds, ks)``: level ``i`` begins at the first count ``n`` with
-  ``schedule(n) * r**i <= peak`` (bisection on ``[start, horizon]``) and runs ``init *
-  r**i`` micro-batches, at most ``cap``; a drop of several levels at once is one level."""
+  ``schedule(n) * r**i <= peak`` within :data:`LEVEL_RTOL` (bisection on ``[start,
+  horizon]``) and runs ``init * r**i`` micro-batches, at most ``cap``; a drop of several
+  levels at once is one level."""
+  def decayed(n: int, j: int) -> bool:  # the one comparison of a value with a level
+    return _value(schedule, n) * float(r) ** j <= peak * (1 + LEVEL_RTOL)
+
   thresholds, ks = [0], [init]
   k, j = init, 0
   while k < cap:
     j += 1
-    scale = float(r) ** j
-    if not _value(schedule, horizon) * scale <= peak:
+    if not decayed(horizon, j):
       break  # the reference never decays this far
-    low, high = start, horizon  # schedule(low) * scale > peak >= schedule(high) * scale
-    if _value(schedule, low) * scale <= peak:
+    low, high = start, horizon  # not decayed(low, j), decayed(high, j)
+    if decayed(low, j):
       high = low
     while high - low > 1:
       mid = (low + high) // 2
-      if _value(schedule, mid) * scale <= peak:
+      if decayed(mid, j):
         high = mid
       else:
         low = mid
@@ -343,7 +374,9 @@ def seesaw(
 
   The rule, with ``r = ramp_factor`` and ``peak = schedule(decay_start)``: level ``j(n)``
   is the number of times the reference has decayed by ``r`` since its peak, the largest
-  ``j`` with ``schedule(n) * r**j <= peak`` (0 before ``decay_start``), and
+  ``j`` with ``schedule(n) * r**j <= peak`` (0 before ``decay_start``; equal within 8
+  float32 ulps counts, so that a decay by exactly ``1/r``, which float32 rounds up, is a
+  level), and
 
   * ``k(n) = min(init_micro_batches * r**j, max_micro_batches)``;
   * ``learning_rate(n) = schedule(n) * sqrt(k / init_micro_batches)`` for

@@ -360,8 +360,8 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   ``fun`` the core runs and the arrays it closes over (parameters, for the core's check of
   unsplit batch arrays). ``param_gather="step"`` gathers before the loop, once (the full
   arrays stay live across it); ``"micro_batch"`` gathers inside ``fun``, in every
-  iteration, behind a pin to the micro-batch (:func:`_pin`) that keeps XLA from hoisting the
-  gather out of the loop. For a differentiated argument, ``grad_scatter="micro_batch"``
+  iteration, tied to the micro-batch (:func:`_tie`) so that XLA cannot hoist the gather out
+  of the loop. For a differentiated argument, ``grad_scatter="micro_batch"``
   differentiates with respect to the shard, so the transpose of the gather reduce-scatters
   each micro-batch's gradient into a shard-sized accumulator (with a gather before the loop,
   :func:`_gathered_once` gives the shard that transpose); ``"step"`` differentiates with
@@ -412,7 +412,7 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
 
     if per_micro_batch:
       shards = {k: own[k] if k in own else jax.tree.leaves(get(k)) for k in in_fun}
-      shards = _pin(shards, {k: placed.gathers[k] for k in in_fun}, call_args, call_kwargs,
+      shards = _tie(shards, {k: placed.gathers[k] for k in in_fun}, call_args, call_kwargs,
                     batch_keys)
     else:
       shards = {k: [] for k in in_fun}
@@ -436,7 +436,7 @@ def _use_full(value: Any, shards: list, *, gathers: tuple, full: list) -> Any:
 
 
 def _gather_into(value: Any, shards: list, *, gathers: tuple, add: bool) -> Any:
-  """``shards`` (pinned to the micro-batch by :func:`_pin`) all-gathered in this iteration:
+  """``shards`` (tied to the micro-batch by :func:`_tie`) all-gathered in this iteration:
   ``value``'s leaves replaced by them, or (``add``: ``value`` holds full-size zeros, the
   arguments differentiated under ``grad_scatter="step"``) added to them."""
   leaves, treedef = jax.tree.flatten(value)
@@ -475,46 +475,37 @@ def fold_shard(keys: PyTree, axes: tuple) -> PyTree:
   return jax.tree.map(lambda k: jax.random.fold_in(k, shard), _sharding.vary(keys, axes))
 
 
-def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
+def _tie(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
          call_kwargs: dict, batch_keys: tuple) -> dict[Any, list]:
-  """The ``shards`` to gather (per argument, its leaves; those with ``gathers``), behind one
-  optimization barrier with the micro-batch, so that no gather is hoisted out of the loop.
+  """The ``shards`` to gather (per argument, its leaves; those with ``gathers``) tied to the
+  micro-batch, so that XLA cannot hoist their gathers out of the micro-batch loop.
 
-  One element of every numeric array leaf of the micro-batch (the batch arguments of
-  ``call_args`` and ``call_kwargs``, updated in place) goes through the barrier with the
-  shards and is written back into its leaf, unchanged: the barrier's outputs then depend on
-  the iteration and are used by ``fun``, so XLA can neither drop the micro-batch from the
-  barrier nor move the barrier, or the gathers that read it, out of the loop. (A scalar
-  read from the micro-batch whose barrier output nothing used, what an earlier version
-  did, is dropped by XLA's algebraic simplifier, after which the barrier and the gathers
-  are loop-invariant; on a scanned model the gathers then left the loop.) Only if ``fun``
-  uses none of the micro-batch's numeric leaves can XLA still hoist them.
-
-  Measured 2026-12-05 with :func:`jaxaccum.collectives` on the compiled HLO (which
-  all-gathers sit inside the micro-batch ``while`` loop), ``param_gather="micro_batch"``, both
-  ``grad_scatter`` placements, 8 virtual CPU devices, on a scan over stacked layers (weights
-  ``(L, D, D)`` sharded ``P(None, "data", None)``, the usual LLM layout, ``L`` of 2 to 4 and
-  ``D`` of 4 to 64, float32; an ``Explicit`` mesh given through :func:`jax.set_mesh` or
-  ``mesh=``, and an ``Explicit`` data axis next to an ``Auto`` model axis) and on MLPs of
-  separate sharded layers: with jax 0.10.2 and 0.12.0.1
-  every all-gather stays in the loop with this pin; with the earlier one (a scalar whose
-  barrier output nothing used) the scanned model's gather ran once, before the loop, on both.
-  Compiled for 8 described H100s (jax 0.10.2; ``L = 4``, ``D = 512``, bfloat16), the scanned
-  model's gathers stay in the loop with either pin. ``tests/parallel/test_fsdp_placement.py`` and
-  ``tests_gpu_target`` check this.
+  The shards and every numeric array leaf of the micro-batch (the batch arguments of
+  ``call_args`` and ``call_kwargs``, replaced in place) go through one
+  :func:`_after_micro_batch`: an optimization barrier whose outputs change in every
+  iteration and which ``fun`` reads, so XLA can neither drop the micro-batch from it nor
+  move it, or the gathers that read its outputs, out of the loop. The barrier computes
+  nothing (every value comes out bit for bit as it went in) and its derivative is the
+  identity, so no value and no gradient of the user's changes. Only if ``fun`` reads none
+  of the micro-batch's numeric leaves can XLA still hoist the gathers. What this replaced
+  and what was measured: ``docs/devices.md``, "Placing FSDP's gathers and reduce-scatters".
   """
   batch = {k: jax.tree.flatten(call_args[k] if isinstance(k, int) else call_kwargs.get(k))
            for k in batch_keys}
   at = [(k, i) for k, (flat, _) in batch.items() for i, x in enumerate(flat)
-        if isinstance(x, jax.Array) and np.size(x) and _numeric(x)]
+        if isinstance(x, jax.Array) and _numeric(x)]
   if not at:
     return shards
-  firsts = [lax.stop_gradient(batch[k][0][i][(0,) * np.ndim(batch[k][0][i])]) for k, i in at]
-  pinned = {k: [x for x, g in zip(xs, gathers[k], strict=True) if g] for k, xs in shards.items()}
-  pinned, firsts = lax.optimization_barrier((pinned, firsts))
-  for (k, i), first in zip(at, firsts, strict=True):
-    x = batch[k][0][i]
-    batch[k][0][i] = x.at[(0,) * np.ndim(x)].set(lax.stop_gradient(first))
+  # Lists, not dicts: the keys mix positions and keywords, which a pytree cannot sort.
+  tied = [[x for x, g in zip(xs, gathers[k], strict=True) if g] for k, xs in shards.items()]
+  rows = [batch[k][0][i] for k, i in at]
+  # The barrier's operands must vary over the same manual axes: a batch leaf varies over
+  # every data axis, a shard of a non-differentiated argument perhaps over fewer (HSDP).
+  axes = tuple(sorted(set().union(*map(_sharding.varying, jax.tree.leaves((tied, rows)))),
+                      key=str))
+  tied, rows = _after_micro_batch(_sharding.vary(tied, axes), _sharding.vary(rows, axes))
+  for (k, i), row in zip(at, rows, strict=True):
+    batch[k][0][i] = row
   for k in dict.fromkeys(k for k, _ in at):
     flat, treedef = batch[k]
     if isinstance(k, int):
@@ -522,10 +513,22 @@ def _pin(shards: dict[Any, list], gathers: dict[Any, tuple], call_args: list,
     else:
       call_kwargs[k] = jax.tree.unflatten(treedef, flat)
   out = {}
-  for k, xs in shards.items():
-    it = iter(pinned[k])
+  for (k, xs), done in zip(shards.items(), tied, strict=True):
+    it = iter(done)
     out[k] = [next(it) if g else x for x, g in zip(xs, gathers[k], strict=True)]
   return out
+
+
+@jax.custom_jvp
+def _after_micro_batch(shards: Any, rows: list) -> tuple[Any, list]:
+  """``(shards, rows)`` unchanged, behind one :func:`jax.lax.optimization_barrier`; the
+  tangents (and so the cotangents) pass straight through, outside the barrier."""
+  return lax.optimization_barrier((shards, rows))
+
+
+@_after_micro_batch.defjvp
+def _after_micro_batch_jvp(primals, tangents):
+  return _after_micro_batch(*primals), tangents
 
 
 def _numeric(x: Any) -> bool:

@@ -56,15 +56,6 @@ def test_reading_a_state(count):
   assert 0 <= int(low) < 2**31 and int(high) * 2**31 + int(low) == count
 
 
-@SETTINGS
-@given(st.lists(st.integers(0, 2**62 - 1), min_size=1, max_size=8))
-def test_split_gives_the_counters_words_saturating_the_high_one(counts):
-  hi, lo = _counter.split(counts)
-  assert hi.dtype == lo.dtype == np.int32
-  for c, h, lw in zip(counts, hi, lo, strict=True):
-    assert int(lw) == c % LO and int(h) == min(c // LO, 2**31 - 1)
-
-
 def test_states_that_hold_a_counter():
   ab = jaxaccum.AdaptiveBatch(4)
   rule = jaxaccum.seesaw(lambda n: 1.0, init_micro_batches=1, max_micro_batches=2, total=10)

@@ -3,7 +3,9 @@ both optimizers, the cap) and over generated schedules, exact counts past 2**31,
 compiled program while k changes, every row used once (RowFeeder), MultiSteps windows, the
 noise guard, an orbax round trip, and the errors."""
 
+import functools
 import math
+from fractions import Fraction
 
 import chex
 import jax
@@ -12,20 +14,24 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
 
+# The rule's tolerance on a level: equal within 8 float32 ulps counts as decayed.
+ULPS8 = 8 * 2.0**-23
+
 
 def hand(schedule, n, *, init, cap, optimizer="adam", r=2, start=0):
   """``(k, lr)`` at ``n`` from the rule's definition: ``j`` the largest with
-  ``schedule(n) * r**j <= peak`` (0 before ``start``), ``k = min(init * r**j, cap)``."""
+  ``schedule(n) * r**j <= peak`` within 8 float32 ulps (0 before ``start``), ``k =
+  min(init * r**j, cap)``."""
   peak = float(schedule(start))
   value = float(schedule(n))
   j = 0
   if n >= start:
-    while init * r ** j < cap and value * float(r) ** (j + 1) <= peak:
+    while init * r ** j < cap and value * float(r) ** (j + 1) <= peak * (1 + ULPS8):
       j += 1
   k = min(init * r ** j, cap)
   factor = math.sqrt(k / init) if optimizer == "adam" else k / init
@@ -186,6 +192,124 @@ def test_counts_past_2_31_are_exact():
     assert int(jax.jit(rule.micro_batches)(state)) == (4 if count >= edge else 2), count
 
 
+def float32_at_or_above(n):
+  """The smallest float32 at or above the Python int ``n >= 0``: float32 holds the counts
+  past ``2**24`` only every ``2**(e - 23)``."""
+  f = np.float32(n)  # the nearest: one step up if it is below n
+  return f if int(f) >= n else np.nextafter(f, np.float32(np.inf))
+
+
+def exact_steps(drops):
+  """A step reference, 1.0 times ``scale`` from each ``(count, scale)`` of ``drops`` on,
+  exact at every count: a Python int compared as it is, a float32 count with the first
+  float32 at or above each drop (so it decays exactly where the Python int does)."""
+  firsts = [float32_at_or_above(b) for b, _ in drops]
+
+  def schedule(n):
+    if isinstance(n, int):
+      return math.prod(scale for b, scale in drops if n >= b)
+    n = jnp.asarray(n, jnp.float32)
+    value = jnp.float32(1.0)
+    for first, (_, scale) in zip(firsts, drops, strict=True):
+      value = jnp.where(n >= first, value * jnp.float32(scale), value)
+    return value
+
+  return schedule
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_learning_rate_from_a_counter_past_2_24_is_the_levels(data):
+  """From a state's exact counter, past 2**24 where float32 cannot hold every count: the
+  learning rate at count n is the reference at n times the factor of the level at n, on
+  the first and last count of every level (the reference read at a float32 count rounded
+  below a threshold would give the first step of a level twice the rule's learning rate).
+  Reference: the rule by hand in Python ints (``hand``)."""
+  r = data.draw(st.sampled_from([2, 3, 4]))
+  near = st.integers(2**24 - 4, 2**24 + 64)
+  counts = sorted(set(data.draw(st.lists(st.one_of(near, st.integers(2**24, 2**40)),
+                                         min_size=1, max_size=4))))
+  bounds = []  # two levels within one float32 step cannot both be read from a float32
+  for b in counts:
+    if not bounds or float32_at_or_above(b) > np.nextafter(
+        float32_at_or_above(bounds[-1]), np.float32(np.inf)):
+      bounds.append(b)
+  powers = data.draw(st.lists(st.integers(1, 2), min_size=len(bounds), max_size=len(bounds)))
+  init = data.draw(st.integers(1, 3))
+  optimizer = data.draw(st.sampled_from(["adam", "sgd"]))
+  schedule = exact_steps([(b, 1 / r**m) for b, m in zip(bounds, powers, strict=True)])
+  rule = jaxaccum.seesaw(schedule, init_micro_batches=init, optimizer=optimizer,
+                         max_micro_batches=init * r ** sum(powers), ramp_factor=r, total=2**41)
+  assert rule.thresholds == (0, *bounds)
+  seen = sorted({max(b + d, 0) for b in bounds for d in (-2, -1, 0, 1, 2)}
+                | {b + d * 2 ** max(b.bit_length() - 24, 0) for b in bounds for d in (-1, 1)}
+                | set(data.draw(st.lists(st.integers(0, 2**41), max_size=8))))
+  kw = dict(init=init, cap=rule.max_micro_batches, optimizer=optimizer, r=r)
+  want = [hand(schedule, n, **kw) for n in seen]
+  ab = jaxaccum.AdaptiveBatch(8).init()
+
+  @jax.jit
+  def read(his, los):
+    states = jax.vmap(lambda hi, lo: rule.init()._replace(samples_hi=hi, samples_lo=lo))(
+        his, los)
+    ab_states = jax.vmap(lambda hi, lo: ab._replace(samples_hi=hi, samples_lo=lo))(his, los)
+    return (jax.vmap(rule.micro_batches)(states), jax.vmap(rule.learning_rate)(states),
+            jax.vmap(rule.learning_rate)(ab_states))
+
+  arr = np.asarray(seen, np.int64)
+  ks, lrs, ab_lrs = read(jnp.asarray(arr >> 24, jnp.int32),
+                         jnp.asarray(arr & (2**24 - 1), jnp.int32))
+  assert ks.tolist() == [k for k, _ in want]
+  np.testing.assert_allclose(lrs, [lr for _, lr in want], rtol=1e-6, atol=0)
+  np.testing.assert_allclose(ab_lrs, [lr for _, lr in want], rtol=1e-6, atol=0)
+
+
+def rational_levels(drops, *, init, cap, r):
+  """``(thresholds, ks)`` of a step reference in exact rationals: ``drops`` is ``[(count,
+  factor)]`` (Fractions), the level the largest ``j`` with ``value * r**j <= peak``."""
+  thresholds, ks, value = [0], [init], Fraction(1)
+  for b, factor in drops:
+    value *= factor
+    j = 0
+    while init * r**j < cap and value * r ** (j + 1) <= 1:
+      j += 1
+    k = min(init * r**j, cap)
+    if k > ks[-1]:
+      thresholds.append(b)
+      ks.append(k)
+  return tuple(thresholds), tuple(ks)
+
+
+@settings(max_examples=12, deadline=None)
+@example(r=3, drops=[(1, 1)] * 3, peak=1.0, init=1, levels=3)
+@example(r=10, drops=[(1, 1)] * 2, peak=1.0, init=1, levels=2)
+@given(r=st.integers(2, 12),
+       drops=st.lists(st.tuples(st.integers(1, 2), st.one_of(st.just(1),
+                                                              st.integers(50, 950))),
+                      min_size=1, max_size=4),
+       peak=st.sampled_from([1.0, 0.3, 3e-4]), init=st.integers(1, 3),
+       levels=st.integers(1, 8))
+def test_ramp_factor_r_ramps_once_per_r_fold_decay(r, drops, peak, init, levels):
+  """``ramp_factor=r`` on a float32 step reference (optax): a decay by exactly ``1/r**m``
+  (``1/3``, ``0.1``, which float32 rounds one ulp up) is ``m`` levels; the levels against
+  the rule in exact rationals. Each drop is ``1/r**m`` (the second entry 1) or ``a/1000``,
+  kept away from every level by more than float32 round-off."""
+  factors = [Fraction(1, r**m) if a == 1 else Fraction(a, 1000) for m, a in drops]
+  value = Fraction(1)
+  for f in factors:  # off-level products: more than 1e-4 from peak / r**j
+    value *= f
+    assume(all(v == 1 or abs(v - 1) > Fraction(1, 10**4)
+               for v in (value * r**j for j in range(1, 64))))
+  bounds = [100 * (i + 1) for i in range(len(factors))]
+  ref = optax.piecewise_constant_schedule(peak, {b: float(f) for b, f in zip(
+      bounds, factors, strict=True)})
+  cap = init * r**levels
+  rule = jaxaccum.seesaw(ref, init_micro_batches=init, max_micro_batches=cap, ramp_factor=r,
+                         total=100 * (len(factors) + 1))
+  assert (rule.thresholds, rule.ks) == rational_levels(
+      list(zip(bounds, factors, strict=True)), init=init, cap=cap, r=r)
+
+
 # --- inside a train step ---------------------------------------------------------------------
 
 N, M, D = 8, 2, 3  # micro-batches, rows per micro-batch, features
@@ -316,6 +440,21 @@ def info_for(k, g2, tr, m=2.0):
       skipped=jnp.int32(0))
 
 
+def guarded_by_hand(guard, b_simple):
+  """The k of each step of REF's rule (init 2, cap 16, 2 rows per micro-batch) with
+  ``noise_guard=guard``, by hand, given each step's B_simple: the ramp's k until a step
+  whose next level's batch (k' * 2 rows) would pass guard * B_simple; then k stays there."""
+  want, count, frozen = [], 0, None
+  for b in b_simple:
+    k = frozen or hand(REF, count, init=2, cap=16)[0]
+    want.append(k)
+    count += 2 * k
+    k_next = hand(REF, count, init=2, cap=16)[0]
+    if frozen is None and k_next > k and k_next * 2 > guard * b:
+      frozen = k
+  return want
+
+
 @pytest.mark.parametrize("b_simple,guard", [(5.0, 1.0), (9.0, 1.0), (100.0, 1.0), (5.0, 2.0)])
 def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_simple, guard):
   rule = jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
@@ -326,22 +465,46 @@ def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_si
     k = int(rule.micro_batches(state))
     ks.append(k)
     state = update(state, info_for(k, g2=1.0, tr=b_simple))
-  # By hand: the ramp's k until the next level's batch (k' * 2 rows) would pass
-  # guard * B_simple; then k stays there.
-  want, count, frozen = [], 0, None
-  for _ in range(60):
-    k = frozen or hand(REF, count, init=2, cap=16)[0]
-    want.append(k)
-    count += 2 * k
-    k_next = hand(REF, count, init=2, cap=16)[0]
-    if frozen is None and k_next > k and k_next * 2 > guard * b_simple:
-      frozen = k
-  assert ks == want
+  assert ks == guarded_by_hand(guard, [b_simple] * 60)
   assert max(ks) * 2 <= max(guard * b_simple, 4)
   # The learning rate keeps decaying as plain decay at the frozen k.
   count = rule.sample_count(state)
   np.testing.assert_allclose(float(rule.learning_rate(state)),
                              float(REF(count)) * math.sqrt(ks[-1] / 2), rtol=1e-6)
+
+
+# Rules with B_simple read from each step alone (noise_decay=0), one compiled run each.
+GUARDED = {guard: jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
+                                  noise_guard=guard, noise_decay=0.0) for guard in (1.0, 2.0)}
+
+
+@functools.cache
+def guarded_run(guard):
+  rule = GUARDED[guard]
+
+  @jax.jit
+  def run(b_simple):
+    def step(state, b):
+      k = rule.micro_batches(state)
+      return rule.update(state, info_for(k, g2=1.0, tr=b)), k
+    return jax.lax.scan(step, rule.init(), b_simple)[1]
+
+  return run
+
+
+@settings(max_examples=10, deadline=None)
+@example(guard=1.0, b_simple=[100.5] * 3 + [1.5] + [100.5] * 56)  # small where k stays
+@given(guard=st.sampled_from([1.0, 2.0]),
+       b_simple=st.lists(st.sampled_from([1.5, 2.5, 5.5, 9.5, 17.5, 33.5, 100.5]),
+                         min_size=60, max_size=60))
+def test_noise_guard_reads_the_noise_only_when_the_level_would_change(guard, b_simple):
+  """B_simple moving from step to step: the ramp stops only on a step that would take it
+  to the next level with a batch above guard * B_simple (that step's, as noise_decay=0
+  reads it); a small B_simple on a step that stays at its level stops nothing. Reference:
+  the rule by hand (``hand``), 2 rows per micro-batch; B_simple is a half-integer, so no
+  batch (an even number of rows) is within round-off of guard * B_simple."""
+  ks = guarded_run(guard)(jnp.asarray(b_simple, jnp.float32))
+  assert ks.tolist() == guarded_by_hand(guard, b_simple)
 
 
 def test_b2_coupling_in_closed_form():

@@ -1,10 +1,16 @@
-"""reduce="weighted": token-weighted losses on a small transformer LM with padded sequences."""
+"""reduce="weighted": token-weighted losses on a small transformer LM with padded sequences;
+denominators summed across data shards and accumulated wide from small integer dtypes, on a
+linear model over generated token counts."""
+
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import jaxaccum
 from tests import _problems
@@ -122,3 +128,70 @@ class IntegerDenominatorTest(chex.TestCase):
     out = self.variant(jaxaccum.value_and_grad(int_den_loss, num_micro_batches=4,
                                                reduce="weighted"))(params, batch)
     assert_close(out, full_batch_value_and_grad(params, batch))
+
+
+# --- the denominators: summed across data shards, accumulated wide -------------------------
+#
+# A linear model whose rows carry token counts: fun returns (sum of tokens x squared error,
+# sum of tokens), the sum in the dtype of the counts. The reference is plain
+# jax.value_and_grad of the whole batch's token mean, the counts as float32.
+
+ROWS = 32
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(ROWS, 3)).astype(np.float32)
+Y = _rng.normal(size=ROWS).astype(np.float32)
+W = np.asarray([0.5, -1.0, 2.0], np.float32)
+
+
+def token_sum_loss(w, batch):
+  x, y, tokens = batch
+  num = jnp.sum(tokens.astype(jnp.float32) * (x @ w - y) ** 2)
+  return num, jnp.sum(tokens, dtype=tokens.dtype)  # a micro-batch's count, in its own dtype
+
+
+@jax.jit
+def token_mean_reference(w, x, y, tokens):
+  def token_mean(w):
+    t = tokens.astype(jnp.float32)
+    return jnp.sum(t * (x @ w - y) ** 2) / jnp.sum(t)
+  return jax.value_and_grad(token_mean)(w)
+
+
+@functools.cache
+def weighted_step(shards, num_micro_batches):
+  """One compiled step per layout: ``shards`` data shards (1: no data_axis) of
+  ``num_micro_batches`` micro-batches each."""
+  data_axis = None if shards == 1 else jaxaccum.DataParallel(
+      "data", mesh=jax.make_mesh((shards,), ("data",), devices=jax.devices()[:shards]))
+  return jax.jit(jaxaccum.value_and_grad(token_sum_loss, num_micro_batches=num_micro_batches,
+                                         reduce="weighted", data_axis=data_axis))
+
+
+def check_token_mean(shards, num_micro_batches, tokens):
+  out = weighted_step(shards, num_micro_batches)(W, (X, Y, tokens))
+  assert_close(out, token_mean_reference(W, X, Y, tokens))
+
+
+@settings(max_examples=10, deadline=None)
+@example(shards=8, tokens=[3.0] * 4 + [0.0] * 28)  # one shard holds every token
+@given(shards=st.sampled_from([2, 4, 8]),
+       tokens=st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0, 7.0]), min_size=ROWS,
+                       max_size=ROWS).filter(any))
+def test_weighted_denominators_are_summed_across_data_shards(shards, tokens):
+  """Under data_axis each shard holds B / D contiguous rows and a different number of
+  tokens (a shard may hold none): the token mean divides by the tokens of every shard."""
+  check_token_mean(shards, 2, np.asarray(tokens, np.float32))
+
+
+@settings(max_examples=10, deadline=None)
+@given(layout=st.sampled_from([(1, 4), (2, 2)]), dtype=st.sampled_from(["int8", "uint8"]),
+       data=st.data())
+def test_small_integer_denominators_are_accumulated_wide(layout, dtype, data):
+  """Counts in int8 / uint8, each micro-batch's sum (8 rows) within its dtype and the
+  step's sum beyond it (int8: 8 to 15 tokens a row, 256 or more in all; uint8: 16 to 31, 512
+  or more): the denominator adds up in int32, whatever the dtype fun returns it in."""
+  shards, n = layout
+  low = {"int8": 8, "uint8": 16}[dtype]
+  tokens = data.draw(st.lists(st.integers(low, 2 * low - 1), min_size=ROWS, max_size=ROWS))
+  assert sum(tokens) > np.iinfo(dtype).max  # the step's count does not fit the dtype
+  check_token_mean(shards, n, np.asarray(tokens, dtype))

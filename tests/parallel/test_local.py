@@ -4,8 +4,8 @@ Each data shard ``d`` holds the contiguous block ``d`` of the batch's rows; a ke
 ``rng_argnums`` / ``rng_argnames`` reaches shard ``d`` as ``fold_in(key, d)`` (as under
 ``value_and_grad(data_axis=...)``), and micro-batch ``i`` of the shard's rows (``x_d[i::N]``)
 as ``fold_in(fold_in(key, d), i)``. The reference computes each shard's piece with plain
-``jax.value_and_grad`` on rows and keys sliced and folded by hand, divided by ``D`` (a mean
-loss).
+``jax.value_and_grad`` on rows and keys sliced and folded by hand: a mean loss's pieces are
+divided by ``D`` (and its micro-batches averaged), a sum's kept as they are (and summed).
 """
 
 import chex
@@ -29,11 +29,18 @@ def keyword_loss(w, *, batch, key):
   return dropout_loss(w, batch, key)
 
 
-reference = jax.jit(jax.value_and_grad(dropout_loss))
+def dropout_sum_loss(w, x, key):
+  return dropout_loss(w, x, key) * x.shape[0]  # the sum over the rows
 
 
-def hand_pieces(w, x, key, num_micro_batches):
-  """Shard d's (value, grads) piece: its rows' mean loss over its micro-batches, / D."""
+REFERENCES = {"mean": jax.jit(jax.value_and_grad(dropout_loss)),
+              "sum": jax.jit(jax.value_and_grad(dropout_sum_loss))}
+
+
+def hand_pieces(w, x, key, num_micro_batches, reduce="mean"):
+  """Shard d's (value, grads) piece: its rows' mean loss over its micro-batches, / D; or,
+  for a sum, its micro-batches' sum as it is."""
+  reference = REFERENCES[reduce]
   rows = x.shape[0] // D
   values, grads = [], []
   for d in range(D):
@@ -43,9 +50,11 @@ def hand_pieces(w, x, key, num_micro_batches):
     else:
       parts = [reference(w, x_d[i::num_micro_batches], jax.random.fold_in(key_d, i))
                for i in range(num_micro_batches)]
-      v, g = jax.tree.map(lambda *a: sum(a) / num_micro_batches, *parts)
-    values.append(v / D)
-    grads.append(g / D)
+      v, g = jax.tree.map(lambda *a: sum(a), *parts)
+      if reduce == "mean":
+        v, g = v / num_micro_batches, g / num_micro_batches
+    values.append(v / D if reduce == "mean" else v)
+    grads.append(g / D if reduce == "mean" else g)
   return jnp.stack(values), jnp.stack(grads)
 
 
@@ -69,6 +78,21 @@ def test_keys_are_folded_per_shard(problem, num_micro_batches):
   value, grads = fn(pw, px, key)
   chex.assert_trees_all_close((value, grads), hand_pieces(w, x, key, num_micro_batches),
                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_micro_batches", [None, 2, 4])
+def test_sum_pieces_are_each_shards_sum(problem, num_micro_batches):
+  """reduce="sum": shard d's piece is its rows' summed loss and gradient (its micro-batches'
+  sum), not divided by D, so the pieces sum to the whole batch's sum."""
+  mesh, w, x, (pw, px), key = problem
+  accumulate = {} if num_micro_batches is None else {"num_micro_batches": num_micro_batches}
+  fn = jax.jit(jaxaccum.local_value_and_grad(
+      dropout_sum_loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh), reduce="sum",
+      rng_argnums=2, **accumulate))
+  value, grads = fn(pw, px, key)
+  chex.assert_trees_all_close((value, grads),
+                              hand_pieces(w, x, key, num_micro_batches, reduce="sum"),
+                              rtol=1e-5, atol=1e-6)
 
 
 def test_keyword_batch_and_key(problem):

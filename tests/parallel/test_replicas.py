@@ -1,6 +1,7 @@
 """The replica driver's key rule, shared by ``data_axis``, ``local_value_and_grad`` and Linen's
 ``make_train_step(axis_name=...)``: replica ``d`` of ``D`` gets ``fold_in(key, d)``, and its
-micro-batch ``i`` gets ``fold_in(fold_in(key, d), i)``.
+micro-batch ``i`` gets ``fold_in(fold_in(key, d), i)``; and its state rule: each replica
+threads its own state through its micro-batches, as ``fun`` on the replica's rows alone.
 
 Reference: a Python loop over the replicas and their micro-batches, sliced by hand (replica
 ``d`` holds rows ``d * B/D .. (d + 1) * B/D - 1``, its micro-batch ``i`` the local rows
@@ -210,3 +211,51 @@ def test_a_key_argument_that_holds_no_key_is_refused_before_it_is_folded(driver,
   with pytest.raises(TypeError, match=r"rng_argnums names argument 3 .*\['dropout'\] is .*"
                                       r"not a single PRNG key\." + ".*" + hint):
     run()
+
+
+# --- the state arguments are each replica's own --------------------------------------------
+
+
+def fitted_loss(w, batch, state):
+  """Squared error of ``x @ w * s``; the state's ``s`` takes a gradient step of its own on
+  the micro-batch's rows (an inner ``jax.grad``), and ``steps`` counts the micro-batches
+  without reading the data."""
+  x, y = batch
+  loss, ds = jax.value_and_grad(lambda s: jnp.mean((x @ w * s - y) ** 2))(state["s"])
+  return loss, {"s": state["s"] - 0.1 * ds, "steps": state["steps"] + 1}
+
+
+fitted_reference = jax.jit(jax.value_and_grad(fitted_loss, has_aux=True))
+
+
+@pytest.mark.parametrize("replicas,n,skip", [(2, 1, False), (2, 2, True), (4, 2, False),
+                                             (4, 1, True)])
+def test_state_arguments_are_each_replicas_own_under_data_axis(replicas, n, skip):
+  """state_argnums under data_axis: replica ``d`` threads the state through its micro-batches
+  (its inner gradient that of its rows, not their sum over the replicas), then the float
+  state is averaged over the replicas and the counter is their maximum; with
+  skip_nonfinite too. Reference: the replicas' micro-batches by hand, each through plain
+  jax.value_and_grad, the state threaded in order."""
+  rng = np.random.default_rng(10 * replicas + n)
+  b = replicas * n * 4
+  x, y = rng.normal(size=(b, 3)).astype(np.float32), rng.normal(size=b).astype(np.float32)
+  w = np.asarray([0.3, -0.2, 0.5], np.float32)
+  state = {"s": jnp.float32(0.7), "steps": jnp.int32(0)}
+  mesh = jax.make_mesh((replicas,), ("data",), devices=jax.devices()[:replicas])
+  step = jax.jit(jaxaccum.value_and_grad(
+      fitted_loss, num_micro_batches=n, state_argnums=2, skip_nonfinite=skip,
+      data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
+  (loss, new_state), grads = step(w, (x, y), state)
+  rows, losses, all_grads, states = b // replicas, [], [], []
+  for d in range(replicas):
+    s = state
+    for i in range(n):
+      at = np.arange(d * rows, (d + 1) * rows)[i::n]
+      (value, s), g = fitted_reference(w, (x[at], y[at]), s)
+      losses.append(value)
+      all_grads.append(g)
+    states.append(s)
+  assert_close(loss, np.mean(losses))
+  assert_close(grads, np.mean(all_grads, axis=0))
+  assert_close(new_state["s"], np.mean([s["s"] for s in states]))
+  assert int(new_state["steps"]) == n

@@ -132,3 +132,36 @@ def test_half_as_many_out_of_memory_on_a_device(monkeypatch):
   out = bench_gpu_lm.plan_check(cfg, prediction, {"device_peak_bytes": 105.0}, shared)
   assert out["half"]["fits"] is False and "RESOURCE_EXHAUSTED" in out["half"]["how"]
   assert out["half"]["compiled_peak_bytes"] > 0 and out["meets_goal"]
+
+
+@pytest.mark.parametrize("kind, plan", [
+    ("NVIDIA H100 80GB HBM3", "plan_h100.json"),  # the described H100 by name
+    ("NVIDIA H100 PCIe", "plan_h100.json"),  # another H100: the same model's plan
+    ("NVIDIA H200", "plan_h200.json"),
+    ("NVIDIA H200 NVL", "plan_h200.json"),
+    ("NVIDIA A100-SXM4-80GB", None),  # no committed plan: the run plans on the device
+    ("cpu", None),
+])
+def test_the_check_takes_the_committed_plan_for_the_card_present(kind, plan):
+  got = bench_gpu_lm.plan_for_device(kind)
+  assert (got and got.name) == plan
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+def test_each_committed_plan_is_for_the_run_and_fits_its_card(target):
+  """The plans gpu_check.sh reads (--prediction auto) are for the GPU-size run, made for
+  the card they name: the count fits the card's budget and half as many does not."""
+  plan = json.loads((bench_gpu_lm.RESULTS / f"plan_{target}.json").read_text())
+  assert plan["config"] == dataclasses.asdict(bench_gpu_lm.GPU_CONFIG)
+  assert plan["target"] == target and target.upper() in plan["device"]
+  assert plan["peak_bytes"] <= plan["memory_budget_bytes"] < plan["half"]["peak_bytes"]
+  assert plan["half"]["num_micro_batches"] == plan["num_micro_batches"] // 2
+  chosen = [c for c in plan["candidates"] if c["num_micro_batches"] == plan["num_micro_batches"]]
+  assert chosen and chosen[0]["fits"] and chosen[0]["peak_bytes"] == plan["peak_bytes"]
+
+
+def test_the_gpu_check_reads_the_plan_for_the_card_present():
+  script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+  run_line = [ln for ln in script.splitlines() if "--prediction" in ln and "DRY" not in ln]
+  assert any("--prediction auto" in ln for ln in run_line), run_line
+  assert "plan_h200.json --time-budget" not in script
