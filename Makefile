@@ -40,7 +40,7 @@ bench: $(STAMP) $(GPU_STAMP)
 # Every benchmark's tiny mode (the smallest problems, results in a temporary folder): checks
 # that each script runs, in a few minutes; the suite runs the same (tests/test_benchmarks.py,
 # tests_gpu_target/test_benchmarks.py).
-BENCH_SCRIPTS := accumulation adaptive adaptive_grid adaptive_lm dp_padding evaluate features \
+BENCH_SCRIPTS := accumulation adaptive adaptive_grid adaptive_lm coupled dp_padding evaluate features \
   gpu_lm per_example pipeline seesaw sharding
 bench-tiny: $(STAMP) $(GPU_STAMP)
 	for b in $(BENCH_SCRIPTS); do BENCH_TINY=1 $(BIN)/python benchmarks/bench_$$b.py || exit 1; done

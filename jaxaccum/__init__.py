@@ -32,6 +32,7 @@ from jaxaccum._core._split import split_micro_batches as split_micro_batches
 from jaxaccum._core._stats import ClipPerExample as ClipPerExample
 from jaxaccum._core._stats import clip_per_example as clip_per_example
 from jaxaccum._core._transform import BatchBroadcastWarning as BatchBroadcastWarning
+from jaxaccum._coupled import cached_value_and_grad as cached_value_and_grad
 from jaxaccum._parallel._local import local_value_and_grad as local_value_and_grad
 from jaxaccum._parallel._pipeline import pipeline as pipeline
 from jaxaccum._parallel._pipeline import pipeline_schedule as pipeline_schedule
@@ -93,6 +94,7 @@ __all__ = (
     "Terms",
     "batch_size_ramp",
     "batch_size_ramp_by_count",
+    "cached_value_and_grad",
     "capture_gpu_target",
     "check_dp_chain",
     "check_per_example_loss",

@@ -41,6 +41,7 @@ TINY = {
     "bench_adaptive.py": (),
     "bench_adaptive_grid.py": (),
     "bench_adaptive_lm.py": (),
+    "bench_coupled.py": (),
     "bench_dp_padding.py": (),
     "bench_evaluate.py": (),
     "bench_features.py": (),
@@ -245,6 +246,18 @@ def _evaluate(out: pathlib.Path):
   assert "| jaxaccum.evaluate | 4 |" in (out / "evaluate.md").read_text()
 
 
+def _coupled(out: pathlib.Path):
+  """The tiny towers at N = 4: every method's row, and the cached program's and GradCache's
+  loop's gradients equal to the full batch's."""
+  saved = json.loads((out / "coupled.json").read_text())["clip"]
+  assert set(saved["rows"]) == {"full", "loss alone", "cached N=4", "plain N=4", "forward N=4",
+                                "gradcache N=4"}
+  for name in ("cached N=4", "gradcache N=4"):
+    assert saved["rows"][name]["grad_gap"] < 1e-5, (name, saved["rows"][name])
+  assert saved["plain_clip_gap"]["4"] > 1e-2 and set(saved["goals"]) == {"4"}
+  assert "| cached | 4 |" in (out / "coupled.md").read_text()
+
+
 def _dp_padding(out: pathlib.Path):
   """The one tiny case (materialised clipping, 32 rows in 8 micro-batches): the padding placed
   last, over the first k micro-batches only, gives the clipped mean of all N."""
@@ -280,8 +293,8 @@ def _seesaw(out: pathlib.Path):
 
 
 CHECKS = {"bench_accumulation.py": _accumulation, "bench_adaptive_grid.py": _adaptive_grid,
-          "bench_dp_padding.py": _dp_padding, "bench_evaluate.py": _evaluate,
-          "bench_features.py": _features,
+          "bench_coupled.py": _coupled, "bench_dp_padding.py": _dp_padding,
+          "bench_evaluate.py": _evaluate, "bench_features.py": _features,
           "bench_per_example.py": _per_example, "bench_seesaw.py": _seesaw}
 
 

@@ -109,6 +109,18 @@ def test_digits_cnn_rejects_a_batch_not_divisible_by_the_micro_batch(tmp_path):
     digits.main(batch_size=30, micro_batch_size=4, out_dir=tmp_path, progress=False)
 
 
+def test_clip_contrastive_cached_matches_the_full_batch_and_plain_does_not(tmp_path):
+  clip = _load("examples/clip_contrastive.py")
+  out = clip.main(steps=3, batch_size=16, num_micro_batches=4, out_dir=tmp_path, verbose=False)
+  assert _is_png(out["plot"])
+  curves = out["curves"]
+  np.testing.assert_allclose(curves["cached"], curves["full batch"], rtol=1e-5)
+  assert out["grad_gap"]["cached"] <= 1e-5
+  # Each micro-batch's InfoNCE sees 4 negatives instead of 16: another gradient.
+  assert out["grad_gap"]["plain"] > 1e-2, out["grad_gap"]
+  assert abs(curves["plain"][-1] - curves["full batch"][-1]) > 1e-4 * curves["full batch"][-1]
+
+
 def test_streaming_multisteps_weighted_matches_reference_and_optax_does_not(tmp_path):
   stream = _load("examples/streaming_multisteps.py")
   out = stream.main(windows=3, k=4, rows=2, width=24, out_dir=tmp_path, progress=False,

@@ -43,6 +43,18 @@ def all_finite(tree: PyTree) -> jax.Array:
   return functools.reduce(jnp.logical_and, leaves, jnp.ones((), jnp.bool_))
 
 
+def relative_difference(actual: PyTree, expected: PyTree) -> float:
+  """The L2 norm of ``actual - expected`` over the L2 norm of ``expected`` (the norm of the
+  difference where ``expected`` is 0), in float64 on the host: how the checks of a rule on a
+  sample batch measure (:func:`jaxaccum.check_per_example_loss`,
+  ``CachedValueAndGrad.check_encode``)."""
+  a = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(actual)]
+  b = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(expected)]
+  diff = np.sqrt(sum(float(np.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True)))
+  size = np.sqrt(sum(float(np.sum(y ** 2)) for y in b))
+  return float(diff / size) if size > 0 else float(diff)
+
+
 def divisor(peak: jax.Array) -> jax.Array:
   """What to divide entries by before squaring them: their largest absolute value ``peak``,
   or 1 where that is 0 or not finite (then the result is 0, or not finite, as it should)."""

@@ -61,7 +61,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   leaf_axes = _split.batch_axes(batches, opts.batch_axis)
   if opts.data_axis == _sharding.AUTO:
-    opts = _resolve_auto(opts, batches, leaf_axes)
+    opts = resolve_auto(opts, batches, leaf_axes)
   axes = opts.data_axis
   assert isinstance(axes, tuple)
   mesh = _sharding.resolve_mesh(opts.mesh, axes)
@@ -316,7 +316,7 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   return tuple(grad_axes), grad_specs
 
 
-def _resolve_auto(opts: Options, batches: dict[Any, PyTree],
+def resolve_auto(opts: Options, batches: dict[Any, PyTree],
                   leaf_axes: dict[Any, PyTree]) -> Options:
   """``data_axis="auto"``: the options with the axes read from the batch (and its mesh,
   when neither ``mesh=`` nor :func:`jax.set_mesh` gives one)."""

@@ -421,17 +421,11 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
     value = out[0][0] if extra else out[0]
     return jax.tree.map(lambda v: np.asarray(v, np.float64), value), out[1]
 
-  def rel(a, b):
-    a = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(a)]
-    b = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(b)]
-    diff = np.sqrt(sum(float(np.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True)))
-    size = np.sqrt(sum(float(np.sum(y ** 2)) for y in b))
-    return float(diff / size) if size > 0 else float(diff)
-
   def check(*args: Any, **kwargs: Any) -> dict[str, float]:
     v_batch, g_batch = value_of(whole(*args, **kwargs))
     v_alone, g_alone = value_of(alone(*args, **kwargs))
-    found = {"value": rel(v_alone, v_batch), "grads": rel(g_alone, g_batch)}
+    found = {"value": _stats.relative_difference(v_alone, v_batch),
+             "grads": _stats.relative_difference(g_alone, g_batch)}
     if not all(np.isfinite(v) and v <= rtol for v in found.values()):
       raise ValueError(
           "check_per_example_loss: the loss computed from each example alone differs from "
