@@ -10,6 +10,7 @@ whose every example has a clip factor of 0 run on every program of the clip path
 """
 
 import functools
+import re
 import warnings
 
 import chex
@@ -374,6 +375,40 @@ def test_check_per_example_loss_passes_row_losses_and_refuses_mixed_ones(seed):
     jaxaccum.check_per_example_loss(_contrastive)(w, x)
   with pytest.raises(ValueError, match="mixes the rows of its batch"):
     jaxaccum.check_per_example_loss(_batch_norm_loss)(w, (x, y))
+
+
+def _gradient_mixes_rows(w, batch):
+  # Each example alone has the batch's value (the mixing term is 0 in value: m - m), but
+  # the gradient of m, the squared mean over the rows, mixes them.
+  m = jnp.mean(jnp.tanh(batch[0] @ w)) ** 2
+  return _row_loss(w, batch) + m - jax.lax.stop_gradient(m)
+
+
+def test_check_per_example_loss_compares_the_gradient_not_only_the_value():
+  # Against per-example jax.grad in float64, over generated batches: the relative difference
+  # of the mean of the examples' gradients from the batch's gradient, which
+  # check_per_example_loss must report (raising above rtol), while the values agree.
+  grad = jax.jit(jax.grad(_gradient_mixes_rows))
+  strict = jaxaccum.check_per_example_loss(_gradient_mixes_rows)
+  for seed in range(3):
+    rng = np.random.default_rng(seed)
+    batch = (jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+             jnp.asarray(rng.normal(size=(6,)), jnp.float32))
+    w = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    whole = np.asarray(grad(w, batch), np.float64)
+    alone = np.mean([np.asarray(grad(w, _row(batch, j)), np.float64) for j in range(6)], 0)
+    want = np.linalg.norm(alone - whole) / np.linalg.norm(whole)
+    assert want > 1e-3
+    if seed < 2:
+      with pytest.raises(ValueError, match=r"difference 0 in the value and (\S+) in the gradi"
+                                           r"ent, above rtol=0.0001") as err:
+        strict(w, batch)
+      got = float(re.search(r"and (\S+) in the gradient", str(err.value)).group(1))
+      np.testing.assert_allclose(got, want, rtol=5e-3)  # printed to 3 digits
+    else:
+      found = jaxaccum.check_per_example_loss(_gradient_mixes_rows, rtol=2 * want)(w, batch)
+      assert found["value"] == 0.0
+      np.testing.assert_allclose(found["grads"], want, rtol=1e-4)
 
 
 def test_check_per_example_loss_bad_options():

@@ -46,22 +46,25 @@ def in_scan(f, diff, xs, in_axes=0):
   return any(s.view.in_scan for s in (*taps.values(), *probes.values()))
 
 
-def check(f, diff, xs, in_axes=0, *, rules=(), strict=True):
+def check(f, diff, xs, in_axes=0, *, rules=(), strict=True, more=()):
   """Ghost against brute force, both jitted; ``rules``: the expected rule per leaf path
   (``"ghost"`` where not given). Where no site sits in a scan body, both programs are
-  checked: book-keeping and a second backward pass."""
+  checked: book-keeping and a second backward pass. ``more``: further examples of ``xs``'s
+  shapes and dtypes (generated cases), checked by the same compiled programs."""
   got = _ghost.rules(f, diff, xs, in_axes)
   expect = {k: dict(rules).get(k, "ghost") for k in got}
   assert {k: v.split(":")[0] for k, v in got.items()} == expect, got
-  ref_outs, ref_grads, ref_sq = jax.jit(lambda d, x: reference(f, d, x, in_axes))(diff, xs)
+  ref = jax.jit(lambda d, x: reference(f, d, x, in_axes))
   for program in ("second",) if in_scan(f, diff, xs, in_axes) else ("book", "second"):
     ghost = jax.jit(lambda d, x, program=program: _ghost.clipped_sum(
         f, d, x, in_axes, weigh, strict=strict, program=program))
-    outs, grads, sq = ghost(diff, xs)
-    chex.assert_trees_all_close(sq, ref_sq, rtol=1e-5)
-    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(outs, ref_outs, rtol=1e-6)
-    assert jax.tree.structure(grads) == jax.tree.structure(diff)
+    for case in (xs, *more):
+      ref_outs, ref_grads, ref_sq = ref(diff, case)
+      outs, grads, sq = ghost(diff, case)
+      chex.assert_trees_all_close(sq, ref_sq, rtol=1e-5)
+      chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(outs, ref_outs, rtol=1e-6)
+      assert jax.tree.structure(grads) == jax.tree.structure(diff)
 
 
 def normal(key, shape, scale=1.0):
@@ -149,6 +152,38 @@ def test_embedding_gather(rows, t, mode):
   check(f, (p,), ids)
 
 
+def test_embedding_indices_out_of_range_add_nothing():
+  # JAX's default indexing (table[ids], promise_in_bounds) and mode="fill" read a row for an
+  # index out of range (the nearest one, or the fill value), and their transposes drop its
+  # gradient: an index one past the end, further out, or below -rows (after jnp's wrap of
+  # negative indices) adds nothing to the norm, by the index-equality Gram (50 rows, 3
+  # tokens: "emb") and by segment sums (3 rows: "fill"). A table tied as the output head
+  # ("tied"): its cross term drops those positions too.
+  assert _ghost._index_gram_cheaper(3, 2, 50) and not _ghost._index_gram_cheaper(3, 2, 3)
+  p = {"emb": normal(0, (50, 2)), "fill": normal(1, (3, 2)), "tied": normal(2, (3, 2)),
+       "w": normal(3, (2,))}
+
+  def f(d, ids):
+    q = d[0]
+    big, small = ids
+    e = q["emb"][big] + jnp.take(q["fill"], small, axis=0, mode="fill", fill_value=0.0)
+    s = jnp.tanh(e @ q["w"])  # (1, 3)
+    h = s[..., None] * q["tied"][small]
+    return jnp.sum(s * jnp.arange(3)) + jnp.sum(jnp.sin(h @ q["tied"].T)), ()
+
+  def ids(seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for rows in (50, 3):
+      i = rng.integers(-rows - 2, rows + 3, size=(E, 1, 3))
+      i[rng.random(i.shape) < 0.4] = rows  # one past the end, often twice in an example
+      i[0, 0, :2] = rows
+      out.append(jnp.asarray(i, jnp.int32))
+    return tuple(out)
+
+  check(f, (p,), ids(0), rules={"[0]['tied']": "cross"}, more=[ids(s) for s in range(1, 4)])
+
+
 def test_slices():
   # dynamic_slice at an index taken from the example, and a static slice: one window each,
   # so the norm is the window cotangent's. The static slice, and the positional table
@@ -177,6 +212,32 @@ def test_tied_embeddings():
 
   ids = jax.random.randint(jax.random.key(2), (E, 1, 4), 0, 7)
   check(f, (p,), ids, rules={"[0]['emb']": "cross"})
+
+
+def test_negated_views_keep_their_sign_in_the_cross_terms():
+  # A leaf used twice, once through a negation: |G_1 - G_2|^2 = |G_1|^2 + |G_2|^2
+  # - 2 <G_1, G_2>, the cross term's sign the negation's. x @ w beside cos(x) @ (-w) (two
+  # matrix products), and a table gathered through a double negation (the sign back to +)
+  # and tied as the output head negated ((-emb).T: a gather's and a product's factors).
+  # Generated inputs through the same compiled programs.
+  p = {"w": normal(0, (3, 3)), "emb": normal(1, (6, 3))}
+
+  def f(d, batch):
+    q = d[0]
+    x, ids = batch
+    h = x @ q["w"] + jnp.cos(x) @ (-q["w"])  # (1, 3)
+    e = jnp.take(jnp.negative(-q["emb"]), ids, axis=0)  # (1, 4, 3)
+    logits = jnp.tanh(e + h[:, None]) @ (-q["emb"]).T
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0]), ()
+
+  def batch(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(E, 1, 3)) * 10.0 ** rng.uniform(-0.5, 0.5, size=(E, 1, 1))
+    return (jnp.asarray(x, jnp.float32),
+            jnp.asarray(rng.integers(0, 6, size=(E, 1, 4)), jnp.int32))
+
+  check(f, (p,), batch(0), rules={"[0]['w']": "cross", "[0]['emb']": "cross"},
+        more=[batch(s) for s in range(1, 4)])
 
 
 def test_scan_over_stacked_layers():

@@ -91,6 +91,48 @@ def test_the_gram_guard_takes_the_direct_form_where_positions_cancel(cancel):
                              else 1e-5)
 
 
+# One micro-batch of one example per case (each case takes its own branch of the guard),
+# compiled once for every generated case.
+_GUARDED_NORMS = jax.jit(jax.vmap(jax.vmap(
+    lambda a, b: _ghost._wide_norm(_ghost._sq_outer(a, b)), axis_name=_ghost._EXAMPLES)))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_gram_guard_threshold_over_generated_cancellations(seed):
+  # Two positions whose outer products cancel so that S / |A^T B|^2 (S: the squared sum of
+  # the terms' sizes, sum_t |a_t| |b_t|) spans 1e2 to 1e5, across the trust threshold
+  # (1e3) and ten times it (1e4), or add (b's second row flipped), at scales from 1e-6 to
+  # 1e6. Against float64: where the ratio is under 1e3 the Gram form is trusted, its
+  # rounding (about ratio * 2^-24 of the norm) under 1e-4; above it the direct form is
+  # taken, whose rounding is about sqrt(ratio) * 2^-24 (measured at most 0.34 of it).
+  # Between 1e3 and 1e4 the Gram form read norms up to 2.8e-4 off, the direct form 1.6e-6.
+  rng = np.random.default_rng(seed)
+  n, p = 256, 16
+  a = rng.normal(size=(n, 1, 1, 2, p))
+  b = rng.normal(size=(n, 1, 1, 2, p))
+  cancel = 2 / np.sqrt(10.0 ** rng.uniform(2, 5, size=n))  # S / |A^T B|^2 ~ 4 / cancel^2
+  a[..., 1, :] = -a[..., 0, :] * (1 + cancel[:, None, None, None])
+  b[..., 1, :] = b[..., 0, :] * rng.choice([-1.0, 1.0], size=(n, 1, 1, 1))
+  a *= 10.0 ** rng.uniform(-6, 6, size=(n, 1, 1, 1, 1))
+  b *= 10.0 ** rng.uniform(-6, 6, size=(n, 1, 1, 1, 1))
+  a, b = a.astype(np.float32), b.astype(np.float32)
+  assert _ghost._gram_cheaper(2, p, p)
+  got = np.asarray(_GUARDED_NORMS(jnp.asarray(a), jnp.asarray(b)), np.float64)[:, 0]
+  a64, b64 = a.astype(np.float64)[:, 0], b.astype(np.float64)[:, 0]
+  want = np.sqrt(np.sum(np.einsum("ehtp,ehtq->ehpq", a64, b64) ** 2, axis=(1, 2, 3)))
+  terms = np.sum(np.sum(np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1), -1) ** 2,
+                 -1)
+  ratio = terms / want ** 2
+  err = np.abs(got - want) / want
+  # the guard reads the ratio in float32: within 1% of the threshold either form may be taken
+  direct = ratio > 1.01e3  # the documented threshold (docs/dp-sgd.md)
+  assert 20 < np.sum(direct & (ratio < 1e4)) and 20 < np.sum(ratio < 1e3)
+  assert np.all(err[~direct] <= 1e-4), np.max(err[~direct])
+  bound = 2 * np.sqrt(ratio[direct]) * 2.0 ** -24
+  worst = np.argmax(err[direct] / bound)
+  assert np.all(err[direct] <= bound), (ratio[direct][worst], err[direct][worst])
+
+
 # --- per-layer clip norms --------------------------------------------------------------------
 
 
@@ -176,6 +218,70 @@ def test_per_layer_clip_norms_under_both_ghost_programs(program):
   chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+def _scaled_mlp(p, batch):  # each layer's scale under sin: no rule, materialised by "auto"
+  x, y = batch
+  h = jnp.tanh(x @ p["l0"]["w"]) * jnp.sin(p["l0"]["s"])
+  h = jnp.tanh(h @ p["l1"]["w"]) * jnp.sin(p["l1"]["s"])
+  return jnp.sum((h @ p["l2"]["w"] - y) ** 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_layer_clip_norms_with_a_materialised_leaf_in_each_group(seed):
+  # Generated clip groups (a layer as one group, or its weight and its scale apart) over a
+  # model whose scales are materialised by "auto" while its weights take ghost norms: each
+  # materialised leaf gets its own group's factor, against per-example jax.grad clipped by
+  # hand.
+  rng = np.random.default_rng(seed)
+  k = jax.random.split(jax.random.key(seed), 5)
+  params = {"l0": {"w": jax.random.normal(k[0], (4, 5)), "s": jax.random.normal(k[1], (5,))},
+            "l1": {"w": jax.random.normal(k[2], (5, 5)) / 2,
+                   "s": jax.random.normal(k[3], (5,))},
+            "l2": {"w": jax.random.normal(k[4], (5, 3))}}
+  batch = (rng.normal(size=(8, 4)).astype(np.float32),
+           rng.normal(size=(8, 3)).astype(np.float32))
+  groups = {}  # the clip norms by group: a layer ("l0"), or one leaf of a layer ("l0.s")
+  for name, apart in zip(("l0", "l1"), [(True, True), (False, True), (True, False)][seed],
+                         strict=True):
+    if apart:
+      groups[f"{name}.s"] = float(rng.uniform(0.05, 0.5))
+      groups[f"{name}.w"] = float(rng.uniform(0.2, 1.0))
+    else:
+      groups[name] = float(rng.uniform(0.1, 1.0))
+  groups["l2"] = float(rng.uniform(0.5, 2.0))
+  clip = jaxaccum.clip_per_example(_merged(groups))  # max_norm as a prefix of params
+  assert len(set(clip.leaf_groups(params))) == len(groups)
+  rules = _ghost.rules(lambda d, x: (_scaled_mlp(d[0], x), ()), (params,),
+                       jax.tree.map(lambda a: a[:, None], batch), 0)
+  assert {k: v.split(":")[0] for k, v in rules.items()} == {
+      f"[0]['{n}']['{leaf}']": "materialize" if leaf == "s" else "ghost"
+      for n in ("l0", "l1", "l2") for leaf in ("s", "w") if (n, leaf) != ("l2", "s")}
+  want = _per_layer_reference(_grouped_mlp, _grouped(params, groups), batch, groups)
+  got = jax.jit(jaxaccum.grad(_scaled_mlp, num_micro_batches=2, reduce="sum",
+                              per_example_transform=clip))(params, batch)
+  chex.assert_trees_all_close(_grouped(got, groups), want, rtol=2e-5, atol=2e-5)
+
+
+def _grouped(tree, groups):
+  """``tree``'s subtrees by clip group (``"l0"``: a layer, ``"l0.s"``: one of its leaves)."""
+  return {g: tree[g.split(".")[0]][g.split(".")[1]] if "." in g else tree[g] for g in groups}
+
+
+def _merged(q):
+  """The tree whose clip groups are ``q`` (:func:`_grouped`'s inverse)."""
+  out: dict = {}
+  for g, v in q.items():
+    if "." in g:
+      n, leaf = g.split(".")
+      out.setdefault(n, {})[leaf] = v
+    else:
+      out[g] = v
+  return out
+
+
+def _grouped_mlp(q, batch):
+  return _scaled_mlp(_merged(q), batch)
+
+
 def test_per_layer_clip_norms_errors():
   with pytest.raises(ValueError, match="prefix of the gradient"):
     jax.jit(jaxaccum.grad(_mlp, num_micro_batches=1, per_example_transform=(
@@ -259,6 +365,46 @@ def _bf16_scan(p, batch):
   h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.astype(jnp.bfloat16)), None),
                       x.astype(jnp.bfloat16), p["enc"]["w"])
   return jnp.sum(((h @ p["head"].astype(jnp.bfloat16)).astype(jnp.float32) - y) ** 2)
+
+
+def _bf16_sin_scan(p, batch):
+  x, y = batch
+  h, _ = jax.lax.scan(lambda h, w: (jnp.sin(h @ w.astype(jnp.bfloat16)), None),
+                      x.astype(jnp.bfloat16), p["w"])
+  return jnp.sum(h.astype(jnp.float32) * y)
+
+
+@jax.jit
+def _bf16_alone(params, row, c):
+  """One example's clipped gradient (and info), the clip norm ``c`` traced: one program."""
+  return jaxaccum.grad(_bf16_sin_scan, num_micro_batches=1, reduce="sum", with_info=True,
+                       per_example_transform=jaxaccum.clip_per_example(c, "ghost"))(params, row)
+
+
+def test_a_bfloat16_second_pass_keeps_every_example_within_c():
+  # Sites in a scan body in bfloat16: the clipped sum is a second backward pass, whose
+  # cotangents c_e * dL/dy round to bfloat16 (up to u = 2^-8 relative) and round again at
+  # each operation after (here the weight's gradient, a product rounded to bfloat16). Its
+  # factors are divided by 1 + 4u; 1 + u would cover the factor's own rounding only. The
+  # clip norms are generated so that c_e / (1 + u) sits just above the midpoint between
+  # two bfloat16 values at the bottom of a binade (it rounds up by almost u), the targets
+  # are powers of two (c_e * y rounds as c_e does): each example alone (a batch of one,
+  # reduce="sum") must add at most C, in float64 from the float32 gradient.
+  u = 2.0 ** -8
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(2, 4, 4)) / 2, jnp.float32)}
+  x = rng.normal(size=(48, 1, 1, 4)).astype(np.float32)
+  y = (rng.choice([-1, 1], size=(48, 1, 1, 4))
+       * 2.0 ** rng.integers(-2, 3, size=(48, 1, 1, 4))).astype(np.float32)
+  over = []
+  for row in zip(x, y, strict=True):
+    _, info = _bf16_alone(params, row, jnp.float32(np.inf))
+    norm = float(info.example_grad_norms[0])  # the norm the factor is computed from
+    c = 2.0 ** -int(rng.integers(1, 4)) * (1 + u + float(rng.uniform(1e-3, 0.5)) * u)
+    limit = np.float32(norm * (1 + u) * c)
+    g, _ = _bf16_alone(params, row, jnp.float32(limit))
+    over.append(np.sqrt(np.sum(np.asarray(g["w"], np.float64) ** 2)) / float(limit))
+  assert max(over) <= 1 + 1e-5, (max(over), np.mean(np.array(over) > 1))
 
 
 def test_per_layer_norms_in_a_narrow_scanned_program():
