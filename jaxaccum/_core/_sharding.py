@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core
@@ -288,37 +288,74 @@ def axes_str(axes: Sequence[AxisName], mesh: Any) -> str:
   return " x ".join(f"{a!r} (size {mesh.shape[a]})" for a in axes)
 
 
-def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any) -> None:
+class MeshUse(NamedTuple):
+  """Who asks :func:`resolve_mesh` for a mesh, for its messages and its one difference.
+
+  ``argument`` is the keyword that names the axes (``data_axis``, ``stage_axis``),
+  ``caller`` the function that takes ``mesh=``, ``along`` what is laid out along the axes,
+  ``manual_fix`` what to do when the axes are already manual here; with ``nest`` the mesh of
+  an enclosing ``shard_map`` over other axes is used (it knows which axes are manual).
+  """
+
+  argument: str
+  caller: str
+  along: str
+  manual_fix: str
+  nest: bool = False
+
+
+DATA_AXIS = MeshUse(
+    argument="data_axis", caller="jaxaccum.value_and_grad", along="the batch is sharded over",
+    manual_fix=(
+        "Call the transform outside your shard_map, or drop data_axis and do what it does: "
+        "mark the differentiated arguments device-varying first, params = "
+        "jax.lax.pcast(params, {axes}, to='varying') (otherwise JAX sums their gradients "
+        "over the devices inside every micro-batch), so that each device accumulates the "
+        "gradients of its own rows; the full-batch result is then the pmean (not the psum) "
+        "of the loss and gradients over these axes for reduce='mean', their psum for "
+        "reduce='sum', and for reduce='weighted' each device's loss and gradients weighed by "
+        "its own total denominator d: psum(x * d) / psum(d)."))
+
+
+def _named(use: MeshUse, axes: tuple[AxisName, ...]) -> str:
+  return f"{use.argument}={axes[0] if len(axes) == 1 else axes!r}"
+
+
+def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any, use: MeshUse = DATA_AXIS) -> None:
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     sizes = ", ".join(f"{a!r}: {s}" for a, s in mesh.shape.items())
     raise ValueError(
-        f"data_axis={axes[0] if len(axes) == 1 else axes!r} names mesh axis "
-        f"{', '.join(map(repr, missing))}, which is not in the mesh; its axes are {{{sizes}}}. "
-        "Pass the name of the axis the batch is sharded over.")
+        f"{_named(use, axes)} names mesh axis {', '.join(map(repr, missing))}, which is not "
+        f"in the mesh; its axes are {{{sizes}}}. Pass the name of the axis {use.along}, e.g. "
+        f"{use.argument}={next(iter(mesh.axis_names))!r}.")
 
 
-def resolve_mesh(mesh: Any, axes: tuple[AxisName, ...]) -> Any:
+def resolve_mesh(mesh: Any, axes: tuple[AxisName, ...], use: MeshUse = DATA_AXIS) -> Any:
+  """The mesh ``axes`` name: ``mesh``, else the one set by ``jax.set_mesh``; raises the
+  package's messages when there is none, an axis is not in it, or one is already manual."""
+  context = jax.sharding.get_abstract_mesh()
   if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if context.empty:
       raise ValueError(
-          f"data_axis={axes[0] if len(axes) == 1 else axes!r} needs a mesh: pass mesh=... "
-          "to jaxaccum.value_and_grad, or call the step inside `with jax.set_mesh(mesh):`.")
-  _check_axes_in(axes, mesh)
-  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+          f"{_named(use, axes)} needs a mesh: pass mesh=... to {use.caller}, or call it "
+          "inside `with jax.set_mesh(mesh):`.")
+    mesh = context
+  _check_axes_in(axes, mesh, use)
+  manual = set(getattr(context, "manual_axes", ()))
   if manual & set(axes):
     raise ValueError(
-        f"data_axis axes {sorted(manual & set(axes))} are already manual here (this is "
-        "inside a shard_map over them), so jaxaccum cannot map over them again. Call the "
-        "transform outside your shard_map, or drop data_axis and do what it does: mark the "
-        f"differentiated arguments device-varying first, params = jax.lax.pcast(params, "
-        f"{tuple(sorted(manual & set(axes)))}, to='varying') (otherwise JAX sums their "
-        "gradients over the devices inside every micro-batch), so that each device "
-        "accumulates the gradients of its own rows; the full-batch result is then the pmean "
-        "(not the psum) of the loss and gradients over these axes for reduce='mean', their "
-        "psum for reduce='sum', and for reduce='weighted' each device's loss and gradients "
-        "weighed by its own total denominator d: psum(x * d) / psum(d).")
+        f"{use.argument} axes {sorted(manual & set(axes))} are already manual here (this is "
+        f"inside a shard_map over them), so it cannot map over them again. "
+        + use.manual_fix.format(axes=tuple(sorted(manual & set(axes)))))
+  if use.nest and not context.empty and manual:
+    # Inside an outer shard_map over other axes: nest in the context's mesh, which knows
+    # which axes are already manual.
+    if dict(context.shape) != dict(mesh.shape):
+      raise ValueError(
+          f"mesh={dict(mesh.shape)} differs from the mesh of the enclosing shard_map "
+          f"({dict(context.shape)}). Pass the same mesh, or mesh=None.")
+    mesh = context
   return mesh
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,17 @@ from jaxaccum._core._validate import describe as describe
 from jaxaccum._core._validate import is_int
 
 
-def check_count(name: str, value: Any) -> int | None:
-  """Returns ``value`` as an int, or raises if it is not a positive integer."""
+@overload
+def check_count(name: str, value: Any, *, required: Literal[True]) -> int: ...
+@overload
+def check_count(name: str, value: Any, *, required: bool = False) -> int | None: ...
+def check_count(name: str, value: Any, *, required: bool = False) -> int | None:
+  """Returns ``value`` as an int, or raises if it is not a positive integer; ``None`` passes
+  unless ``required``."""
   if value is None:
+    if required:
+      raise TypeError(f"{name} must be a positive Python int, got None. Pass a static "
+                      f"integer such as {name}=8.")
     return None
   if not is_int(value):
     raise TypeError(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum._core import _validate
 from jaxaccum._core._types import PyTree
 
 
@@ -146,14 +147,6 @@ def _check_max_norm(max_norm: Any) -> Any:
   return max_norm
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> Any:
-  if not isinstance(value, str) or value not in choices:
-    raise ValueError(
-        f"clip_per_example: {name} must be one of {', '.join(map(repr, choices))}, got "
-        f"{name}={value!r}.")
-  return value
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClipPerExample:
   """What :func:`clip_per_example` returns: the DP-SGD clip as a ``per_example_transform``.
@@ -172,7 +165,7 @@ class ClipPerExample:
 
   def __post_init__(self):
     _check_max_norm(self.max_norm)
-    _check_choice("method", self.method, METHODS)
+    _validate.check_choice("clip_per_example", "method", self.method, METHODS)
     for name in ("nan_safe", "keep_batch_dim"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(

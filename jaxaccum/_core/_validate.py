@@ -106,7 +106,7 @@ def check_float(where: str, name: str, value: Any, *, low: float, strict: bool, 
 
 def check_choice(where: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
   """``value``, which must be one of ``choices`` (``ValueError`` listing them otherwise)."""
-  if value not in choices:
+  if not isinstance(value, str) or value not in choices:
     raise ValueError(
         f"{where}: {name} must be one of {', '.join(map(repr, choices))}, got "
         f"{name}={value!r}.")

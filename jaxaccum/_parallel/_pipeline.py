@@ -43,6 +43,10 @@ from jax.sharding import PartitionSpec
 from jaxaccum._core import _sharding, _split
 from jaxaccum._core._types import PyTree
 
+_STAGE_AXIS = _sharding.MeshUse(
+    argument="stage_axis", caller="jaxaccum.pipeline", along="the stages are laid out along",
+    manual_fix="Call the pipeline outside your shard_map over that axis.", nest=True)
+
 
 def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
                       num_repeats: int = 1) -> tuple[tuple[int | None, ...], ...]:
@@ -77,9 +81,9 @@ def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
   . 1 0
   . . 1
   """
-  s = _check_count("num_stages", num_stages)
-  m = _check_count("num_micro_batches", num_micro_batches)
-  r = _check_count("num_repeats", num_repeats)
+  s = _split.check_count("num_stages", num_stages, required=True)
+  m = _split.check_count("num_micro_batches", num_micro_batches, required=True)
+  r = _split.check_count("num_repeats", num_repeats, required=True)
   period = max(m, s) if r > 1 else m
   ticks = (r - 1) * period + m + s - 1
 
@@ -148,8 +152,8 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
   """
   if not callable(stage_fn):
     raise TypeError(f"stage_fn must be callable, got {stage_fn!r}.")
-  m = _check_count("num_micro_batches", num_micro_batches)
-  r = _check_count("num_repeats", num_repeats)
+  m = _split.check_count("num_micro_batches", num_micro_batches, required=True)
+  r = _split.check_count("num_repeats", num_repeats, required=True)
   if not isinstance(stage_axis, str):
     raise TypeError(
         f"stage_axis must be a mesh axis name (a str), got stage_axis={stage_axis!r}.")
@@ -160,7 +164,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
     raise TypeError(f"remat must be True or False, got remat={remat!r}.")
 
   def pipe(stage_params: PyTree, x: PyTree) -> PyTree:
-    the_mesh = _resolve_mesh(mesh, stage_axis)
+    the_mesh = _sharding.resolve_mesh(mesh, (stage_axis,), _STAGE_AXIS)
     s = the_mesh.shape[stage_axis]
     _check_stage_params(stage_params, s, r, stage_axis)
     x_leaves, x_def = jax.tree.flatten(x)
@@ -293,47 +297,6 @@ def _recompute_in_backward(mapped, body, mesh, axis: str, p_spec: PartitionSpec,
 
 
 # --- Helpers ------------------------------------------------------------------------------
-
-
-def _check_count(name: str, value: Any) -> int:
-  """:func:`jaxaccum._core._split.check_count` for a count that is required (it lets
-  ``None`` pass)."""
-  if value is None:
-    raise TypeError(f"{name} must be a positive Python int, got None. Pass a static integer "
-                    f"such as {name}=8.")
-  count = _split.check_count(name, value)
-  assert count is not None
-  return count
-
-
-def _resolve_mesh(mesh: Any, axis: str) -> Any:
-  context = jax.sharding.get_abstract_mesh()
-  if mesh is None:
-    if context.empty:
-      raise ValueError(
-          f"jaxaccum.pipeline needs a mesh with a {axis!r} axis: pass mesh=... to "
-          "jaxaccum.pipeline, or call it inside `with jax.set_mesh(mesh):`.")
-    mesh = context
-  if axis not in mesh.axis_names:
-    sizes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
-    raise ValueError(
-        f"stage_axis={axis!r} is not an axis of the mesh; its axes are {{{sizes}}}. Pass "
-        "the name of the axis the stages are laid out along, e.g. "
-        f"jaxaccum.pipeline(..., stage_axis={next(iter(mesh.axis_names))!r}).")
-  if axis in set(getattr(context, "manual_axes", ())):
-    raise ValueError(
-        f"stage_axis={axis!r} is already manual here (this is inside a shard_map over "
-        "it), so the pipeline cannot map over it again. Call the pipeline outside your "
-        "shard_map over that axis.")
-  if not context.empty and context.manual_axes:
-    # Inside an outer shard_map (e.g. jaxaccum.value_and_grad(data_axis=...)): nest in
-    # the context's mesh, which knows which axes are already manual.
-    if dict(context.shape) != dict(mesh.shape):
-      raise ValueError(
-          f"mesh={dict(mesh.shape)} differs from the mesh of the enclosing shard_map "
-          f"({dict(context.shape)}). Pass the same mesh, or mesh=None.")
-    mesh = context
-  return mesh
 
 
 def _check_stage_params(stage_params: PyTree, s: int, r: int, axis: str) -> None:

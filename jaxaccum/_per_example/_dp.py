@@ -15,7 +15,6 @@ is private. :func:`dp_optimizer` builds the chain in that order by construction,
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,24 +25,13 @@ import numpy as np
 import optax
 
 from jaxaccum import _api
-from jaxaccum._core import _stats
+from jaxaccum._core import _stats, _validate
 
 
 class DpNoiseState(NamedTuple):
   """The state of :func:`dp_noise`: the key of the next step's noise."""
 
   rng_key: jax.Array
-
-
-def _positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
-  if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.number)):
-    raise TypeError(f"dp_noise: {name} must be a number, got {name}={value!r}.")
-  v = float(value)
-  if not (v >= 0 if allow_zero else v > 0) or not np.isfinite(v):
-    raise ValueError(
-        f"dp_noise: {name} must be {'non-negative' if allow_zero else 'positive'} and "
-        f"finite, got {name}={value!r}.")
-  return v
 
 
 def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
@@ -84,9 +72,14 @@ def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
   >>> updates["w"].shape
   (3,)
   """
-  clip = _positive("l2_norm_clip", l2_norm_clip)
-  sigma = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
-  size = _positive("batch_size", batch_size)
+  clip = _validate.check_float("dp_noise", "l2_norm_clip", l2_norm_clip, low=0.0, strict=True,
+                               what="the clip norm C", example="1.0")
+  sigma = _validate.check_float("dp_noise", "noise_multiplier", noise_multiplier, low=0.0,
+                                strict=False, what="sigma: the noise's std is sigma * C",
+                                example="1.1")
+  size = _validate.check_float("dp_noise", "batch_size", batch_size, low=0.0, strict=True,
+                               what="the expected batch size the noise is divided by",
+                               example="256")
   std = clip * sigma
 
   def init_fn(params):

@@ -189,9 +189,9 @@ def test_dp_optimizer_refuses_noise_inside_and_bad_input():
   with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
     jaxaccum.dp_optimizer(optax.adam, l2_norm_clip=C, noise_multiplier=1.0, batch_size=8,
                           key=jax.random.key(0))
-  for kw, err, pat in [({"l2_norm_clip": 0.0}, ValueError, "l2_norm_clip must be positive"),
+  for kw, err, pat in [({"l2_norm_clip": 0.0}, ValueError, "l2_norm_clip must be a finite float"),
                        ({"noise_multiplier": -1.0}, ValueError, "noise_multiplier must be"),
-                       ({"batch_size": "8"}, TypeError, "batch_size must be a number"),
+                       ({"batch_size": "8"}, TypeError, "batch_size must be a float"),
                        ({"l2_norm_clip": float("nan")}, ValueError, "l2_norm_clip=nan")]:
     args = {"l2_norm_clip": C, "noise_multiplier": 1.0, "batch_size": 8, **kw}
     with pytest.raises(err, match=pat):
