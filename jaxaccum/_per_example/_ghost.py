@@ -31,9 +31,10 @@ identity) falls back for that leaf, to its materialised per-example gradient. A 
 read a norm too small is guarded: a Gram form whose terms cancel is replaced by the direct
 form (``_GRAM_TRUST``), squared norms are carried wide in three parts scaled by exact powers
 of two (no overflow, no underflow), book-keeping forms the clipped sum in float32 from the
-values the norms were read from, and a second backward pass in a narrower dtype divides its
-factors by a margin (``_NARROW_MARGIN_UNITS``). docs/dp-sgd.md, "What the sensitivity bound
-rests on", gives the bound that results, as measured by the differential fuzz.
+values the norms were read from, and a second backward pass in a dtype narrower than float32,
+which does not scale with its cotangent, is never run (``_narrow_second_pass``: the program is
+materialised, or refused under ``strict``). docs/dp-sgd.md, "What the sensitivity bound rests
+on", gives the bound that results, as measured by the differential fuzz.
 
 Where no site sits in a ``lax.scan`` body, the clipped sum is formed by book-keeping (Bu et
 al. 2023): one backward pass gives every site's output cotangent (a zero added to the site's
@@ -1342,28 +1343,41 @@ def rules(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tuple, x
   """Each floating leaf's path -> how :func:`clipped_sum` gets its norm (for tests and debugging).
 
   ``"ghost"`` (one site with a rule), ``"cross"`` (several factor-form sites, cross terms
-  included), ``"none"`` (unused) or ``"materialize: <the use without a rule>"``.
+  included), ``"none"`` (unused) or ``"materialize: <the use without a rule>"``; every
+  leaf with a rule reads ``"materialize: a second backward pass in <dtype>"`` where its
+  clipped sum would need a second backward pass in a dtype narrower than float32
+  (:func:`_narrow_second_pass`: ``"auto"`` materialises the program, ``"ghost"`` refuses it).
   """
   leaves = jax.tree.leaves(diff)
   treedef = jax.tree.structure(diff)
   closed, _, _ = _trace(f, leaves, treedef, xs, in_axes)
-  taps, _, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
+  taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
+  narrow = _narrow(closed.jaxpr)
+  refused = _narrow_second_pass(narrow, taps, probes, None)
   tapped = {s.leaf for s in taps.values()}
   out = {}
   for k, (p, x) in enumerate(jax.tree_util.tree_flatten_with_path(diff)[0]):
-    if _inexact(x):
-      out[jax.tree_util.keystr(p)] = ("ghost" if k in tapped else "cross" if k in multi else
-                                      f"materialize: {fallback[k]}" if k in fallback else "none")
+    if not _inexact(x):
+      continue
+    label = ("ghost" if k in tapped else "cross" if k in multi else
+             f"materialize: {fallback[k]}" if k in fallback else "none")
+    if refused is not None and label in ("ghost", "cross"):
+      assert narrow is not None  # (_narrow_second_pass)
+      label = f"materialize: a second backward pass in {narrow.name}"
+    out[jax.tree_util.keystr(p)] = label
   return out
 
 
-# A second backward pass in a floating dtype narrower than float32 rounds after the clip
-# factor is applied (the factor itself, and every cotangent after it): its clipped examples
-# were measured at up to 1.0067 C in bfloat16 without a margin. Its factors are divided by
-# 1 + this many units of the narrowest dtype's rounding (bfloat16: 2^-8 each, 1.6% in all);
-# book-keeping, which forms the sum in float32, needs none. See docs/dp-sgd.md, "What the
+# A backward pass in a floating dtype narrower than float32 is not linear in its cotangent:
+# it rounds wherever it computes, and where a difference cancels (tanh's derivative near
+# y = -1, ``u + u y``, holds a few bits of ``u``) the rounding is relative to the terms, not
+# to the result. A second, reweighted pass with cotangents ``c_e`` then gives each example
+# a gradient other than ``c_e`` times the one whose norm the first pass read: in bfloat16,
+# with tanh layers in a scan body, up to 1.27 C (no margin on the factors covers it). Such a
+# program is not given a second pass: "auto" materialises it, "ghost" refuses it
+# (:func:`_narrow_second_pass`); book-keeping, which forms the sum in float32 from the very
+# values the norms were read from, is exact in any dtype. See docs/dp-sgd.md, "What the
 # sensitivity bound rests on".
-_NARROW_MARGIN_UNITS = 4
 
 
 def _eqns(jaxpr: Any) -> Any:
@@ -1375,14 +1389,27 @@ def _eqns(jaxpr: Any) -> Any:
       yield from _eqns(sub)
 
 
-def _margin(jaxpr: Any) -> float:
-  """The relative margin of a second pass over ``jaxpr``: 0 where every floating value is
-  float32 or wider, else ``_NARROW_MARGIN_UNITS`` roundings of the narrowest dtype (a
-  cotangent rounds wherever the backward pass computes in it, not only at the sites)."""
-  narrow = [jnp.finfo(v.aval.dtype) for e in _eqns(jaxpr) for v in (*e.invars, *e.outvars)
+def _narrow(jaxpr: Any) -> np.dtype | None:
+  """The narrowest floating dtype narrower than float32 among ``jaxpr``'s values (``None``:
+  every floating value is float32 or wider). A cotangent rounds wherever the backward pass
+  computes in it, not only at the sites."""
+  narrow = [np.dtype(v.aval.dtype) for e in _eqns(jaxpr) for v in (*e.invars, *e.outvars)
             if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
             and jnp.finfo(v.aval.dtype).bits < 32]
-  return _NARROW_MARGIN_UNITS * max((float(f.eps) / 2 for f in narrow), default=0.0)
+  return min(narrow, key=lambda d: (jnp.finfo(d).nmant, d.name), default=None)
+
+
+def _narrow_second_pass(narrow: np.dtype | None, taps: dict, probes: dict,
+                        program: str | None) -> str | None:
+  """Why the clipped sum of ``taps`` and ``probes`` would be a second backward pass (sites in
+  a ``lax.scan`` body, or ``program="second"``) over a program that computes in ``narrow``
+  (:func:`_narrow`), a dtype narrower than float32 (see above); ``None`` where it is not."""
+  sites = (*taps.values(), *probes.values())
+  if narrow is None or not sites:
+    return None
+  if any(s.view.in_scan for s in sites):
+    return "its parameters are used inside a lax.scan body"
+  return "program='second' was asked for" if program == "second" else None
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -1414,7 +1441,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     weigh: ``(E,)`` float32 per-example squared gradient norms (over all of ``diff``'s
       floating leaves) ``-> (E,)`` float32 factors ``c_e``; called once.
     strict: raise a ``ValueError`` naming the primitive and the leaf for a use without a
-      ghost-norm rule, instead of materialising that leaf's per-example gradients.
+      ghost-norm rule, instead of materialising that leaf's per-example gradients (and one
+      naming the dtype for a second backward pass narrower than float32:
+      :func:`_narrow_second_pass`).
     norms: pass norms rather than squared norms to ``weigh`` and return them: a norm above
       about 1.8e19, whose square overflows float32, is then still finite.
     zero_safe: whether ``weigh`` may give ``c_e = 0`` to an example whose norm is not finite
@@ -1426,8 +1455,9 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
     groups: each leaf of ``diff``'s clip group (per-layer clipping): ``weigh`` then gets
       and gives ``(E, G)`` values, one per group, and a second backward pass runs once per
       group; the norms returned are still each example's whole-gradient norm.
-    auto: return ``None`` where ghost norms would save little (:func:`_little_saved`), for
-      ``method="auto"`` to materialise instead.
+    auto: return ``None`` where ghost norms would save little (:func:`_little_saved`) or
+      where the clipped sum would be a second backward pass in a dtype narrower than
+      float32 (:func:`_narrow_second_pass`), for ``method="auto"`` to materialise instead.
 
   Returns:
     ``(outs, grad_sum, sq_norms)``: the vmapped ``out`` (leading axis ``E``),
@@ -1441,37 +1471,30 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   taps, probes, multi, fallback = _decide(closed, leaves, _mapped(xs, in_axes))
   if strict and fallback:
     _refuse_unknown_use(diff, leaves, fallback)
+  narrow = _narrow(closed.jaxpr)
+  refused = _narrow_second_pass(narrow, taps, probes, program)
+  if refused is not None:
+    if auto:
+      return None
+    assert narrow is not None  # (_narrow_second_pass)
+    _refuse_narrow_second_pass(narrow, refused)
   if auto and _little_saved(taps, probes, leaves):
     return None
   t = _traced(f, xs, in_axes, leaves, treedef, closed, out_tree, n, fallback, groups)
-  margin = _margin(closed.jaxpr)
-  book, plan, (objectives, vjp, outs, acts) = _choose_program(t, taps, probes, program, margin)
-  if t.rows > 1 and margin > 0 and not book:
-    # Per-layer clip norms through a second pass in a narrow dtype: the pass's rounding is
-    # relative to the whole cotangent, not to each group's part, and a small group's
-    # contribution was measured above its own norm by more than the margin (1.016 C_g).
-    if auto:
-      return None
-    raise ValueError(
-        "clip_per_example(method='ghost') with a pytree of clip norms cannot bound each "
-        "group's contribution in this program: its layers sit in a lax.scan body, so the "
-        "clipped sum is a second backward pass, and it computes in a dtype narrower than "
-        "float32, whose rounding is relative to the whole gradient, not to each group's "
-        "part. Use method='auto' (which materialises here) or method='materialize', or one "
-        "clip norm for the whole gradient.")
-  wide, fb_grads, acts, cots = _first_pass(t, plan, taps, multi, book, margin, vjp,
-                                           objectives, acts)
+  book, plan, (objectives, vjp, outs, acts) = _choose_program(t, taps, probes, program,
+                                                              narrow is not None)
+  wide, fb_grads, acts, cots = _first_pass(t, plan, taps, multi, book, narrow is not None,
+                                           vjp, objectives, acts)
   # A norm above ~1.8e19 overflows its square in float32: the wide form's second part
   # still gives it (and its third, a norm below ~1e-19).
   sq = _wide_norm(wide) if norms else wide[..., 0]  # (n, rows)
   c = jnp.asarray(weigh(sq if groups is not None else sq[:, 0]), jnp.float32)
   c = c if groups is not None else c[:, None]  # (n, rows): each example's factor per group
-  c2 = c / (1.0 + margin)  # a second pass's factors (see _NARROW_MARGIN_UNITS)
   if book:
     ghost_grads = _kept_sum(plan, closed.jaxpr, [leaves[k] for k in t.ghost_keys],
                             t.ghost_keys, acts, cots, c, zero_safe)
   else:
-    ghost_grads = _by_group(vjp, c2.astype(objectives.dtype), [t.gid[k] for k in t.ghost_keys])
+    ghost_grads = _by_group(vjp, c.astype(objectives.dtype), [t.gid[k] for k in t.ghost_keys])
   # Reweighted backward pass: an example with c = 0 (nan_safe, a padding row) adds exactly
   # zero, even where its own norm is not finite (0 * NaN would poison the sum): only then,
   # the forward and backward passes run again with those examples' inputs replaced by
@@ -1479,7 +1502,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   dead = jnp.all(c == 0, axis=1)
   if t.ghost_keys and zero_safe and not book:
     ghost_grads = jax.lax.cond(jnp.any(dead & ~jnp.all(jnp.isfinite(sq), axis=1)),
-                               functools.partial(_again, t, c, c2, objectives.dtype, dead),
+                               functools.partial(_again, t, c, objectives.dtype, dead),
                                lambda _: ghost_grads, None)
   grads = list(leaves)
   for k, g in zip(t.ghost_keys, ghost_grads, strict=True):
@@ -1491,6 +1514,19 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   else:
     total = _stats.combine(sq) if norms else jnp.sum(sq, axis=1)
   return outs, jax.tree.unflatten(treedef, grads), total
+
+
+def _refuse_narrow_second_pass(dtype: np.dtype, why: str) -> None:
+  """Raises ``strict``'s ``ValueError`` for a second backward pass in ``dtype``."""
+  raise ValueError(
+      f"clip_per_example(method='ghost') cannot bound each example's contribution by the "
+      f"clip norm in this program: {why}, so the clipped sum would come from a second "
+      f"backward pass, and the program computes in {dtype.name}, narrower than float32. A "
+      f"backward pass in {dtype.name} does not scale with its cotangent (a difference that "
+      "cancels, such as tanh's derivative near saturation, keeps only a few bits), so the "
+      "second pass would give an example more than the clip factor times the gradient whose "
+      "norm was read (measured up to 1.27 C). Use method='auto' (which materialises each "
+      "example's gradient here) or method='materialize', or compute in float32.")
 
 
 def _refuse_unknown_use(diff: tuple, leaves: Sequence[Any], fallback: dict[int, str]) -> None:
@@ -1576,7 +1612,7 @@ def _forward(t: _Traced, plan: _Plan) -> tuple[jax.Array, Any, Any, list]:
 
 
 def _choose_program(t: _Traced, taps: dict, probes: dict, program: str | None,
-                    margin: float) -> tuple[bool, _Plan, tuple[jax.Array, Any, Any, list]]:
+                    narrow: bool) -> tuple[bool, _Plan, tuple[jax.Array, Any, Any, list]]:
   """``(book, plan, forward pass)``: whether the clipped sum is formed by book-keeping.
 
   Where no site sits in a scan body, the clipped sum is formed by whichever of two programs
@@ -1601,15 +1637,16 @@ def _choose_program(t: _Traced, taps: dict, probes: dict, program: str | None,
         for s in sites.values())
     held = _held_bytes(passed[1], t.n)
     # Book-keeping forms the clipped sum in float32 from the kept factors; a second pass
-    # runs in the model's own dtypes, which round after the clip factor is applied: in a
-    # narrower dtype than float32 (bfloat16 compute), book-keeping is taken whatever it holds.
-    if program == "book" or (program is None and (kept <= held or margin > 0)):
+    # runs in the model's own dtypes, which do not scale with the clip factor: in a
+    # narrower dtype than float32 (``narrow``: bfloat16 compute), book-keeping is taken
+    # whatever it holds (see _narrow_second_pass).
+    if program == "book" or (program is None and (kept <= held or narrow)):
       plan = _Plan.of({}, sites, t.gid)
       return True, plan, _forward(t, plan)
   return False, plan, passed
 
 
-def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, margin: float,
+def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, narrow: bool,
                 vjp: Any, objectives: jax.Array,
                 acts: list) -> tuple[jax.Array, list, list, list]:
   """The first backward pass: ``(wide, fb_grads, acts, cots)``, each example's wide squared
@@ -1618,7 +1655,7 @@ def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, ma
   dead code)."""
   where = {key: j for j, key in enumerate(plan.probes)}
   _, fb_grads, wide, cots = vjp(jnp.ones_like(objectives))
-  if book and margin > 0:
+  if book and narrow:
     # The norms and the clipped sum read the same kept values: XLA may otherwise give one
     # of them a narrow value's excess precision (a bfloat16 product read before rounding)
     # and the other the rounded value, and the clipped example's norm is then not the one
@@ -1641,11 +1678,10 @@ def _first_pass(t: _Traced, plan: _Plan, taps: dict, multi: dict, book: bool, ma
   return wide, fb_grads, acts, cots
 
 
-def _again(t: _Traced, c: jax.Array, c2: jax.Array, dtype: Any, dead: jax.Array,
-           _: Any) -> list[Any]:
-  """The ghost leaves' clipped sum by a forward and a second backward pass again (``c2``:
-  its factors, cast to the objective's ``dtype``), each dead example's inputs (``c_e = 0``
-  in every group) replaced by a live one's; all zero where every example is dead."""
+def _again(t: _Traced, c: jax.Array, dtype: Any, dead: jax.Array, _: Any) -> list[Any]:
+  """The ghost leaves' clipped sum by a forward and a second backward pass again (``c``: its
+  factors, cast to the objective's ``dtype``), each dead example's inputs (``c_e = 0`` in
+  every group) replaced by a live one's; all zero where every example is dead."""
   n, ghost_keys = t.n, t.ghost_keys
   src = jnp.where(dead, jnp.argmax(jnp.max(c, axis=1)), jnp.arange(n))
   xs2 = jax.tree.unflatten(jax.tree.structure(t.xs), [
@@ -1660,7 +1696,7 @@ def _again(t: _Traced, c: jax.Array, c2: jax.Array, dtype: Any, dead: jax.Array,
 
   _, vjp2 = jax.vjp(lambda g: jax.vmap(plain, in_axes=(None, t.in_axes))(g, xs2),
                     [t.leaves[k] for k in ghost_keys])
-  redo = _by_group(vjp2, c2.astype(dtype), [t.gid[k] for k in ghost_keys])
+  redo = _by_group(vjp2, c.astype(dtype), [t.gid[k] for k in ghost_keys])
   return jax.tree.map(lambda g: jnp.where(jnp.all(dead), jnp.zeros_like(g), g)
                       if _inexact(g) else g, redo)
 
