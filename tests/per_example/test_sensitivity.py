@@ -17,6 +17,7 @@ import pytest
 
 import jaxaccum
 from jaxaccum._per_example import _ghost
+from jaxaccum._per_example._ghost import _norms
 
 RNG = np.random.default_rng(0)
 
@@ -32,20 +33,20 @@ def test_wide_squared_norms_over_every_scale(seed):
     factors = 10.0 ** rng.uniform(-30, 30, size=k)
     s = float(rng.uniform(0.01, 100.0))
     want = np.sqrt(s * np.prod(factors, dtype=np.float64))
-    got = float(_ghost._wide_norm(_ghost._wide(jnp.float32(s), *map(jnp.float32, factors))))
+    got = float(_norms.wide_norm(_norms.wide(jnp.float32(s), *map(jnp.float32, factors))))
     if 1e-37 < want < 1e37:  # a norm float32 holds
       np.testing.assert_allclose(got, want, rtol=2e-6)
   for scale in 10.0 ** np.arange(-40, 36, 3.0):  # sums of squares of entries of any size
     x = (rng.normal(size=7) * scale).astype(np.float32)
     want = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2))
     if np.min(np.abs(x)) > np.finfo(np.float32).tiny:  # XLA may flush subnormal entries
-      np.testing.assert_allclose(float(_ghost._wide_norm(_ghost._wide_sum_sq(jnp.asarray(x)))),
+      np.testing.assert_allclose(float(_norms.wide_norm(_norms.wide_sum_sq(jnp.asarray(x)))),
                                  want, rtol=2e-6)
 
 
 def test_wide_norms_keep_nan_and_inf():
-  nan = _ghost._wide_norm(_ghost._wide_sum_sq(jnp.array([1.0, jnp.nan])))
-  inf = _ghost._wide_norm(_ghost._wide_sum_sq(jnp.array([1.0, jnp.inf])))
+  nan = _norms.wide_norm(_norms.wide_sum_sq(jnp.array([1.0, jnp.nan])))
+  inf = _norms.wide_norm(_norms.wide_sum_sq(jnp.array([1.0, jnp.inf])))
   assert np.isnan(nan) and np.isposinf(inf)
 
 
@@ -68,7 +69,7 @@ def test_chunked_direct_form_against_float64(seed):
       pairs.append(("index", jnp.asarray(i), jnp.asarray(y)))
     want += np.einsum("htm,htn->hmn", np.asarray(x, np.float64), np.asarray(y, np.float64))
   for budget in (1, 7, 1000):
-    got = float(_ghost._chunked_sq(pairs, m, budget))
+    got = float(_norms.chunked_sq(pairs, m, budget))
     np.testing.assert_allclose(got, np.sum(want ** 2), rtol=1e-5)
 
 
@@ -81,9 +82,9 @@ def test_the_gram_guard_takes_the_direct_form_where_positions_cancel(cancel):
   b = RNG.normal(size=(4, 1, 2, 16)).astype(np.float32)
   a[:, :, 1] = -a[:, :, 0] * (1 + cancel) + (0 if cancel else a[:, :, 1])
   b[:, :, 1] = b[:, :, 0]
-  assert _ghost._gram_cheaper(2, 16, 16)
-  got = jax.vmap(lambda a, b: _ghost._wide_norm(_ghost._sq_outer(a, b)),
-                 axis_name=_ghost._EXAMPLES)(jnp.asarray(a), jnp.asarray(b))
+  assert _norms.gram_cheaper(2, 16, 16)
+  got = jax.vmap(lambda a, b: _norms.wide_norm(_norms.sq_outer(a, b)),
+                 axis_name=_norms.EXAMPLES)(jnp.asarray(a), jnp.asarray(b))
   want = np.sqrt(np.sum(np.einsum("ehtp,ehtq->ehpq", a.astype(np.float64),
                                   b.astype(np.float64)) ** 2, axis=(1, 2, 3)))
   # the direct form's float32 rounding, about 2^-24 of the terms' size (1 / cancel of the norm)
@@ -94,7 +95,7 @@ def test_the_gram_guard_takes_the_direct_form_where_positions_cancel(cancel):
 # One micro-batch of one example per case (each case takes its own branch of the guard),
 # compiled once for every generated case.
 _GUARDED_NORMS = jax.jit(jax.vmap(jax.vmap(
-    lambda a, b: _ghost._wide_norm(_ghost._sq_outer(a, b)), axis_name=_ghost._EXAMPLES)))
+    lambda a, b: _norms.wide_norm(_norms.sq_outer(a, b)), axis_name=_norms.EXAMPLES)))
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -116,7 +117,7 @@ def test_the_gram_guard_threshold_over_generated_cancellations(seed):
   a *= 10.0 ** rng.uniform(-6, 6, size=(n, 1, 1, 1, 1))
   b *= 10.0 ** rng.uniform(-6, 6, size=(n, 1, 1, 1, 1))
   a, b = a.astype(np.float32), b.astype(np.float32)
-  assert _ghost._gram_cheaper(2, p, p)
+  assert _norms.gram_cheaper(2, p, p)
   got = np.asarray(_GUARDED_NORMS(jnp.asarray(a), jnp.asarray(b)), np.float64)[:, 0]
   a64, b64 = a.astype(np.float64)[:, 0], b.astype(np.float64)[:, 0]
   want = np.sqrt(np.sum(np.einsum("ehtp,ehtq->ehpq", a64, b64) ** 2, axis=(1, 2, 3)))
