@@ -1,6 +1,7 @@
-"""The package's shape, held: a narrow main entry, short functions, modules that talk through
-each other's public names, an import graph without circles in few floors, the ghost analysis
-reached only through the per-example wing, and the core importing nothing from its wings.
+"""The package's shape, held: a narrow main entry, short functions, modules of a readable
+length, modules that talk through each other's public names, an import graph without circles
+in few floors, the ghost analysis (a sub-package of short modules) reached only through the
+per-example wing, and the core importing nothing from its wings.
 
 The measures are ``tools/architecture.py``'s (read with :mod:`ast`); each is checked here on
 the package and, so that a broken measure cannot pass, on a small planted package.
@@ -21,7 +22,12 @@ MODS = architecture.modules()
 MAX_KEYWORD_OPTIONS = 20
 MAX_FUNCTION_LINES = 80
 MAX_PRIVATE_USES = 5
-MAX_FLOORS = 10
+# 10 with the ghost analysis in one module; its sub-package adds the floors of its own
+# pipeline (norms -> rules -> analysis -> the entry point -> the package), 2 of them above
+# the core's transform, which the per-example rule sat on before.
+MAX_FLOORS = 12
+MAX_MODULE_LINES = 1000
+MAX_GHOST_MODULE_LINES = 600
 CORE = "jaxaccum._core"
 PER_EXAMPLE = "jaxaccum._per_example"
 
@@ -34,6 +40,21 @@ def test_value_and_grad_has_at_most_twenty_keyword_options():
 def test_no_function_is_longer_than_eighty_code_lines():
   long = [(n, name) for n, name in architecture.function_lengths(MODS)
           if n > MAX_FUNCTION_LINES]
+  assert not long, long
+
+
+def test_no_module_is_longer_than_a_thousand_lines():
+  long = [(n, name) for n, name in architecture.module_lengths(MODS) if n > MAX_MODULE_LINES]
+  assert not long, long
+
+
+def test_the_ghost_analysis_is_a_package_of_modules_of_at_most_six_hundred_lines():
+  ghost = f"{PER_EXAMPLE}._ghost"
+  assert MODS[ghost].is_package
+  parts = [(n, name) for n, name in architecture.module_lengths(MODS)
+           if name.startswith(ghost + ".")]
+  assert len(parts) >= 5, parts  # walk, analysis, rules, norms, the rewritten program
+  long = [(n, name) for n, name in parts if n > MAX_GHOST_MODULE_LINES]
   assert not long, long
 
 
@@ -131,6 +152,8 @@ def test_the_measures_on_a_planted_package(planted):
   mods = architecture.modules(planted)
   assert set(mods) == {"pkg", "pkg._a", "pkg._b", "pkg._sub", "pkg._sub._c"}
   assert architecture.keyword_options(mods, "pkg._a", "f") == ["x", "y"]
+  lengths = dict((n, c) for c, n in architecture.module_lengths(mods))
+  assert lengths["pkg._b"] == 2 and lengths["pkg._sub"] == 0 and lengths["pkg._sub._c"] == 25
   assert dict((n, c) for c, n in architecture.function_lengths(mods)) == {
       "pkg._a.f": 2, "pkg._sub._c.public": 3, "pkg._sub._c.outer": 4,
       "pkg._sub._c.inner": 1}

@@ -1,9 +1,9 @@
 """The package's shape, read from its source: what ``tests/test_architecture.py`` holds to.
 
 Run ``python tools/architecture.py`` for the report: the keyword options of the main
-entry points, the longest functions, the uses of another module's private names, the import
-floors (each module imports only modules on lower floors) and who imports the ghost
-analysis. Everything is read with :mod:`ast`; nothing is imported.
+entry points, the longest functions and modules, the uses of another module's private names,
+the import floors (each module imports only modules on lower floors) and who imports the
+ghost analysis. Everything is read with :mod:`ast`; nothing is imported.
 """
 
 from __future__ import annotations
@@ -160,6 +160,13 @@ def _is_parent(package: str, name: str) -> bool:
   return name.startswith(package + ".")
 
 
+def module_lengths(mods: dict[str, Module]) -> list[tuple[int, str]]:
+  """``(lines, module)`` for every module, longest first: every line of its file, as
+  ``wc -l`` counts them."""
+  return sorted(((len(m.path.read_text().splitlines()), name) for name, m in mods.items()),
+                reverse=True)
+
+
 def keyword_options(mods: dict[str, Module], module: str, function: str) -> list[str]:
   """The keyword-only parameters of ``module.function``."""
   for node in ast.walk(mods[module].tree):
@@ -181,6 +188,7 @@ def report() -> str:
   lines = [f"value_and_grad keyword options: {len(keyword_options(mods, api, 'value_and_grad'))}"]
   lengths = function_lengths(mods)
   lines.append("longest functions: " + ", ".join(f"{n} {c}" for c, n in lengths[:6]))
+  lines.append("longest modules: " + ", ".join(f"{n} {c}" for c, n in module_lengths(mods)[:4]))
   uses = [u for mod in mods.values() for u in private_uses(mod, mods)]
   lines.append(f"uses of another module's private names: {len(uses)}")
   lines += [f"  {u}" for u in uses]

@@ -287,8 +287,11 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       output gradients, or from a second backward pass of the factor-weighted losses
       (whichever holds less memory; always the latter inside a ``lax.scan`` body),
       without per-example gradients; a parameter use it does not recognise raises an
-      error naming it. ``"auto"`` (the default): ghost norms where they are recognised,
-      per-example gradients for the other leaves.
+      error naming it, and so does a second backward pass in a dtype narrower than
+      float32 (bfloat16 layers in a ``lax.scan`` body), which does not scale with the
+      clip factor. ``"auto"`` (the default): ghost norms where they are recognised,
+      per-example gradients for the other leaves (for every leaf where ``"ghost"`` would
+      need a second pass in a narrow dtype).
     nan_safe: an example whose gradient (or norm) is not finite contributes zero to the
       gradient and to the value, instead of making its micro-batch non-finite (which
       ``skip_nonfinite`` would drop whole). It still counts in a mean's divisor.

@@ -4,6 +4,7 @@
 options) becomes a ``PerExampleRule``, the core's micro-batch rule for one micro-batch's
 examples under ``vmap``; ``_ghost`` forms the clipped sum from per-example norms read from
 the traced program (one walk of sub-programs, a table of site rules), without the
-per-example gradients; ``_dp`` holds DP-SGD's noise (``dp_noise``, ``dp_optimizer``) and its
-checks. Only this wing imports the ghost analysis (``tests/test_architecture.py``).
+per-example gradients (a sub-package; its README.md holds the design notes); ``_dp`` holds
+DP-SGD's noise (``dp_noise``, ``dp_optimizer``) and its checks. Only this wing imports the
+ghost analysis (``tests/test_architecture.py``).
 """

@@ -29,7 +29,6 @@ from jaxaccum._core._options import Options
 from jaxaccum._core._reduce import Group
 from jaxaccum._core._transform import MicroCall
 from jaxaccum._core._validate import describe as _describe
-from jaxaccum._per_example import _ghost
 
 # --- The options: what per_example_transform accepts ----------------------------------------
 
@@ -451,6 +450,8 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
 
   ghost, failed = None, None
   if clip.method != "materialize":
+    from jaxaccum._per_example import _ghost  # here: importing jaxaccum loads no ghost analysis
+
     try:  # norms=True: the norms themselves, finite even where their squares overflow;
       # only nan_safe and a mask give a factor of 0 that must stop a non-finite example
       # (zero_safe costs a parameter-sized buffer when sites sit in a scan body).

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxaccum
-from jaxaccum._per_example import _ghost
+from jaxaccum._per_example._ghost import _analysis
 from tests import _problems
 
 B, D, H = 16, _problems.TANH_D, _problems.TANH_H
@@ -219,11 +219,11 @@ def test_nnx_adapter(method, monkeypatch):
 
   decided = []
 
-  def spy(*args, decide=_ghost._decide):
+  def spy(*args, decide=_analysis.decide):
     decided.append(decide(*args))
     return decided[-1]
 
-  monkeypatch.setattr(_ghost, "_decide", spy)
+  monkeypatch.setattr(_analysis, "decide", spy)
   clip = jaxaccum.clip_per_example(C, method)
   x, y = _problem(5)[1]
 

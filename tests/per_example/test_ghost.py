@@ -17,6 +17,7 @@ import pytest
 
 import jaxaccum
 from jaxaccum._per_example import _ghost
+from jaxaccum._per_example._ghost import _analysis, _norms, _program
 
 E = 5  # examples
 
@@ -41,8 +42,8 @@ def in_scan(f, diff, xs, in_axes=0):
   """Whether a site of ``f``'s leaves sits in a scan body (then the clipped sum is always a
   second backward pass)."""
   leaves, treedef = jax.tree.flatten(diff)
-  closed, _, _ = _ghost._trace(f, leaves, treedef, xs, in_axes)
-  taps, probes, _, _ = _ghost._decide(closed, leaves, _ghost._mapped(xs, in_axes))
+  closed, _, _ = _analysis.trace(f, leaves, treedef, xs, in_axes)
+  taps, probes, _, _ = _analysis.decide(closed, leaves, _analysis.mapped(xs, in_axes))
   return any(s.view.in_scan for s in (*taps.values(), *probes.values()))
 
 
@@ -95,7 +96,7 @@ def test_dense_and_bias():
 @pytest.mark.parametrize("t", [2, 16])
 def test_dense_over_a_sequence(t):
   # T(P + Q) <= PQ picks the Gram form <A A^T, G G^T> at t = 2, the direct |A^T G|^2 at 16.
-  assert _ghost._gram_cheaper(t, 4, 4) == (t == 2)
+  assert _norms.gram_cheaper(t, 4, 4) == (t == 2)
   w = {"w": normal(0, (4, 4)), "v": normal(1, (4,))}
 
   def f(d, x):
@@ -140,7 +141,7 @@ def test_embedding_gather(rows, t, mode):
   # The gradient is a scatter-add of the cotangent's rows; its norm by the Gram of index
   # equality (50 rows, 3 tokens) or by segment sums (3 rows, 8 tokens, repeats certain).
   # mode="clip" with indices past the end: they read (and get gradient into) the last row.
-  assert _ghost._index_gram_cheaper(t, 2, rows) == (rows == 50)
+  assert _norms.index_gram_cheaper(t, 2, rows) == (rows == 50)
   p = {"emb": normal(0, (rows, 2)), "w": normal(1, (2,))}
   top = rows + 2 if mode == "clip" else rows
 
@@ -159,7 +160,7 @@ def test_embedding_indices_out_of_range_add_nothing():
   # negative indices) adds nothing to the norm, by the index-equality Gram (50 rows, 3
   # tokens: "emb") and by segment sums (3 rows: "fill"). A table tied as the output head
   # ("tied"): its cross term drops those positions too.
-  assert _ghost._index_gram_cheaper(3, 2, 50) and not _ghost._index_gram_cheaper(3, 2, 3)
+  assert _norms.index_gram_cheaper(3, 2, 50) and not _norms.index_gram_cheaper(3, 2, 3)
   p = {"emb": normal(0, (50, 2)), "fill": normal(1, (3, 2)), "tied": normal(2, (3, 2)),
        "w": normal(3, (2,))}
 
@@ -614,8 +615,8 @@ def test_the_program_that_holds_less_is_picked(monkeypatch, f, book):
   # holds the forward pass's residuals. A tanh MLP's residuals are its sites' inputs (the
   # second pass holds less), gelu keeps more per layer (book-keeping holds less).
   calls = []
-  kept_sum = _ghost._kept_sum
-  monkeypatch.setattr(_ghost, "_kept_sum", lambda *a: calls.append(1) or kept_sum(*a))
+  kept_sum = _program.kept_sum
+  monkeypatch.setattr(_program, "kept_sum", lambda *a: calls.append(1) or kept_sum(*a))
   check(f, (mlp_params(),), MLP_DATA, rules={"[0]['unused']": "none"})
   calls.clear()  # check() ran both programs against brute force; which one is the default?
   jax.jit(lambda d, b: _ghost.clipped_sum(f, d, b, 0, weigh, strict=True))(
@@ -677,7 +678,7 @@ def test_the_forward_pass_tanh_has_tanhs_derivatives(dtype):
   # order 1 (near 0, -2 y y' is their difference; jax 0.12's rule forms it directly). In
   # bfloat16 both forms subtract numbers of order 1 (y rounded to 2**-8 near |y| = 1).
   x = jnp.array([-30.0, -9.0, -2.5, -0.3, 0.0, 1e-4, 0.7, 3.0, 8.5, 40.0], dtype)
-  ours, theirs = _ghost._tanh, jnp.tanh
+  ours, theirs = _program.tanh, jnp.tanh
   for order, fn in enumerate((lambda f: f, jax.grad, lambda f: jax.grad(jax.grad(f)))):
     tol = ({"rtol": 1e-6, "atol": 1e-7 if order == 2 else 0} if dtype == jnp.float32 else
            {"rtol": 2.0**-7, "atol": 2.0**-8})

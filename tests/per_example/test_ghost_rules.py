@@ -1,8 +1,8 @@
 """The ghost analysis's two tables: the site rules and the walk into sub-programs.
 
-Every kind of site in ``_ghost._SITE_RULES`` is picked where its form appears and gives the
+Every kind of site in ``_rules.SITE_RULES`` is picked where its form appears and gives the
 norms and the clipped sum of per-example ``jax.grad`` (generated shapes, seeded); the one walk
-(``_ghost._Walk``) reaches equations inside ``jit``, ``checkpoint`` and ``lax.scan`` bodies,
+(``_walk.Walk``) reaches equations inside ``jit``, ``checkpoint`` and ``lax.scan`` bodies,
 nested, and the analysis finds its sites there.
 """
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxaccum._per_example import _ghost
+from jaxaccum._per_example._ghost import _analysis, _rules, _walk
 
 E = 4  # examples
 
@@ -32,8 +33,8 @@ def reference(f, diff, xs):
 def site_kinds(f, diff, xs):
   """Each leaf's path -> the sorted names of its sites' rules."""
   leaves, treedef = jax.tree.flatten(diff)
-  closed, _, _ = _ghost._trace(f, leaves, treedef, xs, 0)
-  taps, probes, _, _ = _ghost._decide(closed, leaves, _ghost._mapped(xs, 0))
+  closed, _, _ = _analysis.trace(f, leaves, treedef, xs, 0)
+  taps, probes, _, _ = _analysis.decide(closed, leaves, _analysis.mapped(xs, 0))
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(diff)[0]]
   kinds: dict[str, list[str]] = {}
   for s in (*taps.values(), *probes.values()):
@@ -78,7 +79,7 @@ def test_every_site_rule_is_picked_and_exact(seed):
   kinds = site_kinds(f, diff, xs)
   assert kinds == {"[0]['w']": ["dot"], "[0]['emb']": ["gather"], "[0]['bank']": ["slice"],
                    "[0]['b']": ["direct"]}, kinds
-  assert {k for v in kinds.values() for k in v} == {r.name for r in _ghost._SITE_RULES}
+  assert {k for v in kinds.values() for k in v} == {r.name for r in _rules.SITE_RULES}
   check_against_reference(f, diff, xs)
 
 
@@ -129,7 +130,7 @@ NESTED = ({"stack": normal(0, (3, 4, 4), 0.5), "scales": 1.0 + normal(1, (3, 4),
 NESTED_XS = normal(4, (E, 1, 4))
 
 
-class _Paths(_ghost._Walk):
+class _Paths(_walk.Walk):
   """A pass that records the path of each equation it does not enter."""
 
   def __init__(self):
@@ -142,17 +143,17 @@ class _Paths(_ghost._Walk):
 
 def test_the_walk_enters_nested_jit_checkpoint_and_scan_bodies():
   leaves, treedef = jax.tree.flatten(NESTED)
-  closed, _, _ = _ghost._trace(nested, leaves, treedef, NESTED_XS, 0)
+  closed, _, _ = _analysis.trace(nested, leaves, treedef, NESTED_XS, 0)
   walk = _Paths()
   walk.walk(closed.jaxpr, [None] * len(closed.jaxpr.invars))
   # every equation reached: those of the bodies it follows, none of any other program
-  followed = [e.primitive.name for e in _ghost._eqns(closed.jaxpr)
-              if _ghost._body(e) is None]
+  followed = [e.primitive.name for e in _walk.eqns(closed.jaxpr)
+              if _walk.body(e) is None]
   assert sorted(walk.paths.values()) == sorted(followed)
   # one tanh at depth 4 (scan > checkpoint > jit > tanh), one at depth 3 (jit > checkpoint)
   tanh = sorted(len(p) for p, name in walk.paths.items() if name == "tanh")
   assert tanh == [3, 4], walk.paths
-  bodies = {b.kind for e in _ghost._eqns(closed.jaxpr) if (b := _ghost._body(e)) is not None}
+  bodies = {b.kind for e in _walk.eqns(closed.jaxpr) if (b := _walk.body(e)) is not None}
   assert bodies == {"call", "remat", "scan"}
 
 
@@ -161,8 +162,8 @@ def test_sites_in_nested_bodies_are_found_and_exact():
   assert kinds == {"[0]['stack']": ["dot"], "[0]['scales']": ["direct"],
                    "[0]['w']": ["dot"], "[0]['b']": ["direct"]}, kinds
   leaves, treedef = jax.tree.flatten(NESTED)
-  closed, _, _ = _ghost._trace(nested, leaves, treedef, NESTED_XS, 0)
-  taps, _, _, _ = _ghost._decide(closed, leaves, _ghost._mapped(NESTED_XS, 0))
+  closed, _, _ = _analysis.trace(nested, leaves, treedef, NESTED_XS, 0)
+  taps, _, _, _ = _analysis.decide(closed, leaves, _analysis.mapped(NESTED_XS, 0))
   # each site's depth: scan > checkpoint > jit > dot; scan > checkpoint > mul; jit >
   # checkpoint > dot and add (leaves in key order: b, scales, stack, w)
   assert {s.leaf: len(path) for path, s in taps.items()} == {0: 3, 1: 3, 2: 4, 3: 3}
