@@ -29,13 +29,13 @@ from jaxaccum._core._options import DataParallel as DataParallel
 from jaxaccum._core._options import Terms as Terms
 from jaxaccum._core._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._core._split import split_micro_batches as split_micro_batches
-from jaxaccum._core._stats import ClipPerExample as ClipPerExample
-from jaxaccum._core._stats import clip_per_example as clip_per_example
 from jaxaccum._core._transform import BatchBroadcastWarning as BatchBroadcastWarning
 from jaxaccum._coupled import cached_value_and_grad as cached_value_and_grad
 from jaxaccum._parallel._local import local_value_and_grad as local_value_and_grad
 from jaxaccum._parallel._pipeline import pipeline as pipeline
 from jaxaccum._parallel._pipeline import pipeline_schedule as pipeline_schedule
+from jaxaccum._per_example._clip import ClipPerExample as ClipPerExample
+from jaxaccum._per_example._clip import clip_per_example as clip_per_example
 from jaxaccum._per_example._dp import DpNoiseState as DpNoiseState
 from jaxaccum._per_example._dp import check_dp_chain as check_dp_chain
 from jaxaccum._per_example._dp import check_per_example_loss as check_per_example_loss

@@ -26,6 +26,7 @@ import optax
 
 from jaxaccum import _api
 from jaxaccum._core import _stats, _validate
+from jaxaccum._per_example import _clip
 
 
 class DpNoiseState(NamedTuple):
@@ -393,7 +394,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
           "that reason alone. Check a deterministic version of fun (dropout off), without "
           f"{name}.")
   transform = options.pop("per_example_transform", None)
-  if isinstance(transform, _stats.ClipPerExample) and (
+  if isinstance(transform, _clip.ClipPerExample) and (
       not transform.keep_batch_dim or transform.example_mask is not None):
     what = ("keep_batch_dim=False" if not transform.keep_batch_dim else
             f"example_mask={transform.example_mask!r}")

@@ -29,6 +29,7 @@ from jaxaccum._core._options import Options
 from jaxaccum._core._reduce import Group
 from jaxaccum._core._transform import MicroCall
 from jaxaccum._core._validate import describe as _describe
+from jaxaccum._per_example import _clip
 
 # --- The options: what per_example_transform accepts ----------------------------------------
 
@@ -36,7 +37,7 @@ from jaxaccum._core._validate import describe as _describe
 def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_reduce.Term, ...]:
   """Under ``clip_per_example(example_mask=)`` a mean divides by the real examples: its
   kind becomes :data:`jaxaccum._core._reduce.MASKED_MEAN`."""
-  if not (isinstance(transform, _stats.ClipPerExample) and transform.example_mask):
+  if not (isinstance(transform, _clip.ClipPerExample) and transform.example_mask):
     return terms
   return tuple(dataclasses.replace(t, kind=_reduce.MASKED_MEAN) if t.kind.rows_mean else t
                for t in terms)
@@ -52,7 +53,7 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
   if isinstance(transform, PerExampleRule):  # validated before
     return transform
   mask = getattr(transform, "example_mask", None) if isinstance(
-      transform, _stats.ClipPerExample) else None
+      transform, _clip.ClipPerExample) else None
   if mask is not None and mask not in batch_names:
     raise ValueError(
         f"clip_per_example(example_mask={mask!r}) names the keyword argument holding one "
@@ -115,9 +116,9 @@ class PerExampleRule:
     return self.transform(*args, **kwargs)
 
   @property
-  def clip(self) -> _stats.ClipPerExample | None:
+  def clip(self) -> _clip.ClipPerExample | None:
     t = self.transform
-    return t if isinstance(t, _stats.ClipPerExample) else None
+    return t if isinstance(t, _clip.ClipPerExample) else None
 
   @property
   def reads(self) -> tuple[str, ...]:
@@ -160,7 +161,7 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
   example as a batch of one (``clip_per_example(keep_batch_dim=False)``: on the row itself),
   transforms each example's gradient, and reduces the examples to the micro-batch's values
   as the loss kind says (mean or sum; a weighted term sums numerators and denominators) and
-  each aux leaf as its reduction says. A :class:`jaxaccum._core._stats.ClipPerExample` takes the
+  each aux leaf as its reduction says. A :class:`jaxaccum._core._clip.ClipPerExample` takes the
   clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
@@ -171,7 +172,7 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
   path; else ``None``).
   """
   assert len(groups) == 1, "check_per_example allows one normalisation"
-  clip = transform if isinstance(transform, _stats.ClipPerExample) else None
+  clip = transform if isinstance(transform, _clip.ClipPerExample) else None
   keep_dim = clip is None or clip.keep_batch_dim
   kw = dict(kw)
   mask = None
@@ -235,7 +236,7 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
 
 
 def _over_examples(opts: Options, groups: tuple[Group, ...],
-                   clip: _stats.ClipPerExample | None, mask: jax.Array | None, keep_dim: bool,
+                   clip: _clip.ClipPerExample | None, mask: jax.Array | None, keep_dim: bool,
                    rows: int, outs: tuple, grads: Any, norms: jax.Array | None):
   """The micro-batch's ``(nums, dens, aux, grads)`` from its examples' (``outs``: their
   numerators, denominators and aux, each with a leading axis of examples): reduced as the
@@ -428,7 +429,7 @@ def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: t
 
 
 def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
-             in_axes: tuple, clip: _stats.ClipPerExample, mask: jax.Array | None,
+             in_axes: tuple, clip: _clip.ClipPerExample, mask: jax.Array | None,
              roles: _options.Roles):
   """The clip path: ``(outs, clipped gradient sum, norms)``, by ``clip.method``."""
   if roles.state:  # shared state: the same from every example, checked on shapes only
