@@ -61,7 +61,9 @@ test: $(STAMP)
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 # The long differential fuzz of clip_per_example (tests/_dp_fuzz.py): 1000 generated models, each
-# method against per-example jax.grad on the norms, the clipped sum and the sensitivity bound.
+# method against per-example jax.grad on the norms, the clipped sum and the sensitivity bound;
+# every 4th model also under an FSDP placement (param_gather x grad_scatter x overlap_grad_reduce
+# in turn, on 8 virtual CPU devices), counted per placement x method in the summary.
 # Prints what it found; the JSON report goes to FUZZ_DP_REPORT. Exit status 1 if a case failed.
 FUZZ_DP_REPORT ?= fuzz-dp-report.json
 fuzz-dp: $(STAMP)

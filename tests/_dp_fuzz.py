@@ -29,6 +29,18 @@ gradients computed under ``jax.vmap`` give norms that differ by more than a quar
 
 ``method="ghost"`` may refuse a use it cannot analyse with a ``ValueError``; that is
 recorded as ``"refused"``, never a failure. Any other exception is a failure (``"crash"``).
+
+FSDP placements (:func:`draw_fsdp`, ``check(..., fsdp=...)``): the same case under
+``data_axis=DataParallel("data", param_gather=..., grad_scatter=...,
+overlap_grad_reduce=...)`` on a mesh of 2, 4 or 8 devices (``Explicit`` axes), some
+parameters sharded over ``"data"`` along a drawn dimension, against the same reference (per-
+example ``jax.grad`` on the unsharded, that is gathered, parameters). ``with_info`` is
+refused under FSDP, so the norms are not read; the clipped sum is compared as above, and
+the bound is measured on each example alone among rows of zero gradient (each example's
+loss times a weight that is one-hot over the case's batch, on the compiled step of the
+sum): each shard clipping its own slice of an example's gradient shows there as up to
+``sqrt(shards) C``. (Padding rows, ``example_mask``, would hide it: their factor of 0
+drops the other shards' slices.)
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 
@@ -643,12 +657,15 @@ def clip_norm_for(norms: np.ndarray) -> float:
   return float(np.sqrt(s[k - 1] * s[k]))
 
 
-def check(case: Case, methods: tuple[str, ...] = METHODS, per_layer: bool = False) -> dict:
+def check(case: Case, methods: tuple[str, ...] = METHODS, per_layer: bool = False,
+          fsdp: Fsdp | None = None) -> dict:
   """Runs ``methods`` on ``case`` against the reference; returns a JSON-able report.
 
   ``report["methods"][m]["failed"]`` lists the properties that method broke
   (``"norms"``, ``"sum"``, ``"bound"``, ``"crash"``); ``report["skipped"]`` says why a case
-  was not checked (a reference norm that is not finite, or every norm 0).
+  was not checked (a reference norm that is not finite, or every norm 0). ``fsdp``: run
+  under that FSDP placement (:func:`draw_fsdp`) instead, the sum and the bound only;
+  ``report["fsdp"]`` describes it.
   """
   grads, ref_norms, moved = reference(case)
   report: dict[str, Any] = {"case": case.name, "ops": list(case.ops), "compute": case.compute,
@@ -679,10 +696,138 @@ def check(case: Case, methods: tuple[str, ...] = METHODS, per_layer: bool = Fals
     scale = float(sum(np.sqrt(sum(min(leaf[k][e], c[k]) ** 2 for k in c))
                       for e in range(case.rows)))
     report.update(max_norm=c, clipped=int(sum(np.sum(n > c[k]) for k, n in leaf.items())))
+  if fsdp is not None:
+    report["fsdp"] = fsdp.describe()
   for m in methods:
-    report["methods"][m] = _run_method(case, m, c, ref_norms, ref_sum, scale,
-                                       report["ill_conditioned"])
+    report["methods"][m] = (
+        _run_method(case, m, c, ref_norms, ref_sum, scale, report["ill_conditioned"])
+        if fsdp is None else
+        _run_fsdp(case, fsdp, m, c, ref_sum, scale, report["ill_conditioned"]))
   return report
+
+
+# --- FSDP placements -----------------------------------------------------------------------
+
+# (param_gather, grad_scatter): every DataParallel placement of FSDP parameters; each also
+# drawn with overlap_grad_reduce.
+FSDP_PLACEMENTS = tuple((g, s) for g in ("step", "micro_batch") for s in ("step", "micro_batch"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp:
+  """One FSDP placement of a case: ``shards`` devices on one ``"data"`` axis, each
+  parameter in ``specs`` sharded along that dimension (``None``: replicated)."""
+
+  shards: int
+  param_gather: str
+  grad_scatter: str
+  overlap: bool
+  specs: tuple[tuple[str, int | None], ...]
+  num_micro_batches: int
+
+  @property
+  def name(self) -> str:
+    return (f"{self.param_gather}/{self.grad_scatter}"
+            + ("+overlap" if self.overlap else ""))
+
+  def describe(self) -> dict:
+    return {"placement": self.name, "shards": self.shards,
+            "sharded": {k: d for k, d in self.specs if d is not None},
+            "num_micro_batches": self.num_micro_batches}
+
+
+def draw_fsdp(case: Case, rng: np.random.Generator,
+              placement: tuple[str, str, bool] | None = None) -> Fsdp | None:
+  """A drawn FSDP placement for ``case`` (``placement``: ``(param_gather, grad_scatter,
+  overlap)``, else drawn too), or ``None`` if no shard count in 2, 4, 8 divides both the
+  rows and a dimension of some parameter. At least one parameter is sharded; the
+  micro-batch count is the case's, reduced to one that divides each shard's rows."""
+  counts = [k for k in (2, 4, 8) if k <= len(jax.devices()) and case.rows % k == 0
+            and any(any(n % k == 0 for n in np.shape(v)) for v in case.params.values())]
+  if not counts:
+    return None
+  shards = int(rng.choice(counts))
+  if placement is None:
+    g, s = FSDP_PLACEMENTS[int(rng.integers(len(FSDP_PLACEMENTS)))]
+    placement = (g, s, bool(rng.random() < 0.5))
+  dims = {k: [d for d, n in enumerate(np.shape(v)) if n % shards == 0]
+          for k, v in case.params.items()}
+  specs = {k: (None if not ds or rng.random() < 0.4 else int(rng.choice(ds)))
+           for k, ds in dims.items()}
+  if all(d is None for d in specs.values()):
+    k = str(rng.choice([k for k, ds in dims.items() if ds]))
+    specs[k] = int(rng.choice(dims[k]))
+  n = math.gcd(case.num_micro_batches, case.rows // shards)
+  return Fsdp(shards, *placement, tuple(sorted(specs.items())), n)
+
+
+def _fsdp_step(case: Case, f: Fsdp, clip: Any) -> tuple[Callable[..., Any], Any, Any]:
+  """The case's clipped sum under ``f``: ``(step, params, batch)``, the parameters and the
+  batch placed on the mesh; ``step(params, batch, weights)``, each example's loss times its
+  weight (``fun`` sees one example at a time, so a weight of 0 gives a zero gradient)."""
+  mesh = jax.make_mesh((f.shards,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:f.shards])
+  specs = dict(f.specs)
+
+  def spec(k, v):
+    d = specs[k]
+    return P() if d is None else P(*[("data" if j == d else None) for j in range(np.ndim(v))])
+
+  params = {k: jax.device_put(v, NamedSharding(mesh, spec(k, v))) for k, v in case.params.items()}
+  batch = jax.device_put(case.batch, NamedSharding(mesh, P("data")))
+  dp = jaxaccum.DataParallel("data", mesh=mesh, param_gather=f.param_gather,
+                             grad_scatter=f.grad_scatter, overlap_grad_reduce=f.overlap)
+
+  def weighted(p, b, weight):
+    return case.loss(p, b) * jnp.sum(weight)  # one example: its weight
+
+  step = jax.jit(jaxaccum.grad(weighted, num_micro_batches=f.num_micro_batches,
+                               reduce="sum", batch_argnums=(1, 2), data_axis=dp,
+                               per_example_transform=clip))
+  sharding = NamedSharding(mesh, P("data"))
+
+  def run(p, b, weights):
+    return step(p, b, jax.device_put(jnp.asarray(weights, jnp.float32), sharding))
+
+  return run, params, batch
+
+
+def _run_fsdp(case: Case, f: Fsdp, method: str, c: float | dict, ref_sum: Any,
+              scale: float, ill_conditioned: bool) -> dict:
+  """One method on one case under the FSDP placement ``f``: the clipped sum against the
+  reference, and each example alone among padding rows (the bound)."""
+  clip = jaxaccum.clip_per_example(c, method)
+  out: dict[str, Any] = {"method": method, "status": "ok", "failed": [], "notes": []}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      step, params, batch = _fsdp_step(case, f, clip)
+      grads = step(params, batch, np.ones(case.rows))
+      alone = [_over_c(jax.device_get(step(params, batch, np.arange(case.rows) == j)), c)
+               for j in range(case.rows)]
+    except ValueError as e:
+      if method == "ghost":
+        out["status"] = "refused"
+        out["notes"].append(str(e).split("\n")[0][:300])
+        return out
+      out.update(status="fail", failed=["crash"], error=f"ValueError: {e}"[:500])
+      return out
+    except Exception as e:  # noqa: BLE001 - any other exception is a finding
+      out.update(status="fail", failed=["crash"], error=f"{type(e).__name__}: {e}"[:500])
+      return out
+  out["notes"] += sorted({str(w.message).split(":")[0][:200] for w in caught})
+  out["sum_rel_err"] = _diff_norm(jax.device_get(grads), ref_sum) / scale if scale > 0 else 0.0
+  ratio = np.where(np.isfinite(alone), alone, np.inf)  # a NaN contribution breaks the bound
+  out["contribution_over_c"] = float(np.max(ratio))
+  out["worst_contribution"] = {"example": int(np.argmax(ratio))}
+  sum_rtol = max(SUM_RTOL[case.compute], CANCELLATION_NORM_RTOL * case.kappa)
+  if not ill_conditioned and not out["sum_rel_err"] <= sum_rtol:
+    out["failed"].append("sum")
+  if not out["contribution_over_c"] <= 1 + case.rounding + CANCELLATION_BOUND * case.kappa:
+    out["failed"].append("bound")
+  if out["failed"]:
+    out["status"] = "fail"
+  return out
 
 
 def failures(report: dict) -> dict[str, list[str]]:
@@ -692,7 +837,8 @@ def failures(report: dict) -> dict[str, list[str]]:
 
 def describe(report: dict) -> str:
   """One paragraph about a failed case, for an assertion message or the CLI."""
-  lines = [f"{report['case']} ({report['compute']}, {report['rows']} rows, "
+  where = f", FSDP {report['fsdp']}" if "fsdp" in report else ""
+  lines = [f"{report['case']}{where} ({report['compute']}, {report['rows']} rows, "
            + ("ill-conditioned: bound only, " if report.get("ill_conditioned") else "")
            + f"{report['num_micro_batches']} micro-batches, C={report.get('max_norm')}): "
            + " ; ".join(report["ops"])]
@@ -702,10 +848,11 @@ def describe(report: dict) -> str:
     if "error" in r:
       lines.append(f"  {m}: {r['error']}")
       continue
-    w = r["worst_norm"]
-    lines.append(f"  {m}: failed {r['failed']}: worst norm rel err {r['norm_rel_err']:.3g} "
-                 f"(example {w['example']}: true {w['true']:.6g}, reported {w['reported']:.6g})"
-                 f", sum rel err {r['sum_rel_err']:.3g}, "
+    w = r.get("worst_norm")
+    norms = ("" if w is None else
+             f"worst norm rel err {r['norm_rel_err']:.3g} (example {w['example']}: true "
+             f"{w['true']:.6g}, reported {w['reported']:.6g}), ")
+    lines.append(f"  {m}: failed {r['failed']}: {norms}sum rel err {r['sum_rel_err']:.3g}, "
                  f"max contribution {r['contribution_over_c']:.6f} C")
   return "\n".join(lines)
 

@@ -827,20 +827,31 @@ def call_scope(name: str) -> str:
 
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
                n: int | None = None, shards: int = 1,
-               combine: Callable[..., Any] | None = None, own: Sequence[Any] = ()):
+               combine: Callable[..., Any] | None = None, own: Sequence[Any] = (),
+               each_grads: Callable[[tuple], tuple] | None = None):
   """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
 
   ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
   or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
   once after the loop and returns ``(carry, stacked)``. ``own`` are arrays that ``fun``
   closes over as parameters (the data-parallel driver's gathered FSDP parameters), never
-  reported as unsplit batch arrays. Each step runs under its
+  reported as unsplit batch arrays. ``each_grads(grads)``, if given, maps each
+  micro-batch's gradients (per group) before they are added to the carry (the
+  data-parallel driver's reduce-scatter of a per-example sum). Each step runs under its
   :func:`jax.named_scope` (:data:`SCOPES`), so its ops carry the name in the compiled
   program's ``op_name`` metadata and in profiler traces.
   """
   problem = prepare(opts, args, kwargs, n)
   if own:
     problem = problem._replace(own=problem.own + tuple(own))
+  if each_grads is not None:
+    micro = problem.micro
+
+    def mapped(i, state, count):
+      out = micro(i, state, count)
+      return out._replace(grads=each_grads(out.grads))
+
+    problem = problem._replace(micro=mapped)
   if active is not None:
     active = check_active(active, problem.n)
   with jax.named_scope(SCOPES["scan"]):

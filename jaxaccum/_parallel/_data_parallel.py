@@ -10,7 +10,10 @@ the number of micro-batches. A parameter sharded over some of the data axes (FSD
 from its ``Explicit`` sharding type) is all-gathered, by default once before the loop
 (``param_gather="step"``), and its gradient reduce-scattered once per micro-batch into an
 accumulator of the shard's size (``grad_scatter="micro_batch"``); only the remaining data
-axes are reduced after the loop. The other placements: :func:`_placed_gathers`.
+axes are reduced after the loop. The other placements: :func:`_placed_gathers`. Under a
+per-example transform (DP-SGD's clip) each example's gradient is taken with respect to the
+gathered parameter, in every placement, and the reduce-scatter follows the sum over the
+examples.
 
 What each replica does (parameters and state marked varying, PRNG keys checked and folded
 with the replica's index, the core's run and :func:`combine`) is :func:`on_replicas`, the one
@@ -72,7 +75,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   batch_axes = dict(zip((*roles.batch, *roles.batch_names), leaf_axes.values(), strict=True))
   placed = _place(opts, roles, mesh, args, kwargs, batch_axes)
   grad_axes, grad_specs = _gradient_layout(opts, roles, placed)
-  scatters = _check_placement(opts, roles, placed)
+  scatters, micro_scatters = _check_placement(opts, roles, placed)
   # A traced count enters as a replicated input (None: no leaves): shard_map cannot close
   # over a tracer typed with Explicit mesh axes.
   act = None if active is None else _transform.check_active(active, n)
@@ -86,6 +89,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     largs, lkwargs = placed.unflatten(leaves, len(args))
     out = on_replicas(local_opts, roles, largs, lkwargs, local_act, axes=axes, n=n,
                       grad_axes=grad_axes, grad_scatters=scatters,
+                      micro_scatters=micro_scatters,
                       place=functools.partial(_placed_gathers, opts, roles, placed, mesh))
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
     kept, rows, meta["unsplit"] = _split_rows(opts, out.extra, out.kinds)
@@ -131,6 +135,7 @@ class Replica(NamedTuple):
 def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
                 active: Any = None, *, axes: tuple[AxisName, ...], n: int | None = None,
                 grad_axes: tuple | None = None, grad_scatters: tuple | None = None,
+                micro_scatters: tuple | None = None,
                 place: Callable[[list, dict], tuple[Callable[..., Any], list]] | None = None,
                 run: Callable[[tuple, dict], Any] | None = None) -> Any:
   """One replica's run, inside :func:`jax.shard_map` or :func:`jax.pmap` over ``axes``.
@@ -163,6 +168,9 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     grad_axes: per gradient leaf, the axes its gradient is still summed over; ``None``:
       all of ``axes`` (replicated parameters).
     grad_scatters: per gradient leaf, the reduce-scatters left to :func:`combine`.
+    micro_scatters: per gradient leaf, the reduce-scatters applied to each micro-batch's
+      gradient before it is accumulated (the per-example path under
+      ``grad_scatter="micro_batch"``: :func:`_check_placement`), or ``None``.
     place: see step 2.
     run: see step 4.
 
@@ -202,8 +210,12 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
                    reduce_is_sum=_reduce.sums_across_devices(opts.terms),
                    grad_scatters=grad_scatters)
 
+  each = None
+  if micro_scatters is not None and any(micro_scatters):
+    each = functools.partial(_scatter_groups, scatters=micro_scatters)
   value, extra, grads, info = _transform.accumulate(
-      opts, tuple(largs), lkwargs, active, n=n, shards=shards, combine=across, own=own)
+      opts, tuple(largs), lkwargs, active, n=n, shards=shards, combine=across, own=own,
+      each_grads=each)
   return Replica(value, extra, grads, info, seen.get("kinds"))
 
 
@@ -327,12 +339,25 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
   return dataclasses.replace(opts, data_axis=axes, mesh=mesh)
 
 
-def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple:
+def _per_example(opts: Options) -> bool:
+  """Whether each example's gradient is transformed (``per_example_transform``, the clip of
+  DP-SGD): the transform must see the gradient with respect to the whole (gathered)
+  parameter, so the FSDP gathers are differentiated as under ``grad_scatter="step"``
+  (:func:`_placed_gathers`) and the reduce-scatter follows the sum over the examples."""
+  return _transform.micro_rule(opts).one_row
+
+
+def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple, tuple]:
   """Checks that ``param_gather`` / ``grad_scatter`` have FSDP parameters to act on.
 
-  Returns, per gradient leaf, the gathers that :func:`combine` undoes with reduce-scatters
-  after the loop (``grad_scatter="step"``), ``()`` where the backward pass of the gather
-  reduce-scatters each micro-batch's gradient (the default).
+  Returns ``(after, each)``, per gradient leaf the gathers that reduce-scatters undo:
+  ``after`` by :func:`combine` after the loop (``grad_scatter="step"``), ``each`` on each
+  micro-batch's gradient before it is accumulated. Under the default
+  (``"micro_batch"``) the backward pass of the gather reduce-scatters each micro-batch's
+  gradient, and both are ``()``, except under a per-example transform (:func:`_per_example`):
+  each example's gradient is then taken with respect to the full-size parameter, and the
+  micro-batch's sum of them reduce-scattered (``each``), so that the transform (the clip's
+  norm) sees the whole of every example's gradient, never one shard's slice of it.
   """
   gathered = [g for j in roles.diff for g in placed.gathers[j]]
   others = [g for k, gs in placed.gathers.items() if k not in roles.diff
@@ -347,9 +372,21 @@ def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple:
           "(or its sharding is not in its type: FSDP needs Explicit mesh axes). Shard the "
           "parameters over a data axis, e.g. jax.sharding.reshard(params, P('data')), or "
           f"drop {name}.")
-  if opts.grad_scatter != "step":
-    return tuple(() for _ in gathered)
-  return tuple(gathered)
+  none = tuple(() for _ in gathered)
+  if opts.grad_scatter == "step":
+    return tuple(gathered), none
+  return none, (tuple(gathered) if _per_example(opts) else none)
+
+
+def _scatter_groups(grads: tuple, *, scatters: tuple) -> tuple:
+  """One micro-batch's gradients (per group, full-size local ones) reduce-scattered over
+  the FSDP axes, leaf by leaf as ``scatters`` says."""
+  out = []
+  for g in grads:
+    flat, treedef = jax.tree.flatten(g)
+    out.append(jax.tree.unflatten(treedef, [
+        _scatter(x, sc) if sc else x for x, sc in zip(flat, scatters, strict=True)]))
+  return tuple(out)
 
 
 def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs: list,
@@ -367,10 +404,17 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   :func:`_gathered_once` gives the shard that transpose); ``"step"`` differentiates with
   respect to full-size values (the gathered arrays, or full-size zeros added to the
   per-micro-batch gather), so each device accumulates its full-size local gradients and
-  :func:`combine` reduce-scatters them once.
+  :func:`combine` reduce-scatters them once. Under a per-example transform the
+  differentiated values are full-size whatever ``grad_scatter`` says, so that each
+  example's gradient (the clip's norm and factor) is the whole parameter's; under
+  ``"micro_batch"`` the micro-batch's sum is then reduce-scattered before it is
+  accumulated (:func:`_check_placement`).
   """
   per_micro_batch = opts.param_gather == "micro_batch"
-  step_scatter = opts.grad_scatter == "step"
+  # A per-example transform differentiates with respect to full-size values whatever the
+  # placement; under "micro_batch" its micro-batch sum is reduce-scattered by the core
+  # (_check_placement's ``each``).
+  step_scatter = opts.grad_scatter == "step" or _per_example(opts)
   # Per argument: (value, its shards) -> the value fun sees; and the shards to gather where
   # they are not the argument's own leaves (the shards behind full-size zeros).
   in_fun: dict[Any, Callable[[Any, list], Any]] = {}

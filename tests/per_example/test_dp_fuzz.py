@@ -4,7 +4,9 @@ Each generated case runs ``method="auto"``, ``"ghost"`` (where it does not refus
 ``"materialize"`` against per-example ``jax.grad``: the norms in ``example_grad_norms``, the
 clipped sum, and the sensitivity bound measured on each example alone (a batch of one with
 ``reduce="sum"``: norm at most ``C * (1 + ROUNDING_BOUND)``). The known ways the ghost
-analysis went wrong, and the shapes behind bugs it could have, run as named cases.
+analysis went wrong, and the shapes behind bugs it could have, run as named cases. Under
+each FSDP placement (``param_gather`` x ``grad_scatter``, two of them with
+``overlap_grad_reduce``) one small generated case, on the clipped sum and the bound.
 ``make fuzz-dp`` runs the long fuzz (``tools/dp_fuzz.py``).
 """
 
@@ -14,6 +16,7 @@ import pytest
 
 import jaxaccum
 from jaxaccum._core import _stats
+from jaxaccum._parallel import _data_parallel
 from tests import _dp_fuzz
 
 # Seeds of the short budget (small cases: at most two ops, 8 rows); the long run
@@ -34,6 +37,37 @@ def _assert_holds(report):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_generated_case(seed):
   _assert_holds(_dp_fuzz.check(_dp_fuzz.generate(seed, small=True)))
+
+
+# Per FSDP placement, a small seed whose case compiles quickly and has a parameter
+# dimension a shard count divides; the shard count and the sharded parameters are drawn.
+FSDP_SEEDS = {("step", "step", False): 4, ("step", "micro_batch", True): 1,
+              ("micro_batch", "step", False): 6, ("micro_batch", "micro_batch", True): 3}
+
+
+def _fsdp_case(placement):
+  seed = FSDP_SEEDS[placement]
+  case = _dp_fuzz.generate(seed, small=True)
+  fsdp = _dp_fuzz.draw_fsdp(case, np.random.default_rng(seed), placement)
+  assert fsdp is not None and any(d is not None for _, d in fsdp.specs), case.ops
+  return case, fsdp
+
+
+@pytest.mark.parametrize("placement", sorted(FSDP_SEEDS), ids=lambda p: str(p))
+def test_generated_case_under_fsdp(placement):
+  case, fsdp = _fsdp_case(placement)
+  _assert_holds(_dp_fuzz.check(case, fsdp=fsdp))
+
+
+def test_the_checker_catches_shards_clipping_their_own_slices(monkeypatch):
+  # A planted bug: the per-example path differentiating with respect to each shard (what
+  # grad_scatter="micro_batch" did before), so that each shard clips its slice of an
+  # example's gradient. The bound must fail, above C.
+  monkeypatch.setattr(_data_parallel, "_per_example", lambda opts: False)
+  case, fsdp = _fsdp_case(("step", "micro_batch", True))  # dense sharded uses of parameters
+  report = _dp_fuzz.check(case, ("materialize",), fsdp=fsdp)
+  assert "bound" in _dp_fuzz.failures(report)["materialize"], report
+  assert report["methods"]["materialize"]["contribution_over_c"] > 1.1, report
 
 
 @pytest.mark.parametrize("name", sorted(_dp_fuzz.REGRESSIONS))
