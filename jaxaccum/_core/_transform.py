@@ -3,9 +3,10 @@
 The public transforms (:mod:`jaxaccum._api`), the data-parallel driver
 (:mod:`jaxaccum._parallel._data_parallel`), ``pipeline`` and the adapters all run it. It
 runs in three steps, each a map over the carry's entries (:data:`CARRY`: loss numerators and
-denominators, gradient groups, aux, state, the ``with_info`` statistics and per-example
-norms), each entry a record of ``init``, ``update``, ``combine`` and ``finalize`` in the
-manner of the aux reductions (:class:`jaxaccum._core._reduce.Reduction`):
+denominators, gradient groups, aux, state, the ``with_info`` statistics, and the entries a
+micro-batch rule brings, :meth:`MicroRule.carry`), each entry a record of ``init``,
+``update``, ``combine`` and ``finalize`` in the manner of the aux reductions
+(:class:`jaxaccum._core._reduce.Reduction`):
 
 1. :func:`run_micro_batches`: one :func:`jax.lax.scan` over the micro-batches (scheduled by
    :func:`schedule`) adds each micro-batch's contribution to every entry of a
@@ -76,9 +77,9 @@ class Carry(NamedTuple):
   aux: PyTree  # per aux leaf: its reduction's carry (None for per-micro-batch kinds)
   state: tuple  # the threaded state arguments
   stats: Stats
-  # (rows, N): each example's gradient norm before clipping, column i for micro-batch i
-  # (clip_per_example with with_info; NaN for micro-batches not run), else None.
-  norms: jax.Array | None = None
+  # A micro-batch rule's own quantities, by the name of its carry entry (MicroRule.carry):
+  # e.g. the per-example rule's norms.
+  extra: dict = {}  # noqa: RUF012 (never mutated: a new dict each step)
 
 
 def check_keys(opts: Options, argnum: int | str, tree: PyTree, size: int,
@@ -138,7 +139,8 @@ class Micro(NamedTuple):
   state: tuple
   aux: PyTree
   grads: tuple  # per group
-  norms: jax.Array | None = None  # (rows,): each example's gradient norm (the clip path)
+  # The rule's own quantities, by the name of its carry entry (see MicroRule.carry).
+  extra: dict = {}  # noqa: RUF012 (never mutated)
 
 
 class MicroCall(NamedTuple):
@@ -187,9 +189,15 @@ class MicroRule(Protocol):
     ``remat``'s checkpoint."""
     ...
 
-  def contribute(self, m: MicroCall) -> tuple:
-    """``(nums, dens, new_state, aux, grads, norms)`` of one micro-batch (grads: per group;
-    norms: each example's gradient norm, or ``None``)."""
+  def contribute(self, m: MicroCall) -> Micro:
+    """One micro-batch's contribution (``grads``: per group; ``extra``: one value per entry
+    of :meth:`carry`)."""
+    ...
+
+  def carry(self) -> dict[str, CarryEntry]:
+    """The rule's own carry entries (records like :data:`CARRY`'s), each fed by
+    ``Micro.extra[name]``; its ``finalize`` returns :class:`jaxaccum.AccumInfo` fields (a
+    dict) or ``None``."""
     ...
 
 
@@ -202,11 +210,14 @@ class _CoreRule(NamedTuple):
            held: list[int]) -> tuple:
     return call(kw_batch, role_vals)
 
-  def contribute(self, m: MicroCall) -> tuple:
+  def carry(self) -> dict[str, CarryEntry]:
+    return {}
+
+  def contribute(self, m: MicroCall) -> Micro:
     kw = {**m.kw, **m.kw_keys}
     if not self.differentiates:  # forward only: no jax.vjp, no gradients
       _, (nums, dens, new_state, aux) = m.inner(kw, m.diff, m.rest)
-      return nums, dens, new_state, aux, (), None
+      return Micro(nums, dens, new_state, aux, ())
     objectives, vjp, (nums, dens, new_state, aux) = jax.vjp(
         lambda *d: m.inner(kw, d, m.rest), *m.diff, has_aux=True)
     grads = []
@@ -214,7 +225,7 @@ class _CoreRule(NamedTuple):
       cot = tuple(jnp.ones_like(o) if h == k else jnp.zeros_like(o)
                   for h, o in enumerate(objectives))
       grads.append(vjp(cot))
-    return nums, dens, new_state, aux, tuple(grads), None
+    return Micro(nums, dens, new_state, aux, tuple(grads))
 
 
 FORWARD: MicroRule = _CoreRule(differentiates=False)
@@ -309,12 +320,12 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
     kw_keys = {k: jax.tree.map(lambda key: jax.random.fold_in(key, i), kwargs[k])
                for k in roles.rng_names}
     vals = [call_args[j] for j in role_pos]
-    nums, dens, new_state, aux, grads, norms = rule.contribute(MicroCall(
+    out = rule.contribute(MicroCall(
         opts, groups, lambda kw1, d, r: inner(count, kw1, *d, *r), vals[:nd], vals[nd:],
         tuple(role_pos[nd:]), kw, kw_keys, roles, axis))
     if roles.state:
-      state = _outputs.check_state(opts, roles.state, state, new_state)
-    return Micro(nums, dens, state, aux, grads, norms if opts.with_info else None)
+      state = _outputs.check_state(opts, roles.state, state, out.state)
+    return out._replace(state=state)
 
   whole, own = _by_role(opts, rule, roles, args, kwargs)
   own += jax.tree.leaves((split, split_kw))  # the split batch: (B, 1, ...) when N = 1
@@ -498,7 +509,7 @@ def _aux0(s: Scan) -> PyTree:
     if init is None:
       return None
     # A user reduction's carry may be a pytree of any shapes: it varies as the leaf does.
-    return jax.tree.map(lambda v: _vary_as(
+    return jax.tree.map(lambda v: vary_as(
         _sharding.conform(v, x) if jnp.shape(v) == x.shape else jnp.asarray(v), x,
         *s.keep_like), init)
   return jax.tree.map(leaf, s.kinds, s.shapes.aux)
@@ -526,19 +537,6 @@ def _stats_update(c: Stats, u: Update, s: Scan) -> Stats:
   k_i = jnp.int32(1) if u.keep is None else u.keep.astype(jnp.int32)
   c = c._replace(kept=c.kept + k_i, skipped=c.skipped + (1 - k_i))
   return _sample_stats(s.opts, s.problem, u.out, c, u.keep) if s.opts.with_info else c
-
-
-def _norms0(s: Scan) -> jax.Array | None:
-  if s.shapes.norms is None:
-    return None
-  return _vary_as(jnp.full((s.problem.rows, s.problem.n), jnp.nan, jnp.float32),
-                  s.shapes.norms)
-
-
-def _norms_update(c: jax.Array | None, u: Update, s: Scan) -> jax.Array | None:
-  if c is None or u.out.norms is None:  # kept or skipped by skip_nonfinite
-    return c
-  return lax.dynamic_update_index_in_dim(c, u.out.norms.astype(c.dtype), u.i, 1)
 
 
 class Final(NamedTuple):
@@ -590,7 +588,7 @@ def _final_aux(c: PyTree, f: Final) -> PyTree:
 
 
 def _final_info(st: Stats, f: Final) -> _info.AccumInfo | None:
-  """:class:`jaxaccum.AccumInfo` from the statistics, the gradients and the norms."""
+  """:class:`jaxaccum.AccumInfo` from the statistics and the gradients."""
   if not f.opts.with_info:
     return None
   problem, carry, kept = f.problem, f.carry, f.kept
@@ -609,7 +607,6 @@ def _final_info(st: Stats, f: Final) -> _info.AccumInfo | None:
       batch_grad_sq_norm=_stats.sq_norm(gb),
       num_samples=samples,
       skipped=st.skipped,
-      example_grad_norms=None if carry.norms is None else carry.norms.reshape(-1),
   )
 
 
@@ -640,16 +637,16 @@ CARRY: dict[str, CarryEntry] = {
         lambda c, a: jax.tree.map(lambda x: _reduce.combine_state(x, a.axes), c),
         lambda c, f: c if f.opts.state_is_tuple or not c else c[0]),
     "stats": CarryEntry(_stats0, _stats_update, lambda c, a: lax.psum(c, a.axes), _final_info),
-    "norms": CarryEntry(_norms0, _norms_update, lambda c, a: gather_norms(c, a.axes),
-                        lambda c, f: None),  # in the info
 }
 
 
-def combine_carry(carry: Carry, stacked: PyTree, a: Across) -> tuple[Carry, PyTree]:
-  """Step 2 (under ``data_axis``): each carry entry, and the per-micro-batch aux rows,
-  reduced across the data shards as its record says."""
+def combine_carry(carry: Carry, stacked: PyTree, a: Across, rule: MicroRule
+                  ) -> tuple[Carry, PyTree]:
+  """Step 2 (under ``data_axis``): each carry entry (the core's and ``rule``'s), and the
+  per-micro-batch aux rows, reduced across the data shards as its record says."""
   _reduce.check_combinable(a.kinds)
-  carry = Carry(**{k: e.combine(getattr(carry, k), a) for k, e in CARRY.items()})
+  extra = {k: e.combine(carry.extra[k], a) for k, e in rule.carry().items()}
+  carry = Carry(**{k: e.combine(getattr(carry, k), a) for k, e in CARRY.items()}, extra=extra)
   return carry, _combine_aux(stacked, a)
 
 
@@ -664,7 +661,7 @@ def _zeros_like_struct(s: Any) -> jax.Array:
   return _sharding.conform(jnp.zeros(s.shape, s.dtype), s)
 
 
-def _vary_as(x: jax.Array, *likes: Any) -> jax.Array:
+def vary_as(x: jax.Array, *likes: Any) -> jax.Array:
   """``x``, varying over every manual axis that ``x`` or any of ``likes`` varies over."""
   want = frozenset().union(*(_sharding.varying(like) for like in likes))
   return _sharding.vary(x, tuple(sorted(want, key=str)))
@@ -693,13 +690,16 @@ def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
   keep_like = (jax.tree.leaves((shapes.nums, shapes.dens, shapes.grads))
                if opts.skip_nonfinite else [])
   s = Scan(opts, problem, shapes, kinds, keep_like)
-  carry0 = Carry(**{k: e.init(s) for k, e in CARRY.items()})
+  entries = problem.rule.carry()
+  carry0 = Carry(**{k: e.init(s) for k, e in CARRY.items()},
+                 extra={k: e.init(s) for k, e in entries.items()})
 
   def run(carry: Carry, i):
     out = problem.micro(i, carry.state, count)
     finite = (out.nums, [d for d in out.dens if d is not None], out.grads)
     u = Update(out, _stats.all_finite(finite) if opts.skip_nonfinite else None, i)
-    new = Carry(**{k: e.update(getattr(carry, k), u, s) for k, e in CARRY.items()})
+    new = Carry(**{k: e.update(getattr(carry, k), u, s) for k, e in CARRY.items()},
+                extra={k: e.update(carry.extra[k], u, s) for k, e in entries.items()})
     return new, jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
 
   per_mb = jax.tree.map(lambda k, x: x if k.per_micro_batch else None, kinds, shapes.aux)
@@ -795,21 +795,14 @@ def finalize_carry(opts: Options, problem: Problem, carry: Carry, stacked: PyTre
   (value, terms), info = out["num"], out["stats"]
   if info is not None and terms is not None:
     info = info._replace(terms=terms)
+  for k, e in problem.rule.carry().items():  # the rule's own entries fill info fields
+    fields = e.finalize(carry.extra[k], f)
+    if info is not None and fields:
+      info = info._replace(**fields)
   extra = out["aux"]
   if problem.state0:
     extra = (out["state"], extra) if opts.has_aux else out["state"]
   return value, extra, out["grads"], info
-
-
-def gather_norms(norms: jax.Array | None, axes: tuple) -> jax.Array | None:
-  """Under ``data_axis``: every shard's ``(rows, N)`` norms in one ``(D * rows, N)`` array,
-  the same on every shard (shard ``s`` holds the batch's ``s``-th block of rows)."""
-  if norms is None:
-    return None
-  shard, shards = lax.axis_index(axes), lax.psum(1, axes)
-  rows = norms.shape[0]
-  full = jnp.zeros((rows * shards,) + norms.shape[1:], norms.dtype)
-  return lax.psum(lax.dynamic_update_slice_in_dim(full, norms, shard * rows, 0), axes)
 
 
 # The names of the three steps in the compiled program's op_name metadata and in profiles.

@@ -208,7 +208,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     seen["kinds"] = kinds
     return combine(carry, stacked, kinds, axes=axes, grad_axes=grad_axes,
                    reduce_is_sum=_reduce.sums_across_devices(opts.terms),
-                   grad_scatters=grad_scatters)
+                   grad_scatters=grad_scatters, rule=_transform.micro_rule(opts))
 
   each = None
   if micro_scatters is not None and any(micro_scatters):
@@ -650,7 +650,8 @@ def _scatter(x: jax.Array, gathers: tuple) -> jax.Array:
 
 
 def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName, ...],
-            grad_axes: tuple, reduce_is_sum: bool, grad_scatters: tuple | None = None):
+            grad_axes: tuple, reduce_is_sum: bool, grad_scatters: tuple | None = None,
+            rule: Any = _transform.VJP):
   """Step 2 of the core: reduces the scan's carry over the data axes, once, after the loop,
   each entry as its record says (:data:`jaxaccum._core._transform.CARRY`).
 
@@ -660,10 +661,11 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   (``grad_scatter="step"``) gives, per gradient leaf, the gathers whose reduce-scatter is
   still to be done: the accumulator then holds a full-size local gradient, reduce-scattered
   here first (over the FSDP axes), then summed over ``grad_axes`` at the shard's size.
+  ``rule`` is the micro-batch rule, whose own carry entries are reduced too.
   """
   across = _transform.Across(axes, grad_axes, grad_scatters or (), reduce_is_sum, kinds,
                              _scatter)
-  return _transform.combine_carry(carry, stacked, across)
+  return _transform.combine_carry(carry, stacked, across, rule)
 
 
 def _local_spec(have: PartitionSpec | None, axes: tuple[AxisName, ...], where: str,

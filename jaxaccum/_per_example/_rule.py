@@ -23,11 +23,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxaccum._core import _options, _reduce, _split, _stats
 from jaxaccum._core._options import Options
 from jaxaccum._core._reduce import Group
-from jaxaccum._core._transform import MicroCall
+from jaxaccum._core._transform import (
+  Across,
+  CarryEntry,
+  Micro,
+  MicroCall,
+  Scan,
+  Update,
+  vary_as,
+)
 from jaxaccum._core._validate import describe as _describe
 from jaxaccum._per_example import _clip
 
@@ -141,28 +150,62 @@ class PerExampleRule:
       new_state = _unfold_state_keys(new_state, folded)
     return nums, dens, new_state, aux
 
-  def contribute(self, m: MicroCall) -> tuple:
-    """One micro-batch's ``(nums, dens, new_state, aux, grads, norms)``."""
-    nums, dens, new_state, aux, example_grads, norms = per_example(
-        m.opts, self.transform, m.groups, m.inner, m.diff, m.kw, m.kw_keys, m.rest,
-        m.rest_pos, m.roles, m.axis)
-    return nums, dens, new_state, aux, (example_grads,), norms
+  def contribute(self, m: MicroCall) -> Micro:
+    """One micro-batch's contribution; ``extra["norms"]``: each example's gradient norm
+    (the clip with ``with_info``), else ``None``."""
+    nums, dens, new_state, aux, example_grads, norms = per_example(m, self.transform)
+    return Micro(nums, dens, new_state, aux, (example_grads,),
+                 {"norms": norms if m.opts.with_info else None})
+
+  def carry(self) -> dict[str, CarryEntry]:
+    """The per-example norms: ``(rows, N)``, column ``i`` for micro-batch ``i`` (NaN for
+    micro-batches not run), gathered over the data shards; ``AccumInfo.example_grad_norms``."""
+    return {"norms": NORMS}
+
+
+def _norms0(s: Scan) -> jax.Array | None:
+  like = s.shapes.extra["norms"]
+  if like is None:
+    return None
+  return vary_as(jnp.full((s.problem.rows, s.problem.n), jnp.nan, jnp.float32), like)
+
+
+def _norms_update(c: jax.Array | None, u: Update, s: Scan) -> jax.Array | None:
+  del s
+  new = u.out.extra["norms"]
+  if c is None or new is None:  # written whether the micro-batch is kept or skipped
+    return c
+  return lax.dynamic_update_index_in_dim(c, new.astype(c.dtype), u.i, 1)
+
+
+def gather_norms(norms: jax.Array | None, a: Across) -> jax.Array | None:
+  """Under ``data_axis``: every shard's ``(rows, N)`` norms in one ``(D * rows, N)`` array,
+  the same on every shard (shard ``s`` holds the batch's ``s``-th block of rows)."""
+  if norms is None:
+    return None
+  shard, shards = lax.axis_index(a.axes), lax.psum(1, a.axes)
+  rows = norms.shape[0]
+  full = jnp.zeros((rows * shards,) + norms.shape[1:], norms.dtype)
+  return lax.psum(lax.dynamic_update_slice_in_dim(full, norms, shard * rows, 0), a.axes)
+
+
+NORMS = CarryEntry(
+    _norms0, _norms_update, gather_norms,
+    lambda c, f: None if c is None else {"example_grad_norms": c.reshape(-1)})
 
 
 # --- One micro-batch, one example at a time ---------------------------------------------------
 
 
-def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Group, ...],
-                f: Callable[..., Any], diff: list, kw: dict, kw_keys: dict, rest: list,
-                rest_pos: tuple[int, ...], roles: _options.Roles, axis: dict):
+def per_example(m: MicroCall, transform: Callable[[Any], Any]):
   """One micro-batch's contribution under ``per_example_transform`` (``transform``).
 
   ``jax.vmap`` over the micro-batch's rows runs ``f(kw, diff, rest)`` (``inner``) on each
   example as a batch of one (``clip_per_example(keep_batch_dim=False)``: on the row itself),
   transforms each example's gradient, and reduces the examples to the micro-batch's values
   as the loss kind says (mean or sum; a weighted term sums numerators and denominators) and
-  each aux leaf as its reduction says. A :class:`jaxaccum._core._clip.ClipPerExample` takes the
-  clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
+  each aux leaf as its reduction says. A :class:`jaxaccum._per_example._clip.ClipPerExample`
+  takes the clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
   gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
   folded per micro-batch); state is shared by the examples and must come back the same from
   each, except that example ``r`` sees each typed key of the state folded with ``r``
@@ -171,6 +214,8 @@ def per_example(opts: Options, transform: Callable[[Any], Any], groups: tuple[Gr
   aux, grads, norms)``, ``norms`` each example's gradient norm before clipping (the clip
   path; else ``None``).
   """
+  opts, groups, f, diff, rest, rest_pos = m.opts, m.groups, m.inner, m.diff, m.rest, m.rest_pos
+  kw, kw_keys, roles, axis = m.kw, m.kw_keys, m.roles, m.axis
   assert len(groups) == 1, "check_per_example allows one normalisation"
   clip = transform if isinstance(transform, _clip.ClipPerExample) else None
   keep_dim = clip is None or clip.keep_batch_dim
