@@ -57,6 +57,8 @@ def place_active_rows(
     rows: PyTree, *, num_micro_batches: int, active_micro_batches: int, fill: str = "zeros",
 ) -> PyTree:
   """Lays out the rows of ``k`` active micro-batches in a batch of ``N`` micro-batches.
+  Experimental (:mod:`jaxaccum.contrib`), with the controllers that vary ``k``: its cost is not
+  measured yet.
 
   ``rows`` holds ``k * b`` rows: the rows that will run. The result holds ``N * b`` rows,
   with ``rows`` exactly at the positions of micro-batches ``0..k-1`` (batch rows ``r``
@@ -112,6 +114,8 @@ def place_active_rows(
 
 class RowFeeder:
   """Feeds a stream of rows to a step that runs ``k`` of ``N`` micro-batches, each row once.
+  Experimental (:mod:`jaxaccum.contrib`), with the controllers that vary ``k``: its cost is not
+  measured yet (the tests check that every row runs exactly once).
 
   Each :meth:`next_batch` call takes the next ``k * micro_batch_size`` rows of the stream
   and returns the ``(N * micro_batch_size, ...)`` batch of :func:`place_active_rows`:

@@ -356,7 +356,10 @@ class DataParallel:
       the same; the program holds the per-micro-batch computation twice (longer compile,
       larger code) and on GPU the temporary memory of two micro-batches. Whether the
       compiler overlaps depends on the model and on XLA's all-reduce combiner: see
-      "Overlapping the last reduction" in the devices guide.
+      "Overlapping the last reduction" in the devices guide. Experimental: the evidence
+      is from compiled programs only, never timed (for 8 described H100s, on the LM 2 of
+      its 7 gradient all-reduces start before the last GEMM and 1 GEMM runs inside one, at
+      1.9x the peak memory, 13.97 to 26.54 GiB; ``benchmarks/results/overlap.md``).
 
   Raises:
     TypeError, ValueError: a bad axis, a mesh without ``axis``, an unknown placement.
@@ -500,6 +503,18 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   for field in dataclasses.fields(Options):
     done[field.name] = field.metadata["check"](raw, done)
   return Options(**done)
+
+
+def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
+  """An adapter's ``evaluate`` given an option about gradients (one that
+  :func:`jaxaccum.value_and_grad` has and :func:`jaxaccum.evaluate` has not) gets a
+  ``TypeError`` naming it and ``instead``, the adapter's transform that takes it."""
+  gradient = GRADIENT_OPTIONS | {k for k, f in DEPRECATED.items() if f.gradient}
+  given = sorted(k for k in options if k in gradient)
+  if given:
+    raise TypeError(
+        f"{where} takes no {given[0]}= option: it is about gradients, and {where} "
+        f"differentiates nothing. Drop it, or use {instead} for gradients.")
 
 
 def check_overlap(overlap: Any, axes: Any) -> bool:

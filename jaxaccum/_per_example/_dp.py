@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from jaxaccum import _api
-from jaxaccum._core import _stats
 
 
 class DpNoiseState(NamedTuple):
@@ -338,104 +334,3 @@ def place_padding_last(batch: Any, example_mask: Any, *,
 
   return (jax.tree.map(take, batch), take(example_mask),
           int(k) if host else k.astype(jnp.int32))
-
-
-def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
-                           **options: Any) -> Callable[..., dict[str, float]]:
-  """Checks on a sample batch that ``fun`` is a sum or mean of per-row losses.
-
-  Per-example clipping (:func:`jaxaccum.clip_per_example`) runs ``fun`` on each example
-  alone, as a batch of one. A loss that mixes the rows of its batch (a contrastive loss,
-  whose negatives are the other rows; BatchNorm's batch statistics; a loss normalised by
-  the batch's own maximum) then computes something else, silently: a contrastive loss
-  becomes 0, BatchNorm's output loses its input. The core cannot tell from the program
-  (a mean over the batch's rows is how every loss ends), so this compares, on the batch
-  given: ``fun``'s value and gradient on the whole batch against the same built from
-  each example alone (the identity as ``per_example_transform``), both through
-  :func:`jaxaccum.value_and_grad` in one micro-batch with ``options``. For a loss that
-  is a mean (or sum, or ``reduce="weighted"`` ratio) of per-row losses they agree to
-  float rounding; otherwise this raises. Run it once, outside the training step, on a
-  small batch: it forms every example's gradient.
-
-  Randomness differs between the two (one key for the batch, one per example), so
-  ``rng_argnums``/``rng_argnames`` are refused: check a deterministic version (dropout
-  off). Only the default ``keep_batch_dim=True`` layout is checked (user-level units have
-  no batch loss to compare with), and not through the Flax adapters.
-
-  Args:
-    fun: the loss, as given to :func:`jaxaccum.value_and_grad`.
-    rtol: the largest relative difference accepted (of the value, and of the gradient's
-      L2 norm of the difference against the batch gradient's norm).
-    **options: :func:`jaxaccum.value_and_grad`'s options (``argnums``,
-      ``batch_argnums``, ``has_aux``, ``reduce``, ``state_argnums``...);
-      ``num_micro_batches``/``micro_batch_size`` and ``with_info`` are ignored, and a
-      :class:`jaxaccum.ClipPerExample` as ``per_example_transform`` is replaced by the
-      identity.
-
-  Returns:
-    A function of ``fun``'s arguments that returns ``{"value": ..., "grads": ...}``, the
-    relative differences found, or raises ``ValueError`` naming them.
-
-  Raises:
-    ValueError: ``rng_argnums``/``rng_argnames``, ``keep_batch_dim=False`` or an
-      ``example_mask`` given; or, when called, a difference above ``rtol`` (or a
-      non-finite per-example result where the batch's is finite).
-
-  >>> import jax.numpy as jnp
-  >>> import jaxaccum
-  >>> def contrastive(w, z):
-  ...   s = (z @ w) @ (z @ w).T  # every row against every other row
-  ...   return jnp.mean(jax.nn.logsumexp(s, axis=1) - jnp.diagonal(s))
-  >>> z = jnp.arange(12.0).reshape(4, 3) / 10
-  >>> jaxaccum.check_per_example_loss(contrastive)(jnp.eye(3), z)
-  Traceback (most recent call last):
-  ...
-  ValueError: check_per_example_loss: the loss computed from each example alone ...
-  """
-  for name in ("rng_argnums", "rng_argnames"):
-    if options.setdefault(name, None) is not None:
-      raise ValueError(
-          f"check_per_example_loss: {name}={options[name]!r} is set, but the batch and "
-          "each example alone draw different random numbers, so their losses differ for "
-          "that reason alone. Check a deterministic version of fun (dropout off), without "
-          f"{name}.")
-  transform = options.pop("per_example_transform", None)
-  if isinstance(transform, _stats.ClipPerExample) and (
-      not transform.keep_batch_dim or transform.example_mask is not None):
-    what = ("keep_batch_dim=False" if not transform.keep_batch_dim else
-            f"example_mask={transform.example_mask!r}")
-    raise ValueError(
-        f"check_per_example_loss: clip_per_example({what}) is not checked: "
-        + ("fun takes one unit's rows, with no batch loss to compare against."
-           if not transform.keep_batch_dim else
-           "pass a batch without padding and drop example_mask."))
-  if not (isinstance(rtol, (int, float)) and not isinstance(rtol, bool) and rtol > 0):
-    raise ValueError(f"check_per_example_loss: rtol must be a positive number, got {rtol!r}.")
-  for name in ("num_micro_batches", "micro_batch_size", "with_info"):
-    options.pop(name, None)
-  whole = _api.value_and_grad(fun, num_micro_batches=1, **options)
-  alone = _api.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=1, **options)
-  extra = whole.options.has_extra
-
-  def value_of(out):
-    value = out[0][0] if extra else out[0]
-    return jax.tree.map(lambda v: np.asarray(v, np.float64), value), out[1]
-
-  def check(*args: Any, **kwargs: Any) -> dict[str, float]:
-    v_batch, g_batch = value_of(whole(*args, **kwargs))
-    v_alone, g_alone = value_of(alone(*args, **kwargs))
-    found = {"value": _stats.relative_difference(v_alone, v_batch),
-             "grads": _stats.relative_difference(g_alone, g_batch)}
-    if not all(np.isfinite(v) and v <= rtol for v in found.values()):
-      raise ValueError(
-          "check_per_example_loss: the loss computed from each example alone differs from "
-          f"the batch's (relative difference {found['value']:.3g} in the value and "
-          f"{found['grads']:.3g} in the gradient, above rtol={rtol:g}), so fun mixes the "
-          "rows of its batch (a contrastive loss, BatchNorm's batch statistics, a "
-          "normalisation by the batch). Per-example clipping runs fun on each example "
-          "alone, where such a loss means something else: compute it from each row alone "
-          "(GroupNorm or LayerNorm for BatchNorm; for a contrastive loss, treat the pair "
-          "or group as the unit, keep_batch_dim=False), or do not clip per example.")
-    return found
-
-  return check

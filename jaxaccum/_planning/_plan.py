@@ -28,8 +28,7 @@ from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
-from jaxaccum import _api
-from jaxaccum._api import value_and_grad
+from jaxaccum import _transforms
 from jaxaccum._core import _options, _sharding, _split
 from jaxaccum._planning import _collectives, _gpu_target
 from jaxaccum._planning._collectives import Collectives
@@ -621,7 +620,7 @@ def plan(
   # Build once with N = 1 to validate the options eagerly, with the transform's own errors;
   # the plan then reads the validated options, never the raw ones.
   try:
-    vg = _api.with_transform(value_and_grad, fun, dict(options, num_micro_batches=1))
+    vg = _transforms.make_value_and_grad(fun, dict(options, num_micro_batches=1))
   except TypeError as e:
     if "unexpected keyword argument" not in str(e):
       raise
@@ -660,7 +659,7 @@ def plan(
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     extra = {} if placement is None else dict(param_gather=placement[0],
                                               grad_scatter=placement[1])
-    return jax.jit(_api.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
+    return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
 
   shards = 1
   if isinstance(axes, tuple):
