@@ -107,7 +107,7 @@ def value_and_grad(
       :class:`DeprecationWarning`: ``mesh``, ``param_gather``, ``grad_scatter`` and
       ``overlap_grad_reduce`` (now fields of :class:`jaxaccum.DataParallel`),
       ``loss_weights`` (:class:`jaxaccum.Terms`), ``remat_policy`` (``remat=policy``) and
-      ``per_example_transform`` (:func:`jaxaccum.per_example_value_and_grad`).
+      ``per_example_transform`` (:func:`jaxaccum.dp.per_example_value_and_grad`).
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or

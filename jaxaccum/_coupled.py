@@ -290,7 +290,7 @@ class CachedValueAndGrad:
   def check_encode(self, *args: Any, rtol: float = 1e-4, **kwargs: Any) -> dict[str, float]:
     """Checks on a sample batch that ``encode`` is row-independent.
 
-    The rule of :func:`jaxaccum.check_per_example_loss`, applied to the encoder: what is
+    The rule of :func:`jaxaccum.dp.check_per_example_loss`, applied to the encoder: what is
     computed from each example alone must equal what is computed from the whole batch.
     ``encode`` runs on the whole batch and, through this transform's own encoder passes,
     on micro-batches of one row each; the reps, and ``encode``'s VJP of a fixed random

@@ -47,7 +47,7 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
 
   ``transform(grads) -> grads`` sees one example's gradient (one row's, with
   :func:`jax.grad`'s structure) and returns one of the same shapes, e.g.
-  :func:`jaxaccum.clip_per_example` for DP-SGD; the transformed gradients are then summed.
+  :func:`jaxaccum.dp.clip_per_example` for DP-SGD; the transformed gradients are then summed.
   Each micro-batch's examples are differentiated under :func:`jax.vmap`, ``fun`` seeing
   one row as a batch of one, so the micro-batch size is the vmap width and bounds the
   memory. The gradients are the mean over all examples of the transformed gradients (their
@@ -71,8 +71,8 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
   >>> import jaxaccum
   >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
   >>> w, x = jnp.ones(2), jnp.arange(8.0).reshape(4, 2)
-  >>> step = jaxaccum.per_example_value_and_grad(
-  ...     loss_fn, jaxaccum.clip_per_example(1.0), num_micro_batches=2)
+  >>> step = jaxaccum.dp.per_example_value_and_grad(
+  ...     loss_fn, jaxaccum.dp.clip_per_example(1.0), num_micro_batches=2)
   >>> loss, grads = step(w, x)
   >>> bool(jnp.linalg.norm(grads) <= 1.0)
   True
@@ -84,7 +84,7 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
   if transform is None:
     raise TypeError(
         "per_example_value_and_grad needs a transform of each example's gradient, e.g. "
-        "jaxaccum.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
+        "jaxaccum.dp.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
   return _transforms.make_value_and_grad(fun, {**options, "per_example_transform": transform})
 
 
@@ -92,7 +92,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
                            **options: Any) -> Callable[..., dict[str, float]]:
   """Checks on a sample batch that ``fun`` is a sum or mean of per-row losses.
 
-  Per-example clipping (:func:`jaxaccum.clip_per_example`) runs ``fun`` on each example
+  Per-example clipping (:func:`jaxaccum.dp.clip_per_example`) runs ``fun`` on each example
   alone, as a batch of one. A loss that mixes the rows of its batch (a contrastive loss,
   whose negatives are the other rows; BatchNorm's batch statistics; a loss normalised by
   the batch's own maximum) then computes something else, silently: a contrastive loss
@@ -117,7 +117,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
     **options: :func:`jaxaccum.value_and_grad`'s options (``argnums``,
       ``batch_argnums``, ``has_aux``, ``reduce``, ``state_argnums``...);
       ``num_micro_batches``/``micro_batch_size`` and ``with_info`` are ignored, and a
-      :class:`jaxaccum.ClipPerExample` as ``per_example_transform`` is replaced by the
+      :class:`jaxaccum.dp.ClipPerExample` as ``per_example_transform`` is replaced by the
       identity.
 
   Returns:
@@ -135,7 +135,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
   ...   s = (z @ w) @ (z @ w).T  # every row against every other row
   ...   return jnp.mean(jax.nn.logsumexp(s, axis=1) - jnp.diagonal(s))
   >>> z = jnp.arange(12.0).reshape(4, 3) / 10
-  >>> jaxaccum.check_per_example_loss(contrastive)(jnp.eye(3), z)
+  >>> jaxaccum.dp.check_per_example_loss(contrastive)(jnp.eye(3), z)
   Traceback (most recent call last):
   ...
   ValueError: check_per_example_loss: the loss computed from each example alone ...

@@ -578,7 +578,7 @@ def _over_c(grad: Any, c: float | dict) -> float:
 def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray, ref_sum: Any,
                 scale: float, ill_conditioned: bool) -> dict:
   """One method on one case: its status, the measured errors and the failed properties."""
-  clip = jaxaccum.clip_per_example(c, method)
+  clip = jaxaccum.dp.clip_per_example(c, method)
   out: dict[str, Any] = {"method": method, "status": "ok", "failed": [], "notes": []}
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""``jaxaccum.AdaptiveBatch``: a micro-batch count that follows the measured gradient noise.
+"""``jaxaccum.contrib.AdaptiveBatch``: a micro-batch count that follows the measured gradient noise.
 
 Every accumulated step measures, for free, the two quantities that say how large a batch
 pays (:class:`jaxaccum.AccumInfo`: unbiased ``|G|^2`` and ``tr(Sigma)``).
@@ -39,7 +39,7 @@ _check_float = functools.partial(_validate.check_float, "AdaptiveBatch")
 
 
 class AdaptiveBatchState(NamedTuple):
-  """State of :class:`jaxaccum.AdaptiveBatch`: ``k``, the smoothed noise, and counters.
+  """State of :class:`jaxaccum.contrib.AdaptiveBatch`: ``k``, the smoothed noise, and counters.
   Experimental, as :class:`jaxaccum.contrib.AdaptiveBatch` is (measured, it did not beat a
   fixed ramp on the character LM).
 
@@ -221,7 +221,7 @@ class AdaptiveBatch:
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
-  >>> ab = jaxaccum.AdaptiveBatch(16, warmup_steps=1, cooldown_steps=0)
+  >>> ab = jaxaccum.contrib.AdaptiveBatch(16, warmup_steps=1, cooldown_steps=0)
   >>> state = ab.init()
   >>> int(ab.micro_batches(state))
   2

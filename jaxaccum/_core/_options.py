@@ -4,7 +4,7 @@ The schema is data: :data:`DEFAULTS` lists the keyword options of
 :func:`jaxaccum.value_and_grad` with their defaults, :data:`GRADIENT_OPTIONS` those that
 :func:`jaxaccum.evaluate` does not take, and :data:`DEPRECATED` the keywords folded into a
 record (:class:`DataParallel`, :class:`Terms`, a policy ``remat``, or
-:func:`jaxaccum.per_example_value_and_grad`). :func:`make_options` expands the records into
+:func:`jaxaccum.dp.per_example_value_and_grad`). :func:`make_options` expands the records into
 the core's flat options and validates each :class:`Options` field with its validator.
 
 :class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
@@ -322,7 +322,7 @@ DEPRECATED: dict[str, Folded] = {
     "loss_weights": Folded(None, "reduce=jaxaccum.Terms(kinds, weights=...)"),
     "remat_policy": Folded(None, "remat=policy (remat takes the policy itself)"),
     "per_example_transform": Folded(
-        None, "jaxaccum.per_example_value_and_grad(fun, transform, **options)"),
+        None, "jaxaccum.dp.per_example_value_and_grad(fun, transform, **options)"),
 }
 
 
@@ -472,7 +472,7 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   :class:`Options` field validates its own (:func:`option`). ``evaluate=True`` is
   :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is differentiated) is allowed
   only there, and the options about gradients are refused. ``transform`` is
-  :func:`jaxaccum.per_example_value_and_grad`'s per-example transform.
+  :func:`jaxaccum.dp.per_example_value_and_grad`'s per-example transform.
   """
   old = dict(deprecated or {})
   unknown = [k for k in given if k not in DEFAULTS] + [

@@ -113,7 +113,7 @@ def local_value_and_grad(
   >>> value, grads = fn(w, x)
   >>> grads.shape                  # one unreduced piece per device
   (8, 3)
-  >>> jaxaccum.collectives(fn, w, x).count()
+  >>> jaxaccum.planning.collectives(fn, w, x).count()
   0
   >>> full_value, full_grads = jax.value_and_grad(loss)(w0, x0)
   >>> bool(jnp.allclose(value.sum(), full_value)), bool(jnp.allclose(grads.sum(0), full_grads))

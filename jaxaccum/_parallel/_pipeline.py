@@ -71,7 +71,7 @@ def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
     TypeError, ValueError: if a count is not a positive Python int.
 
   >>> import jaxaccum
-  >>> for row in jaxaccum.pipeline_schedule(num_stages=3, num_micro_batches=2):
+  >>> for row in jaxaccum.contrib.pipeline_schedule(num_stages=3, num_micro_batches=2):
   ...   print(" ".join("." if m is None else str(m) for m in row))
   0 . .
   1 0 .
@@ -146,7 +146,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
   >>> import jax, jax.numpy as jnp, jaxaccum
   >>> mesh = jax.make_mesh((4,), ("stage",))
   >>> w = jnp.stack([jnp.eye(3) * (s + 1) for s in range(4)])  # 4 stages
-  >>> pipe = jaxaccum.pipeline(lambda w, x: x @ w, num_micro_batches=2, mesh=mesh)
+  >>> pipe = jaxaccum.contrib.pipeline(lambda w, x: x @ w, num_micro_batches=2, mesh=mesh)
   >>> y = jax.jit(pipe)(w, jnp.ones((4, 3)))
   >>> y[0].tolist()  # 1 * 2 * 3 * 4
   [24.0, 24.0, 24.0]
@@ -316,15 +316,15 @@ def _resolve_mesh(mesh: Any, axis: str) -> Any:
   if mesh is None:
     if context.empty:
       raise ValueError(
-          f"jaxaccum.pipeline needs a mesh with a {axis!r} axis: pass mesh=... to "
-          "jaxaccum.pipeline, or call it inside `with jax.set_mesh(mesh):`.")
+          f"jaxaccum.contrib.pipeline needs a mesh with a {axis!r} axis: pass mesh=... to "
+          "jaxaccum.contrib.pipeline, or call it inside `with jax.set_mesh(mesh):`.")
     mesh = context
   if axis not in mesh.axis_names:
     sizes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
     raise ValueError(
         f"stage_axis={axis!r} is not an axis of the mesh; its axes are {{{sizes}}}. Pass "
         "the name of the axis the stages are laid out along, e.g. "
-        f"jaxaccum.pipeline(..., stage_axis={next(iter(mesh.axis_names))!r}).")
+        f"jaxaccum.contrib.pipeline(..., stage_axis={next(iter(mesh.axis_names))!r}).")
   if axis in set(getattr(context, "manual_axes", ())):
     raise ValueError(
         f"stage_axis={axis!r} is already manual here (this is inside a shard_map over "

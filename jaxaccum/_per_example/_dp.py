@@ -1,6 +1,6 @@
 """``dp_noise``: the Gaussian noise of DP-SGD, added to an accumulated clipped gradient.
 
-:func:`jaxaccum.clip_per_example` gives the mean (or sum) of the clipped per-example
+:func:`jaxaccum.dp.clip_per_example` gives the mean (or sum) of the clipped per-example
 gradients; DP-SGD then adds Gaussian noise of standard deviation ``noise_multiplier *
 l2_norm_clip`` to the sum, that is ``noise_multiplier * l2_norm_clip / batch_size`` to the
 mean. ``optax.contrib.dpsgd`` does both steps on per-example gradients (a leading batch
@@ -57,7 +57,7 @@ def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
   cannot tell what ran before it).
 
   Args:
-    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.clip_per_example`.
+    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.dp.clip_per_example`.
     noise_multiplier: the ratio of the noise's standard deviation (on the sum) to ``C``.
     batch_size: what the gradient is a mean over (``B``, or the expected batch size under
       Poisson sampling); ``1`` for a sum (``reduce="sum"``).
@@ -73,7 +73,7 @@ def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> tx = optax.chain(jaxaccum.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0)),
+  >>> tx = optax.chain(jaxaccum.dp.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0)),
   ...                  optax.sgd(0.1))
   >>> grads = {"w": jnp.zeros(3)}
   >>> updates, state = tx.update(grads, tx.init(grads))
@@ -115,7 +115,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
 
   Args:
     optimizer: an ``optax.GradientTransformation`` (``optax.adam(1e-3)``, a chain).
-    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.clip_per_example`.
+    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.dp.clip_per_example`.
     noise_multiplier: the ratio of the noise's standard deviation (on the sum) to ``C``.
     batch_size: what the gradient is a mean over (``B``, or the expected batch size under
       Poisson sampling); ``1`` for a sum (``reduce="sum"``).
@@ -132,7 +132,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> tx = jaxaccum.dp_optimizer(optax.adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1,
+  >>> tx = jaxaccum.dp.dp_optimizer(optax.adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1,
   ...                            batch_size=256, key=jax.random.key(0))
   >>> params = {"w": jnp.zeros(3)}
   >>> updates, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
@@ -141,7 +141,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
   """
   if not isinstance(optimizer, optax.GradientTransformation) or isinstance(
       optimizer, DpNoise):
-    what = ("jaxaccum.dp_noise, which dp_optimizer adds itself" if isinstance(
+    what = ("jaxaccum.dp.dp_noise, which dp_optimizer adds itself" if isinstance(
         optimizer, DpNoise) else type(optimizer).__name__)
     raise TypeError(
         "dp_optimizer: optimizer must be an optax.GradientTransformation such as "
@@ -153,7 +153,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
     inner = optimizer.init(params)
     if _noise_paths(inner):
       raise ValueError(
-          "dp_optimizer: the optimizer passed in holds a jaxaccum.dp_noise of its own, so "
+          "dp_optimizer: the optimizer passed in holds a jaxaccum.dp.dp_noise of its own, so "
           "the noise would be added twice, the second time after another transform. "
           "Pass the optimizer without dp_noise: dp_optimizer adds the noise, first.")
     return (noise.init(params), inner)
@@ -211,12 +211,12 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> noise = jaxaccum.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0))
-  >>> jaxaccum.check_dp_chain(optax.chain(noise, optax.adam(1e-3)), jnp.zeros(3))
-  >>> jaxaccum.check_dp_chain(optax.chain(optax.adam(1e-3), noise), jnp.zeros(3))
+  >>> noise = jaxaccum.dp.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0))
+  >>> jaxaccum.dp.check_dp_chain(optax.chain(noise, optax.adam(1e-3)), jnp.zeros(3))
+  >>> jaxaccum.dp.check_dp_chain(optax.chain(optax.adam(1e-3), noise), jnp.zeros(3))
   Traceback (most recent call last):
   ...
-  ValueError: check_dp_chain: jaxaccum.dp_noise is transform 1 of an optax.chain ...
+  ValueError: check_dp_chain: jaxaccum.dp.dp_noise is transform 1 of an optax.chain ...
   """
   if not callable(getattr(tx, "init", None)):
     raise TypeError(
@@ -225,31 +225,31 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
   paths = _noise_paths(jax.eval_shape(tx.init, params))
   if not paths:
     raise ValueError(
-        "check_dp_chain: tx adds no jaxaccum.dp_noise, so the clipped gradient is released "
-        "without noise. Use jaxaccum.dp_optimizer(optimizer, l2_norm_clip=..., "
+        "check_dp_chain: tx adds no jaxaccum.dp.dp_noise, so the clipped gradient is released "
+        "without noise. Use jaxaccum.dp.dp_optimizer(optimizer, l2_norm_clip=..., "
         "noise_multiplier=..., batch_size=..., key=...).")
   if len(paths) > 1:
     raise ValueError(
-        f"check_dp_chain: tx adds jaxaccum.dp_noise {len(paths)} times; add it once, "
-        "first: jaxaccum.dp_optimizer(optimizer, ...) does.")
+        f"check_dp_chain: tx adds jaxaccum.dp.dp_noise {len(paths)} times; add it once, "
+        "first: jaxaccum.dp.dp_optimizer(optimizer, ...) does.")
   (path,) = paths
   late = next(((kind, i) for kind, i in path if kind in ("chain", "dict") and i > 0), None)
   if late is not None:
     kind, i = late
     where = "an optax.chain" if kind == "chain" else "an optax.named_chain"
     raise ValueError(
-        f"check_dp_chain: jaxaccum.dp_noise is transform {i} of {where} (counting from 0), "
+        f"check_dp_chain: jaxaccum.dp.dp_noise is transform {i} of {where} (counting from 0), "
         f"so {'the transform before it sees' if i == 1 else f'the {i} transforms before it see'} "
         "the clipped gradient without noise, and the update released is not private. Put the "
-        "noise first: jaxaccum.dp_optimizer(optimizer, l2_norm_clip=..., "
+        "noise first: jaxaccum.dp.dp_optimizer(optimizer, l2_norm_clip=..., "
         "noise_multiplier=..., batch_size=..., key=...), or optax.chain(dp_noise(...), "
         "optimizer).")
   wrappers = sorted({kind for kind, _ in path if kind not in ("chain", "dict")})
   if wrappers:
     warnings.warn(
-        f"check_dp_chain: jaxaccum.dp_noise sits inside {', '.join(wrappers)}, whose state "
+        f"check_dp_chain: jaxaccum.dp.dp_noise sits inside {', '.join(wrappers)}, whose state "
         "does not say what it does to the updates before the noise; the order cannot be "
-        "checked there. Prefer jaxaccum.dp_optimizer at the top level.",
+        "checked there. Prefer jaxaccum.dp.dp_optimizer at the top level.",
         UserWarning, stacklevel=2)
 
 
@@ -289,7 +289,7 @@ def place_padding_last(batch: Any, example_mask: Any, *,
   >>> import jaxaccum
   >>> x = np.arange(8)
   >>> mask = np.array([1, 0, 1, 0, 0, 1, 0, 0], bool)
-  >>> rows, mask, k = jaxaccum.place_padding_last(x, mask, num_micro_batches=4)
+  >>> rows, mask, k = jaxaccum.dp.place_padding_last(x, mask, num_micro_batches=4)
   >>> rows, k  # micro-batch i holds rows[i::4]: [0, 2], [5, 1], [3, 4], [6, 7]
   (array([0, 5, 3, 6, 2, 1, 4, 7]), 2)
   """
