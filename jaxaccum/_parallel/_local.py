@@ -134,14 +134,17 @@ def local_value_and_grad(
         "reduce='sum' (the count known from the data, or passed in).")
   # The core's options, validated once (roles, names and their overlaps); they run the
   # micro-batches when accumulating, and resolve each call's roles as the core does.
+  # state_argnums is validated with the other roles (their overlaps first), then refused.
+  state = accumulate.pop("state_argnums", None)
   given = dict(argnums=argnums, batch_argnums=batch_argnums, batch_argnames=batch_argnames,
                has_aux=has_aux, reduce=reduce, rng_argnums=rng_argnums,
-               rng_argnames=rng_argnames, **(accumulate or {"num_micro_batches": 1}))
-  _refuse_state(given)
+               rng_argnames=rng_argnames, state_argnums=state,
+               **(accumulate or {"num_micro_batches": 1}))
   opts = _options.make_options(
       fun, {k: v for k, v in given.items() if k in _options.DEFAULTS},
       deprecated={k: v for k, v in given.items() if k not in _options.DEFAULTS},
       where="local_value_and_grad")
+  _refuse_state(state)
   if opts.batch_axis != 0:
     raise ValueError(
         f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
@@ -203,10 +206,9 @@ def local_value_and_grad(
   return local_fn
 
 
-def _refuse_state(given: dict[str, Any]) -> None:
+def _refuse_state(state: Any) -> None:
   """``state_argnums``: each shard would thread its own state, with no rule for joining the
   ``D`` states after the call, so it is refused with the way out."""
-  state = given.get("state_argnums")
   if state is not None:
     raise ValueError(
         f"local_value_and_grad takes no state_argnums (got state_argnums={state!r}): each "

@@ -398,7 +398,7 @@ def test_clip_of_a_gradient_whose_squared_norm_overflows_float32(method):
   def huge(p, batch):
     return 1e20 * mean_loss(p, batch)
 
-  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.
+  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.dp.
                         clip_per_example(C, method))(params, batch)
   # Every example's gradient is 1e20 times mean_loss's, far above C: clipped to C along it.
   unit = [_clip_np(_jgrad(mean_loss)(params, _rows(batch, j)), np.inf) for j in range(B)]
@@ -458,7 +458,7 @@ def test_an_extra_example_axis_gets_a_jaxaccum_error_not_a_convolution_rank_erro
     jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=clip)(
         params, (images, labels))
   # As the error says: with keep_batch_dim=False fun sees each (1, 6, 6, 1) row, as there.
-  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=jaxaccum.
+  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=jaxaccum.dp.
                         clip_per_example(C, keep_batch_dim=False))(params, (images, labels))
   ref, _ = _loop(loss, params, (images[:, 0], labels), range(8), divisor=8)
   _close(grads, ref)
