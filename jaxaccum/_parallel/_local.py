@@ -172,7 +172,7 @@ def local_value_and_grad(
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
     arrays, kw_arrays = list(args), dict(kwargs)
     for key in (*roles.batch, *roles.batch_names):
-      where = arrays if isinstance(key, int) else kw_arrays
+      where: Any = arrays if isinstance(key, int) else kw_arrays
       label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
       for path, leaf in jax.tree_util.tree_leaves_with_path(where[key]):
         if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % shards:

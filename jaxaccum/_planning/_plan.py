@@ -640,7 +640,7 @@ def plan(
           f"name one axis, got data_axis={axes!r}. For a mesh of several axes build it with "
           "jaxaccum.planning.target_mesh and pass it as DataParallel(axis, mesh=...), with "
           "arguments sharded on it.")
-    axis = axes[0] if isinstance(axes, tuple) else "data"
+    axis = cast(str, axes[0]) if isinstance(axes, tuple) else "data"
     if axes is not None and opts.mesh is not None:
       mesh = opts.mesh
     else:
@@ -655,7 +655,7 @@ def plan(
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
   placements = (isinstance(axes, tuple) and not _placement_given(options)
-                and _shards_over(args, opts.roles(len(args), {}).diff, axes))
+                and _shards_over(args, opts.roles(len(args), {}).diff, cast(tuple, axes)))
 
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     extra = {} if placement is None else dict(param_gather=placement[0],
