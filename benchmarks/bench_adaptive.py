@@ -1,4 +1,4 @@
-"""Steps and samples to a target loss: fixed batch sizes against ``jaxaccum.AdaptiveBatch``.
+"""Steps and samples to a target loss: fixed batch sizes against ``jaxaccum.contrib.AdaptiveBatch``.
 
 Linear regression at a fixed learning rate, as in the adaptive-batch guide: rows ``x ~
 N(0, I_d)``, targets ``y = x . w* + sigma * noise``, loss ``0.5 * mean((x . w - y)**2)``,
@@ -12,7 +12,7 @@ program.
 Compared, over several seeds (medians):
 
 * the fixed sweep ``k = 1, 2, 4, ..., 64``;
-* the controller at its defaults (``jaxaccum.AdaptiveBatch(64)``), and variants of its rule
+* the controller at its defaults (``jaxaccum.contrib.AdaptiveBatch(64)``), and variants of its rule
   and threshold;
 * in the main setting, the controller's learning-rate couplings (``lr_scaling``).
 
@@ -71,7 +71,7 @@ def _loss(w, batch):
 _VG = jaxaccum.value_and_grad(_loss, num_micro_batches=N, with_info=True)
 
 
-def make_run(setting: dict[str, Any], controller: jaxaccum.AdaptiveBatch | None):
+def make_run(setting: dict[str, Any], controller: jaxaccum.contrib.AdaptiveBatch | None):
   """A jitted ``run(seed, fixed_k, lr_mode) -> (steps, samples, reached, k_trace)``.
 
   Without a controller ``k`` stays ``fixed_k``; ``lr_mode`` (0 none, 1 sqrt, 2 linear) then
@@ -80,7 +80,7 @@ def make_run(setting: dict[str, Any], controller: jaxaccum.AdaptiveBatch | None)
   # SGD by default; "adam" for the setting that checks how B_simple reads under Adam.
   opt = optax.adam(lr) if setting.get("opt") == "adam" else optax.sgd(lr)
   target, max_steps = setting["target"], setting["max_steps"]
-  ab = controller or jaxaccum.AdaptiveBatch(N)
+  ab = controller or jaxaccum.contrib.AdaptiveBatch(N)
   if controller is not None:
     ab.check(_VG)
 
@@ -131,7 +131,7 @@ def summarize(results: list[tuple]) -> dict[str, Any]:
   return out
 
 
-def sweep(setting: dict[str, Any], controllers: dict[str, jaxaccum.AdaptiveBatch],
+def sweep(setting: dict[str, Any], controllers: dict[str, jaxaccum.contrib.AdaptiveBatch],
           seeds: list[int]) -> dict[str, Any]:
   fixed_run = make_run(setting, None)
   table: dict[str, Any] = {}
@@ -206,13 +206,13 @@ def main() -> None:
   settings = ({"main": dict(d=8, sigma=1.0, lr=0.05, target=1.0, max_steps=50)} if tiny
               else SETTINGS)
   results = _common.out_dir_for(tiny, None, RESULTS)
-  default = jaxaccum.AdaptiveBatch(N)
+  default = jaxaccum.contrib.AdaptiveBatch(N)
   controllers = {
       "controller (defaults)": default,
       "norm_test theta=2": dataclasses.replace(default, theta=2.0),
       "norm_test theta=4": dataclasses.replace(default, theta=4.0),
-      "b_simple fraction=1": jaxaccum.AdaptiveBatch(N, rule="b_simple", fraction=1.0),
-      "b_simple fraction=0.25": jaxaccum.AdaptiveBatch(N, rule="b_simple"),
+      "b_simple fraction=1": jaxaccum.contrib.AdaptiveBatch(N, rule="b_simple", fraction=1.0),
+      "b_simple fraction=0.25": jaxaccum.contrib.AdaptiveBatch(N, rule="b_simple"),
       "no smoothing, no hysteresis (a ratchet)": dataclasses.replace(
           default, decay=0.0, hysteresis=0.0, warmup_steps=1, cooldown_steps=0),
   }

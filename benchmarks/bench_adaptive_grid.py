@@ -1,4 +1,4 @@
-"""``jaxaccum.AdaptiveBatch``'s defaults on a grid of settings they were not chosen on.
+"""``jaxaccum.contrib.AdaptiveBatch``'s defaults on a grid of settings they were not chosen on.
 
 The problem, the fixed sweep and the goal are those of ``bench_adaptive.py`` (noisy linear
 regression, plain SGD at a fixed learning rate, ``N = 64`` micro-batches of 4 rows, steps
@@ -46,15 +46,15 @@ def settings(quick: bool) -> dict[str, dict[str, Any]]:
   return out
 
 
-def controllers() -> dict[str, jaxaccum.AdaptiveBatch]:
-  default = jaxaccum.AdaptiveBatch(ba.N)
+def controllers() -> dict[str, jaxaccum.contrib.AdaptiveBatch]:
+  default = jaxaccum.contrib.AdaptiveBatch(ba.N)
   fast = dict(warmup_steps=2, cooldown_steps=2)
   return {
       "controller (defaults)": default,
       "theta=1.5": dataclasses.replace(default, theta=1.5),
       "theta=5": dataclasses.replace(default, theta=5.0),
       "theta=8": dataclasses.replace(default, theta=8.0),
-      "b_simple fraction=1": jaxaccum.AdaptiveBatch(ba.N, rule="b_simple", fraction=1.0),
+      "b_simple fraction=1": jaxaccum.contrib.AdaptiveBatch(ba.N, rule="b_simple", fraction=1.0),
       "warmup 2, cooldown 2": dataclasses.replace(default, **fast),
       "theta=1.5, warmup 2, cooldown 2": dataclasses.replace(default, theta=1.5, **fast),
       "theta=1, warmup 2, cooldown 2": dataclasses.replace(default, theta=1.0, **fast),

@@ -1,4 +1,4 @@
-"""Does ``jaxaccum.AdaptiveBatch`` at its defaults make a real model reach its target sooner
+"""Does ``jaxaccum.contrib.AdaptiveBatch`` at its defaults make a real model reach its target sooner
 than the best fixed batch? The character LM against a sweep of fixed batch sizes.
 
 The model, data and training loop are those of ``examples/adaptive_batch.py`` (a 2-layer
@@ -123,7 +123,7 @@ def rest(cfg: ab.Config, data) -> dict[str, Any]:
   Which rate counts (the best one of the fixed batch of the controller's starting ``k``)
   is chosen from the sweep alone, in :func:`analyse`; the others are the sensitivity.
   """
-  controller = jaxaccum.AdaptiveBatch(cfg.max_micro_batches)
+  controller = jaxaccum.contrib.AdaptiveBatch(cfg.max_micro_batches)
   out: dict[str, Any] = {"k0": controller.init_micro_batches, "controller": repr(controller)}
   t0 = time.perf_counter()
   adaptive = {}

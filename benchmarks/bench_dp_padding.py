@@ -6,7 +6,7 @@ micro-batches, each row real with probability ``p`` (the rest padding, masked ou
 ``jax.jit``:
 
 * ``all N``: the batch as it comes, every micro-batch run;
-* ``padding last``: ``jaxaccum.place_padding_last`` first (inside the same jit), then the
+* ``padding last``: ``jaxaccum.dp.place_padding_last`` first (inside the same jit), then the
   step with ``active_micro_batches=k``, the micro-batches that hold a real row.
 
 Both give the same clipped mean (the largest difference is reported). Timed round-robin in
@@ -54,7 +54,7 @@ def loss_fn(params, batch):
 
 
 def _steps(method: str):
-  clip = jaxaccum.clip_per_example(1.0, method, example_mask="mask")
+  clip = jaxaccum.dp.clip_per_example(1.0, method, example_mask="mask")
   grad = jaxaccum.grad(loss_fn, num_micro_batches=N, batch_argnames="mask",
                        per_example_transform=clip)
 
@@ -64,7 +64,7 @@ def _steps(method: str):
 
   @jax.jit
   def padding_last(params, batch, mask):
-    batch, mask, k = jaxaccum.place_padding_last(batch, mask, num_micro_batches=N)
+    batch, mask, k = jaxaccum.dp.place_padding_last(batch, mask, num_micro_batches=N)
     return grad(params, batch, mask=mask, active_micro_batches=k)
 
   return {"all N": all_n, "padding last": padding_last}

@@ -441,7 +441,7 @@ def flag_memory(cfg: LMConfig, n: int, *, target: str | None) -> dict[str, Any]:
   opt_state = jax.eval_shape(optimizer().init, params)
   args: tuple[Any, ...] = (params, opt_state, batch_shape(cfg))
   if target is not None:
-    mesh = jaxaccum.target_mesh(target, (1,), ("data",))
+    mesh = jaxaccum.planning.target_mesh(target, (1,), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                         args)

@@ -1,7 +1,8 @@
 """Compiled GPU programs, without a GPU: memory, collectives and fusion against N.
 
-Every program here is compiled for a *described* NVIDIA GPU (``jaxaccum.target_mesh``: XLA's
-GPU compiler and ptxas, on this machine's CPU) and read back with ``memory_analysis()`` and
+Every program here is compiled for a *described* NVIDIA GPU
+(``jaxaccum.planning.target_mesh``: XLA's GPU compiler and ptxas, on this machine's CPU) and
+read back with ``memory_analysis()`` and
 ``as_text()``. Nothing runs, so these are compiled-program figures, not timings. Without the
 device XLA does not autotune: on a real GPU the autotuner may choose other GEMM kernels
 (Triton or cuBLAS), other tilings and so slightly other buffers.
@@ -66,7 +67,7 @@ ALL_NS = (1, 2, 4, 8, 16, 32)
 QUICK_NS = (1, 4, 16)
 COLLECTIVE_N = 4
 NOTE = ("Compiled-program figures, not timings: every program was compiled for a described "
-        "GPU on a machine without one (jaxaccum.target_mesh) and never run. Without the "
+        "GPU on a machine without one (jaxaccum.planning.target_mesh) and never run. Without the "
         "device XLA does not autotune, so on a real GPU the autotuner may choose other GEMM "
         "kernels (Triton or cuBLAS) and slightly different buffers.")
 
@@ -180,15 +181,15 @@ _INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(")
 
 def _loop_computations(text: str):
   """The HLO computations that run inside a while loop (the micro-batch loop and everything
-  it calls), by name, read with the HLO walk of ``jaxaccum.collectives``."""
-  return jaxaccum.Collectives.from_text(text).computations(in_loop=True)
+  it calls), by name, read with the HLO walk of ``jaxaccum.planning.collectives``."""
+  return jaxaccum.planning.Collectives.from_text(text).computations(in_loop=True)
 
 
 def collectives(compiled) -> list[dict[str, Any]]:
-  """Every collective of a compiled program, read with ``jaxaccum.collectives``: kind,
+  """Every collective of a compiled program, read with ``jaxaccum.planning.collectives``: kind,
   whether it sits in a loop, how many times it runs per step, dtypes, elements and bytes."""
   out = []
-  for op in jaxaccum.collectives(compiled):
+  for op in jaxaccum.planning.collectives(compiled):
     runs = op.executions if op.executions is not None else COLLECTIVE_N ** op.loop_depth
     out.append({"kind": op.kind, "in_loop": op.in_loop, "executions": runs,
                 "dtypes": sorted({o.dtype for o in op.operands}),
@@ -231,7 +232,7 @@ def run_memory(name, make, cfg, ns, targets) -> list[dict[str, Any]]:
   loss_fn, params, batch = make(cfg)
   rows = []
   for target in targets:
-    mesh = jaxaccum.target_mesh(target, (1,), ("data",))
+    mesh = jaxaccum.planning.target_mesh(target, (1,), ("data",))
     args = (place(params, mesh, P()), place(batch, mesh, P()))
     compiled, seconds = compile_for(jax.value_and_grad(loss_fn), args)
     rows.append({"model": name, "target": target, "method": "full", "n": 1,
@@ -252,7 +253,7 @@ def run_collectives(name, make, cfg, device_counts) -> list[dict[str, Any]]:
   loss_fn, params, batch = make(cfg)
   rows = []
   for count in device_counts:
-    mesh = jaxaccum.target_mesh("h100", (count,), ("data",))
+    mesh = jaxaccum.planning.target_mesh("h100", (count,), ("data",))
     args = (place(params, mesh, P()), place(batch, mesh, P("data")))
     for mode in ("jit", "data_axis"):
       options = {"data_axis": "data", "mesh": mesh} if mode == "data_axis" else {}
@@ -272,7 +273,7 @@ def run_fusion(name, make, cfg) -> list[dict[str, Any]]:
   loss_fn, params, batch = make(cfg)
   shapes = {tuple(p.shape) for p in jax.tree.leaves(params) if len(p.shape) >= 2}
   shapes |= {s[1:] for s in shapes if len(s) == 3}  # layers scanned: one layer's slice
-  mesh = jaxaccum.target_mesh("h100", (1,), ("data",))
+  mesh = jaxaccum.planning.target_mesh("h100", (1,), ("data",))
   args = (place(params, mesh, P()), place(batch, mesh, P()))
   rows = []
   for label, options in (("default", {}),

@@ -1,7 +1,7 @@
 """``overlap_grad_reduce``: are gradient all-reduces scheduled before the last backward ends?
 
 Compiles ``jaxaccum.value_and_grad(loss, num_micro_batches=N, data_axis="data")`` with and
-without ``overlap_grad_reduce=True`` for 8 described H100s (``jaxaccum.target_mesh``:
+without ``overlap_grad_reduce=True`` for 8 described H100s (``jaxaccum.planning.target_mesh``:
 XLA's GPU compiler on this machine's CPU; nothing runs), on the two bf16 models of
 ``bench_gpu_target.py`` (the MLP and the scan-over-layers LM), and reads the entry
 computation of the scheduled program (``compiled.as_text()``, printed in schedule order):
@@ -10,7 +10,7 @@ computation of the scheduled program (``compiled.as_text()``, printed in schedul
   cuBLAS GEMM or a GEMM fusion, or that runs one inside it (a ``while`` loop whose body
   holds GEMMs, such as a scan over layers, counts as one position: its GEMMs end with it);
 * the asynchronous all-reduce starts of gradients (``all-reduce-start`` with an operand of
-  a parameter's shape, each named by :func:`jaxaccum.collectives`), and how many are
+  a parameter's shape, each named by :func:`jaxaccum.planning.collectives`), and how many are
   scheduled before that position, and how many GEMMs run while one is in flight: those
   reductions can run while the rest of the last backward pass computes. Without the
   option the last backward is inside the micro-batch ``while`` loop, so every reduction
@@ -111,7 +111,7 @@ def schedule(text: str, all_reduce_names: Sequence[str]) -> dict[str, Any]:
 
   ``text`` is a scheduled compiled program (``compiled.as_text()``); ``all_reduce_names``
   the names of its asynchronous all-reduces at loop depth 0 (from
-  :func:`jaxaccum.collectives`). Returns the entry position of the last instruction that
+  :func:`jaxaccum.planning.collectives`). Returns the entry position of the last instruction that
   is or runs a GEMM, the positions of the all-reduce starts, how many come before it, and
   how many GEMM-running entry instructions sit between a start and its done.
   """
@@ -169,7 +169,7 @@ def code_size(compiled: Any) -> int | None:
 
 def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any],
             n: int = N) -> dict[str, Any]:
-  mesh = jaxaccum.target_mesh("h100", (DEVICES,), ("data",))
+  mesh = jaxaccum.planning.target_mesh("h100", (DEVICES,), ("data",))
   args = (gt.place(params, mesh, P()), gt.place(batch, mesh, P("data")))
   fn = jaxaccum.value_and_grad(loss_fn, num_micro_batches=n,
                                data_axis=jaxaccum.DataParallel("data", mesh=mesh,
@@ -178,7 +178,7 @@ def analyse(loss_fn, params, batch, *, overlap: bool, flags: dict[str, Any],
   compiled = jax.jit(fn).lower(*args).compile(compiler_options=flags or None)
   seconds = time.perf_counter() - start
   text = compiled.as_text()
-  found = jaxaccum.collectives(compiled)
+  found = jaxaccum.planning.collectives(compiled)
   reduces = gradient_reductions(found, params)
   sched = schedule(text, [c.name for c in reduces])
   return {"overlap": overlap, "n": n, "compile_s": seconds, "hlo_chars": len(text),

@@ -1,4 +1,4 @@
-"""GPipe and circular pipelines (:func:`jaxaccum.pipeline`): step time and temp memory vs M.
+"""GPipe and circular pipelines (:func:`jaxaccum.contrib.pipeline`): step time and temp memory vs M.
 
 A model of 16 residual-MLP blocks runs on 8 stages (one per device along ``stage``; 8
 virtual CPU devices unless the machine has 8 accelerators) and trains on a fixed global
@@ -11,7 +11,7 @@ batch, split into ``M`` pipeline micro-batches, two ways:
 For each configuration the gradient step (``jax.jit(jax.value_and_grad(loss))`` with the
 head and the loss outside the pipeline) is compiled; the table gives its temp memory
 (``memory_analysis()``), the collectives in the compiled program, the bubble fraction
-read from :func:`jaxaccum.pipeline_schedule` and the median step time (all
+read from :func:`jaxaccum.contrib.pipeline_schedule` and the median step time (all
 configurations timed round-robin in this one process). Each result is checked against
 the unpipelined model (the 16 blocks one after the other, on one device).
 
@@ -20,7 +20,7 @@ much as a busy one (bubbles compute on a real micro-batch and discard it): step 
 there tracks the total work (ticks x stages x rows per micro-batch), not the pipelined
 wall time of a real machine.
 
-The last section compiles the GPipe step for 8 H100s through ``jaxaccum.target_mesh`` when
+The last section compiles the GPipe step for 8 H100s through ``jaxaccum.planning.target_mesh`` when
 this jaxaccum provides it, and otherwise records "not measured yet".
 
 Output: ``benchmarks/results/pipeline.{md,json,png}``.
@@ -107,14 +107,14 @@ def sequential(blocks, x):
 
 
 def bubble(m: int, repeats: int) -> float:
-  table = jaxaccum.pipeline_schedule(STAGES, m, num_repeats=repeats)
+  table = jaxaccum.contrib.pipeline_schedule(STAGES, m, num_repeats=repeats)
   return 1 - sum(e is not None for row in table for e in row) / (STAGES * len(table))
 
 
 def count_collectives(compiled) -> dict[str, int]:
   """How many collective ops of each kind the compiled program contains (not executions),
-  read with ``jaxaccum.collectives``."""
-  found = jaxaccum.collectives(compiled)
+  read with ``jaxaccum.planning.collectives``."""
+  found = jaxaccum.planning.collectives(compiled)
   return {k: found.count(k) for k in KINDS if found.count(k)}
 
 
@@ -124,16 +124,17 @@ def rel_error(got, ref) -> float:
 
 
 def target_section(ms: tuple[int, ...]) -> dict[str, Any]:
-  """The compiled GPipe program for 8 H100s, through ``jaxaccum.target_mesh`` if it exists."""
-  if not hasattr(jaxaccum, "target_mesh"):
+  """The compiled GPipe program for 8 H100s, through ``jaxaccum.planning.target_mesh`` if it
+  exists."""
+  if not hasattr(jaxaccum.planning, "target_mesh"):
     return {"status": "not measured yet",
             "reason": "this jaxaccum has no target_mesh (compiling for described GPUs)"}
   try:
-    mesh = jaxaccum.target_mesh("h100", (STAGES,), ("stage",))
+    mesh = jaxaccum.planning.target_mesh("h100", (STAGES,), ("stage",))
     params, batch = problem()
     rows = []
     for m in ms:
-      pipe = jaxaccum.pipeline(gpipe_stage, num_micro_batches=m, mesh=mesh)
+      pipe = jaxaccum.contrib.pipeline(gpipe_stage, num_micro_batches=m, mesh=mesh)
       step = jax.jit(jax.value_and_grad(make_loss(lambda b, x, pipe=pipe: pipe(layout(b, 1), x))))
 
       def spec(a, p):
@@ -166,7 +167,7 @@ def run(quick: bool, ms: tuple[int, ...] | None = None, repeats: int | None = No
       spec = P("stage") if r == 1 else P(None, "stage")
       placed = ({"blocks": jax.device_put(layout(params["blocks"], r), NamedSharding(mesh, spec)),
                  "head": head}, batch_on_mesh)
-      pipe = jaxaccum.pipeline(gpipe_stage if r == 1 else block, num_micro_batches=m,
+      pipe = jaxaccum.contrib.pipeline(gpipe_stage if r == 1 else block, num_micro_batches=m,
                                mesh=mesh, remat=remat, num_repeats=r)
       compiled, stats = _common.compile_with_stats(
           _common.fresh_jit(jax.value_and_grad(make_loss(pipe))), *placed)
@@ -175,7 +176,7 @@ def run(quick: bool, ms: tuple[int, ...] | None = None, repeats: int | None = No
                                       grads["blocks"]), "head": grads["head"]}
       key = f"M={m} {name}"
       runners[key] = lambda c=compiled, a=placed: _common.block(c(*a))
-      ticks = len(jaxaccum.pipeline_schedule(STAGES, m, num_repeats=r))
+      ticks = len(jaxaccum.contrib.pipeline_schedule(STAGES, m, num_repeats=r))
       rows.append({
           "m": m, "method": name, "repeats": r, "remat": remat, "ticks": ticks,
           "bubble": bubble(m, r), "micro_batch": BATCH // m, "temp": stats["temp"],
@@ -203,7 +204,7 @@ def markdown(result: dict) -> str:
       f"device), global batch {mdl['batch']}, float32; medians of {result['repeats']} "
       "interleaved steps. `gpipe`: 2 blocks per stage; `circular R=2`: blocks s and 8+s on "
       "device s, two rounds. `bubble` = idle share of the schedule's slots "
-      "(jaxaccum.pipeline_schedule). `stash MiB` = ticks x one micro-batch of "
+      "(jaxaccum.contrib.pipeline_schedule). `stash MiB` = ticks x one micro-batch of "
       "stage-boundary activations (batch/M x width x 4 bytes), the memory formula's main "
       "term. Collectives are ops in the compiled program (CP collective-permute, AR "
       "all-reduce), not executions. `rel err` = max |grad - unpipelined grad| / max "
@@ -252,7 +253,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
   env = result["environment"]
-  fig.suptitle(f"jaxaccum.pipeline, {BLOCKS} blocks on {STAGES} stages, global batch {BATCH}, "
+  fig.suptitle(f"jaxaccum.contrib.pipeline, {BLOCKS} blocks on {STAGES} stages, "
+               f"global batch {BATCH}, "
                f"{env['num_devices']} x {env['device_kind']}")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -280,7 +282,7 @@ def main(argv=None) -> None:
     target = {"environment": _common.device_info(), "target": target_section(ms)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "pipeline_target.json").write_text(json.dumps(target, indent=1))
-    lines = ["# jaxaccum.pipeline compiled for 8 H100s (described, from a CPU host)", "",
+    lines = ["# jaxaccum.contrib.pipeline compiled for 8 H100s (described, from a CPU host)", "",
              "Compiled-program figures, not timings: no GPU ran this program, and autotuning "
              "on a real device may choose other kernels.", ""]
     t = target["target"]

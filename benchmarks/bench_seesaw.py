@@ -1,4 +1,4 @@
-"""Does Seesaw (``jaxaccum.seesaw``) match its reference schedule in fewer optimizer steps?
+"""Does Seesaw (``jaxaccum.contrib.seesaw``) match its reference schedule in fewer optimizer steps?
 
 Two problems, where the paper (Meterez et al. 2025, arXiv 2510.14717) makes its claims:
 
@@ -198,7 +198,7 @@ def _linreg(key, *, cfg: LinReg, seesaw: bool):
   w_star = jax.random.normal(kw, (cfg.dim,))
   n = cfg.cap * cfg.init_micro_batches
   ref = cfg.reference()
-  rule = jaxaccum.seesaw(ref, init_micro_batches=cfg.init_micro_batches,
+  rule = jaxaccum.contrib.seesaw(ref, init_micro_batches=cfg.init_micro_batches,
                          max_micro_batches=n, optimizer="sgd", total=cfg.samples)
 
   def loss(w, batch):

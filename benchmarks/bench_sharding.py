@@ -78,10 +78,10 @@ SHORT = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to
 
 def collectives_per_step(compiled, default_trip: int) -> dict[str, tuple[int, float]]:
   """``{kind: (executions per step, MiB of results per step)}`` for a compiled program,
-  read with ``jaxaccum.collectives`` (a loop whose trip count the text does not give counts
+  read with ``jaxaccum.planning.collectives`` (a loop whose trip count the text does not give counts
   ``default_trip`` times)."""
   counts: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-  for op in jaxaccum.collectives(compiled):
+  for op in jaxaccum.planning.collectives(compiled):
     times = op.executions if op.executions is not None else default_trip ** op.loop_depth
     counts[op.kind][0] += times
     counts[op.kind][1] += times * op.bytes / 2**20
@@ -270,7 +270,7 @@ def scan_lm_loss(params, batch):
 def placement_stats(compiled) -> dict:
   """Memory and collectives of one compiled program (per device)."""
   mem = compiled.memory_analysis()
-  colls = jaxaccum.collectives(compiled)
+  colls = jaxaccum.planning.collectives(compiled)
 
   def per_step(kind):
     ops = colls.select(kind)
@@ -302,7 +302,7 @@ def run_placement(args, target: str | None = None) -> list[dict]:
     if args.tiny:  # the MLP only: the scanned LM runs the same code
       sizes = {"MLP": (mlp_fsdp, 32, 16, 2)}
   else:
-    base = jaxaccum.target_mesh(target, (8,), ("data",))
+    base = jaxaccum.planning.target_mesh(target, (8,), ("data",))
     mesh = jax.sharding.Mesh(base.devices, base.axis_names,
                              axis_types=(jax.sharding.AxisType.Explicit,))
     sizes = {"MLP": (mlp_fsdp, 1024, 4096, 8), "scan LM": (scan_lm, 256, 1024, 8)}
@@ -354,7 +354,7 @@ def placement_markdown(result: dict) -> str:
       "sharded over the 8-device `data` axis (Explicit axes), `data_axis=\"data\"`, "
       f"N = {result['config']['placement_n']}. Memory per device from `memory_analysis()`: "
       "temp (scratch: activations, accumulators, gathered parameters) and arguments; peak is "
-      "XLA's `peak_memory_in_bytes` (GPU only). Collectives from `jaxaccum.collectives`: "
+      "XLA's `peak_memory_in_bytes` (GPU only). Collectives from `jaxaccum.planning.collectives`: "
       "all-gathers (AG) and reduce-scatters (RS) inside / outside the micro-batch loop, "
       "MiB per step = result bytes x executions. Step time: CPU only, medians of "
       f"{result['config']['repeats']} interleaved steps, as a ratio to the default row.",

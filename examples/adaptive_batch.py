@@ -1,5 +1,5 @@
 """A batch size that follows training, on a real model: the character LM with
-``jaxaccum.AdaptiveBatch``, against fixed batches and a fixed ramp by tokens.
+``jaxaccum.contrib.AdaptiveBatch``, against fixed batches and a fixed ramp by tokens.
 
 The character LM of ``examples/char_lm.py`` (its model; its corpus, the Python standard
 library's own source, read offline) is trained on fixed-length sequences four ways, from
@@ -9,7 +9,7 @@ one initialisation and with one learning rate:
 * ``large``: a fixed large batch (``large`` micro-batches);
 * ``ramp``: a fixed ramp by tokens seen, in Megatron-LM's ``THRESHOLD:BATCH_SIZE`` format
   (:func:`jaxaccum.batch_size_ramp_by_count`, batch sizes in sequences);
-* ``adaptive``: :class:`jaxaccum.AdaptiveBatch` at its defaults sets the micro-batches of
+* ``adaptive``: :class:`jaxaccum.contrib.AdaptiveBatch` at its defaults sets the micro-batches of
   every step from the noise statistics the accumulation measures anyway.
 
 Every run is one compiled program: a :func:`jax.lax.scan` over steps that samples its own
@@ -151,7 +151,7 @@ MODES = ("fixed", "ramp", "adaptive")
 
 @functools.partial(jax.jit, static_argnames=("cfg", "controller", "loss_fn"))
 def _train(params, lrs, keys, k_fixed, mode, train, val, *, cfg: Config,
-           controller: jaxaccum.AdaptiveBatch, loss_fn):
+           controller: jaxaccum.contrib.AdaptiveBatch, loss_fn):
   """``R`` runs (leading axis of ``params``, ``lrs``, ``keys``) that share ``k`` each step.
 
   ``mode`` (int32, an index into ``MODES``, traced: one program for all three):
@@ -217,7 +217,7 @@ def _train(params, lrs, keys, k_fixed, mode, train, val, *, cfg: Config,
 
 
 def train(cfg: Config, mode: str, *, lrs, seeds, data, k: int = 0,
-          controller: jaxaccum.AdaptiveBatch | None = None) -> list[dict[str, np.ndarray]]:
+          controller: jaxaccum.contrib.AdaptiveBatch | None = None) -> list[dict[str, np.ndarray]]:
   """Runs ``len(lrs) * len(seeds)`` runs (one program); returns one log per run, in the
   order ``[(lr, seed) for lr in lrs for seed in seeds]``.
 
@@ -233,7 +233,7 @@ def train(cfg: Config, mode: str, *, lrs, seeds, data, k: int = 0,
   if mode == "adaptive" and len(pairs) != 1:
     raise ValueError("adaptive runs choose their own k: train them one at a time")
   if controller is None:
-    controller = jaxaccum.AdaptiveBatch(cfg.max_micro_batches)
+    controller = jaxaccum.contrib.AdaptiveBatch(cfg.max_micro_batches)
   out = _train(params, lr_arr, keys, jnp.int32(k), jnp.int32(MODES.index(mode)), train_ids,
                val, cfg=cfg, controller=controller, loss_fn=loss_fn)
   out = jax.tree.map(np.asarray, out)
@@ -332,7 +332,7 @@ def main(cfg: Config = Config(), *, out_dir: pathlib.Path | str = OUT_DIR,
   out_dir.mkdir(parents=True, exist_ok=True)
   data = load_data(cfg)
   lr, seeds = [cfg.learning_rate], [cfg.seed]
-  controller = jaxaccum.AdaptiveBatch(cfg.max_micro_batches)
+  controller = jaxaccum.contrib.AdaptiveBatch(cfg.max_micro_batches)
   logs = {
       "small": train(cfg, "fixed", k=cfg.small, lrs=lr, seeds=seeds, data=data)[0],
       "large": train(cfg, "fixed", k=cfg.large, lrs=lr, seeds=seeds, data=data)[0],

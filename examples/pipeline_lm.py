@@ -2,7 +2,7 @@
 
 8 virtual CPU devices form a ``data 2 x stage 4`` mesh. The model's blocks are stacked
 ``(stages, blocks_per_stage, ...)``; stage ``s`` lives on the ``s``-th device along
-``stage`` and :func:`jaxaccum.pipeline` streams micro-batches through them. The embedding,
+``stage`` and :func:`jaxaccum.contrib.pipeline` streams micro-batches through them. The embedding,
 the head and the token-weighted loss stay outside the pipeline, under
 :func:`jaxaccum.value_and_grad` with ``reduce="weighted"`` and ``data_axis="data"``: each
 optimizer step accumulates ``num_micro_batches`` micro-batches per data shard, each of
@@ -168,7 +168,7 @@ def token_mean(cfg: Config):
 def make_steps(cfg: Config, mesh: jax.sharding.Mesh):
   """The pipelined step (on ``mesh``) and the unpipelined one (one device)."""
   tx = optax.adam(cfg.learning_rate)
-  pipe = jaxaccum.pipeline(stage_fn(cfg), num_micro_batches=cfg.pipeline_micro_batches,
+  pipe = jaxaccum.contrib.pipeline(stage_fn(cfg), num_micro_batches=cfg.pipeline_micro_batches,
                            stage_axis="stage")
   pipelined_vg = jaxaccum.value_and_grad(token_loss(pipe), num_micro_batches=cfg.num_micro_batches,
                                          reduce="weighted", data_axis="data")

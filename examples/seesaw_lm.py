@@ -5,12 +5,12 @@ characters of the Python standard library's source) is trained with AdamW and a 
 schedule with warm-up, counted in tokens, at a fixed token budget:
 
 * ``cosine``: the reference, at the constant batch of ``k0`` micro-batches;
-* ``seesaw``: :func:`jaxaccum.seesaw` on that cosine: wherever cosine halves the learning
+* ``seesaw``: :func:`jaxaccum.contrib.seesaw` on that cosine: wherever cosine halves the learning
   rate, the batch doubles and the learning rate drops by ``1/sqrt(2)``, up to
   ``cap x k0`` micro-batches;
 * ``ramp``: a fixed ramp by tokens (:func:`jaxaccum.batch_size_ramp_by_count`) under the
   cosine by tokens;
-* ``adaptive``: :class:`jaxaccum.AdaptiveBatch` at its defaults under the cosine by tokens.
+* ``adaptive``: :class:`jaxaccum.contrib.AdaptiveBatch` at its defaults under the cosine by tokens.
 
 Each run is one compiled program (a :func:`jax.lax.scan` over steps) that samples batches
 on the device and runs ``k`` of ``N`` micro-batches (``active_micro_batches=k``); the
@@ -108,9 +108,9 @@ def reference(cfg: Config):
       decay_steps=cfg.tokens, end_value=0.0)
 
 
-def rule(cfg: Config, noise_guard: float | None = None) -> jaxaccum.Seesaw:
+def rule(cfg: Config, noise_guard: float | None = None) -> jaxaccum.contrib.Seesaw:
   """Seesaw on :func:`reference`, counted in tokens."""
-  return jaxaccum.seesaw(reference(cfg), init_micro_batches=cfg.init_micro_batches,
+  return jaxaccum.contrib.seesaw(reference(cfg), init_micro_batches=cfg.init_micro_batches,
                          max_micro_batches=cfg.max_micro_batches, optimizer="adam",
                          decay_start=cfg.warmup_tokens, total=cfg.tokens,
                          noise_guard=noise_guard)
@@ -128,7 +128,7 @@ def _train(params, keys, train, val, *, cfg: Config, variant: Variant, loss_fn):
   ref = reference(cfg)
   seesaw = rule(cfg, variant.noise_guard)
   ramp = jaxaccum.batch_size_ramp_by_count(cfg.ramp, micro_batch_size=m, num_micro_batches=n)
-  controller = jaxaccum.AdaptiveBatch(n)
+  controller = jaxaccum.contrib.AdaptiveBatch(n)
   val_loss = jax.vmap(loss_fn, in_axes=(0, None))
   r = keys.shape[0]
   mode = variant.mode

@@ -1,29 +1,22 @@
-"""The public transforms, ``jaxaccum.value_and_grad``, ``grad`` and ``evaluate``, as objects.
+"""The public transforms: ``jaxaccum.value_and_grad``, ``grad`` and ``evaluate``.
 
 :func:`value_and_grad` validates its options once (:class:`jaxaccum._core._options.Options`) and
-returns a :class:`ValueAndGrad`: a callable object that holds them (as equinox's
-``filter_value_and_grad`` returns a Module and flax's ``nnx.grad`` a wrapped function). A
-call runs the core (:func:`jaxaccum._core._transform.accumulate`) or, under ``data_axis``, the
-data-parallel driver (:func:`jaxaccum._parallel._data_parallel.data_parallel`), and returns what
-:func:`jax.value_and_grad` would (:func:`pack`). :class:`Grad` drops the value;
-:class:`Evaluate` runs the same core with nothing differentiated; the adapters
-(``jaxaccum.nnx``, ``jaxaccum.eqx``, ``jaxaccum.linen``) build on the same two objects.
+returns a :class:`jaxaccum._transforms.ValueAndGrad`, a callable object that holds them; a call
+runs the core or, under ``data_axis``, the data-parallel driver. :func:`grad` drops the value;
+:func:`evaluate` runs the same core with nothing differentiated. The objects, and the builders
+the adapters, ``jaxaccum.dp`` and the planner use, are ``jaxaccum._transforms``'s: nothing
+imports this module but the package's top level.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
-from jaxaccum._core import _options, _transform
-from jaxaccum._core._options import DataParallel, Options, Terms
+from jaxaccum._core import _options
+from jaxaccum._core._options import DataParallel, Terms
 from jaxaccum._core._types import ArgNames, ArgNums, DTypeLike
-from jaxaccum._parallel import _data_parallel
-from jaxaccum._per_example import _rule
+from jaxaccum._transforms import Evaluate, Grad, ValueAndGrad, make_value_and_grad, requests
 
 
 def value_and_grad(
@@ -114,7 +107,7 @@ def value_and_grad(
       :class:`DeprecationWarning`: ``mesh``, ``param_gather``, ``grad_scatter`` and
       ``overlap_grad_reduce`` (now fields of :class:`jaxaccum.DataParallel`),
       ``loss_weights`` (:class:`jaxaccum.Terms`), ``remat_policy`` (``remat=policy``) and
-      ``per_example_transform`` (:func:`jaxaccum.per_example_value_and_grad`).
+      ``per_example_transform`` (:func:`jaxaccum.dp.per_example_value_and_grad`).
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
@@ -148,66 +141,7 @@ def value_and_grad(
       rng_argnames=rng_argnames, state_argnums=state_argnums,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
       unroll=unroll, data_axis=data_axis, with_info=with_info, skip_nonfinite=skip_nonfinite)
-  return ValueAndGrad(_options.make_options(fun, given, deprecated=_requests(deprecated)))
-
-
-def _requests(deprecated: dict[str, Any]) -> dict[str, Any]:
-  """The deprecated ``per_example_transform=`` as the per-example wing's request."""
-  transform = deprecated.get("per_example_transform")
-  if transform is None:
-    return deprecated
-  return {**deprecated, "per_example_transform": _rule.Request(transform)}
-
-
-def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any], Any],
-                               **options: Any) -> Callable[..., Any]:
-  """:func:`value_and_grad` with ``transform`` applied to each example's gradient.
-
-  ``transform(grads) -> grads`` sees one example's gradient (one row's, with
-  :func:`jax.grad`'s structure) and returns one of the same shapes, e.g.
-  :func:`jaxaccum.clip_per_example` for DP-SGD; the transformed gradients are then summed.
-  Each micro-batch's examples are differentiated under :func:`jax.vmap`, ``fun`` seeing
-  one row as a batch of one, so the micro-batch size is the vmap width and bounds the
-  memory. The gradients are the mean over all examples of the transformed gradients (their
-  sum under ``reduce="sum"``; under ``"weighted"`` the sum of the transformed gradients of
-  each example's numerator divided by the total denominator); the value is the mean (sum)
-  of the examples' values. A dict ``reduce`` needs all its terms of one kind. Aux leaves
-  are reduced over a micro-batch's examples as their ``aux_reduce`` says (not ``"stack"``
-  or user reductions); state must come back the same from each example; example ``r`` of
-  micro-batch ``i`` gets ``fold_in(fold_in(key, i), r)``. ``skip_nonfinite`` and
-  ``with_info`` see each micro-batch's sum of transformed gradients. See the DP-SGD guide.
-
-  Args:
-    fun: the loss, as for :func:`value_and_grad`.
-    transform: the function applied to each example's gradient.
-    **options: the options of :func:`value_and_grad`.
-
-  Returns:
-    A function as :func:`value_and_grad` returns.
-
-  >>> import jax, jax.numpy as jnp
-  >>> import jaxaccum
-  >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
-  >>> w, x = jnp.ones(2), jnp.arange(8.0).reshape(4, 2)
-  >>> step = jaxaccum.per_example_value_and_grad(
-  ...     loss_fn, jaxaccum.clip_per_example(1.0), num_micro_batches=2)
-  >>> loss, grads = step(w, x)
-  >>> bool(jnp.linalg.norm(grads) <= 1.0)
-  True
-  """
-  if "per_example_transform" in options:
-    raise TypeError(
-        "per_example_value_and_grad takes the transform as its second argument, "
-        "per_example_value_and_grad(fun, transform, ...); drop per_example_transform=.")
-  if transform is None:
-    raise TypeError(
-        "per_example_value_and_grad needs a transform of each example's gradient, e.g. "
-        "jaxaccum.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
-  given = {k: v for k, v in options.items() if k in _options.DEFAULTS}
-  old = {k: v for k, v in options.items() if k not in _options.DEFAULTS}
-  return ValueAndGrad(_options.make_options(fun, given, deprecated=old,
-                                            transform=_rule.Request(transform),
-                                            where="per_example_value_and_grad"))
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=requests(deprecated)))
 
 
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
@@ -224,20 +158,8 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   >>> jaxaccum.grad(loss_fn, micro_batch_size=2)(jnp.array(2.0), jnp.arange(4.0))
   Array(14., dtype=float32)
   """
-  vg = with_transform(value_and_grad, fun, options)
+  vg = make_value_and_grad(fun, options)
   return Grad(vg, has_extra=vg.options.has_extra, with_info=vg.options.with_info)
-
-
-def with_transform(make: Callable[..., Any], fun: Callable[..., Any], options: dict[str, Any]
-                   ) -> Any:
-  """``make(fun, **options)``, or :func:`per_example_value_and_grad` when ``options`` hold a
-  ``per_example_transform``: :func:`grad` and the adapters, which have no per-example entry
-  of their own, take it as an option (not deprecated there)."""
-  rest = dict(options)
-  transform = rest.pop("per_example_transform", None)
-  if transform is None:
-    return make(fun, **rest)
-  return per_example_value_and_grad(fun, transform, **rest)
 
 
 def evaluate(
@@ -330,111 +252,3 @@ def evaluate(
       skip_nonfinite=skip_nonfinite)
   return Evaluate(_options.make_options(fun, given, deprecated=deprecated, evaluate=True,
                                         where="evaluate"))
-
-
-class _Transform:
-  """A transformed ``fun`` holding its validated options (the frozen
-  :class:`jaxaccum._core._options.Options`); ``__wrapped__`` is ``fun``, so ``inspect.signature``
-  and ``functools`` see ``fun``'s name, docstring and parameters."""
-
-  name = ""
-
-  def __init__(self, options: Options):
-    self.options = options
-    functools.update_wrapper(self, options.fun)
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
-
-  def run(self, args: tuple, kwargs: dict, active: Any) -> tuple:
-    """The core (or, under ``data_axis``, the data-parallel driver) on one call:
-    ``(value, extra, grads, info)``."""
-    opts = self.options
-    run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
-    with jax.named_scope(_transform.call_scope(self.name)):
-      return run(opts, args, kwargs, active)
-
-  def __repr__(self) -> str:
-    return f"<jaxaccum.{self.name} of {self.options.fun!r}>"
-
-  def with_fun(self, fun: Callable[..., Any]) -> Any:
-    """The same validated options around another ``fun``: the adapters build their inner
-    function per call (it closes over the call's static parts) and run it through this."""
-    return type(self)(dataclasses.replace(self.options, fun=fun))
-
-
-class Evaluate(_Transform):
-  """What :func:`evaluate` returns: ``fun`` run per micro-batch, with its validated options
-  (nothing differentiated).
-
-  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns what
-  ``fun`` returns on the full batch.
-  """
-
-  name = "evaluate"
-
-  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
-    value, extra, _, _ = self.run(args, kwargs, active_micro_batches)
-    return (value, extra) if self.options.has_extra else value
-
-
-def check_callable(fun: Any, signature: str) -> None:
-  """An adapter's ``fun`` must be callable, as ``signature`` says (``fun(model, batch, ...)``)."""
-  if not callable(fun):
-    raise TypeError(
-        f"fun must be a callable {signature}, got {fun!r} of type {type(fun).__name__}.")
-
-
-def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
-  """An adapter's ``evaluate`` given an option about gradients (one that
-  :func:`value_and_grad` has and :func:`evaluate` has not) gets a ``TypeError`` naming it
-  and ``instead``, the adapter's transform that takes it."""
-  gradient = _options.GRADIENT_OPTIONS | {
-      k for k, f in _options.DEPRECATED.items() if f.gradient}
-  given = sorted(k for k in options if k in gradient)
-  if given:
-    raise TypeError(
-        f"{where} takes no {given[0]}= option: it is about gradients, and {where} "
-        f"differentiates nothing. Drop it, or use {instead} for gradients.")
-
-
-class ValueAndGrad(_Transform):
-  """What :func:`value_and_grad` returns: ``fun`` accumulated, with its validated options.
-
-  Calling it takes ``fun``'s arguments (and ``active_micro_batches``) and returns
-  ``(value, grads)`` as :func:`value_and_grad` documents.
-  """
-
-  name = "value_and_grad"
-
-  def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
-    opts = self.options
-    value, extra, grads, info = self.run(args, kwargs, active_micro_batches)
-    grads = grads[0] if opts.argnums_is_int else grads
-    return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
-
-
-class Grad:
-  """The ``grad`` of a function that returns :func:`pack`'s output: ``grads``, or
-  ``(grads, extra)`` with ``has_extra``; with ``with_info``, ``(grads_part, info)``."""
-
-  def __init__(self, value_and_grad: Callable[..., Any], *, has_extra: bool, with_info: bool):
-    self.value_and_grad = value_and_grad
-    self.has_extra, self.with_info = has_extra, with_info
-    functools.update_wrapper(self, value_and_grad)
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    out = self.value_and_grad(*args, **kwargs)
-    part = (out[1], out[0][1]) if self.has_extra else out[1]
-    return (part, out[2]) if self.with_info else part
-
-  def __repr__(self) -> str:
-    return f"<jaxaccum.grad of {self.value_and_grad!r}>"
-
-
-def pack(value: Any, extra: Any, grads: Any, info: Any, *, has_extra: bool,
-         with_info: bool) -> tuple:
-  """:func:`value_and_grad`'s output: ``(value, grads)``, ``((value, extra), grads)``, and
-  ``info`` last with ``with_info``. The adapters return theirs through it too."""
-  out = ((value, extra), grads) if has_extra else (value, grads)
-  return (*out, info) if with_info else out

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxaccum import _api
-from jaxaccum._core import _options, _reduce, _sharding, _split, _stats, _validate
+from jaxaccum import _transforms
+from jaxaccum._core import _options, _outputs, _reduce, _sharding, _split, _stats, _validate
 from jaxaccum._core._options import DataParallel, Options
 from jaxaccum._core._types import ArgNums, DTypeLike, PyTree
 from jaxaccum._core._validate import describe
@@ -239,20 +239,20 @@ class CachedValueAndGrad:
     with jax.named_scope(f"jaxaccum.{_WHERE}"):
       roles = self.roles(args, kwargs)
       forward, backward = self._resolved(args, roles)
-      _, reps, _, _ = _api.Evaluate(forward).run(args, kwargs, None)
+      _, reps, _, _ = _transforms.Evaluate(forward).run(args, kwargs, None)
       reps = _placed(reps, forward, sharded=False)
       value, aux, loss_grads, cotangent = self._loss_pass(args, kwargs, roles.diff, reps)
       cotangent = _placed(cotangent, forward, sharded=True)
       params = [args[j] for j in roles.diff]
       backward = dataclasses.replace(backward, grads_dtype=_summed_dtype(
           params, backward.accumulator_dtype))
-      _, _, encoder_grads, _ = _api.ValueAndGrad(backward).run(
+      _, _, encoder_grads, _ = _transforms.ValueAndGrad(backward).run(
           args, {**kwargs, _COTANGENT: cotangent}, None)
       grads = jax.tree.map(
           lambda e, g, p: (e + g.astype(e.dtype)).astype(self.backward.grads_dtype or p.dtype),
           encoder_grads, tuple(loss_grads), tuple(params))
     grads = grads[0] if self.backward.argnums_is_int else grads
-    return _api.pack(value, aux, grads, None, has_extra=self.has_aux, with_info=False)
+    return _outputs.pack(value, aux, grads, None, has_extra=self.has_aux, with_info=False)
 
   def _resolved(self, args: tuple, roles: _options.Roles) -> tuple[Options, Options]:
     """Both passes' options with ``data_axis="auto"`` resolved from the batch, once: pass
@@ -290,7 +290,7 @@ class CachedValueAndGrad:
   def check_encode(self, *args: Any, rtol: float = 1e-4, **kwargs: Any) -> dict[str, float]:
     """Checks on a sample batch that ``encode`` is row-independent.
 
-    The rule of :func:`jaxaccum.check_per_example_loss`, applied to the encoder: what is
+    The rule of :func:`jaxaccum.dp.check_per_example_loss`, applied to the encoder: what is
     computed from each example alone must equal what is computed from the whole batch.
     ``encode`` runs on the whole batch and, through this transform's own encoder passes,
     on micro-batches of one row each; the reps, and ``encode``'s VJP of a fixed random
@@ -344,8 +344,8 @@ class CachedValueAndGrad:
                  for x in _inexact_leaves(whole)]
     float_whole, rebuild = _inexact_parts(whole)
     (grads_whole,) = vjp(rebuild(cotangent))
-    _, rows, _, _ = _api.Evaluate(forward).run(args, kwargs, None)
-    _, _, grads_alone, _ = _api.ValueAndGrad(backward).run(
+    _, rows, _, _ = _transforms.Evaluate(forward).run(args, kwargs, None)
+    _, _, grads_alone, _ = _transforms.ValueAndGrad(backward).run(
         args, {**kwargs, _COTANGENT: cotangent}, None)
     found = {"reps": _stats.relative_difference(_inexact_leaves(rows), float_whole),
              "grads": _stats.relative_difference(grads_alone, grads_whole)}

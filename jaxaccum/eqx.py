@@ -21,7 +21,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from jaxaccum import _api
+from jaxaccum import _transforms
+from jaxaccum._core import _options, _validate
 
 __all__ = ("filter_evaluate", "filter_grad", "filter_value_and_grad")
 
@@ -82,7 +83,7 @@ def filter_value_and_grad(
         "jaxaccum.eqx.filter_value_and_grad takes no argnums= option: as in equinox, the "
         "inexact arrays of the first argument are differentiated. Put everything to "
         "differentiate in the first argument, e.g. fun((model, extra), batch).")
-  _api.check_callable(fun, "fun(model, batch, ...)")
+  _validate.check_callable(fun, "fun(model, batch, ...)")
   return _ValueAndGradWrapper(fun, has_aux, options)
 
 
@@ -139,8 +140,7 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "filter_value_and_grad"
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
-    return _api.with_transform(_api.value_and_grad, fun,
-                               dict(options, argnums=0, has_aux=has_aux))
+    return _transforms.make_value_and_grad(fun, dict(options, argnums=0, has_aux=has_aux))
 
 
 class _EvaluateWrapper(_Wrapper):
@@ -151,7 +151,7 @@ class _EvaluateWrapper(_Wrapper):
   filter_spec = staticmethod(eqx.is_array)
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
-    return _api.evaluate(fun, has_aux=has_aux, **options)
+    return _transforms.make_evaluate(fun, dict(options, has_aux=has_aux))
 
 
 def _check_no_state(out: Any, args: tuple, has_aux: bool) -> None:
@@ -191,7 +191,7 @@ def filter_grad(
   if fun is None:
     return functools.partial(filter_grad, has_aux=has_aux, **options)
   vg = filter_value_and_grad(fun, has_aux=has_aux, **options)
-  return _api.Grad(vg, has_extra=vg.core.options.has_extra,
+  return _transforms.Grad(vg, has_extra=vg.core.options.has_extra,
                    with_info=vg.core.options.with_info)
 
 
@@ -236,7 +236,7 @@ def filter_evaluate(
   """
   if fun is None:
     return functools.partial(filter_evaluate, has_aux=has_aux, **options)
-  _api.refuse_gradient_options("jaxaccum.eqx.filter_evaluate", options,
+  _options.refuse_gradient_options("jaxaccum.eqx.filter_evaluate", options,
                                 "jaxaccum.eqx.filter_value_and_grad")
-  _api.check_callable(fun, "fun(model, batch, ...)")
+  _validate.check_callable(fun, "fun(model, batch, ...)")
   return _EvaluateWrapper(fun, has_aux, options)

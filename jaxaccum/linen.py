@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _api
+from jaxaccum import _transforms
 from jaxaccum._batch_size import MultiStepsState
-from jaxaccum._core import _options, _reduce, _sharding, _split
+from jaxaccum._core import _options, _outputs, _reduce, _sharding, _split, _validate
 from jaxaccum._core._types import AxisNames, PyTree
 from jaxaccum._parallel import _data_parallel
 
@@ -39,7 +39,7 @@ __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
 
 def _check_fun(fun: Any) -> None:
-  _api.check_callable(fun, "fun(params, batch, model_state, rngs)")
+  _validate.check_callable(fun, "fun(params, batch, model_state, rngs)")
   found = _split.short_signature(fun, 4)
   if found:
     raise TypeError(
@@ -164,7 +164,7 @@ def value_and_grad(
   """
   _refuse_layout_options("value_and_grad", options, "params differentiated, ")
   _check_fun(fun)
-  return _api.with_transform(_api.value_and_grad, _match_state(fun, has_aux), dict(
+  return _transforms.make_value_and_grad(_match_state(fun, has_aux), dict(
       options, argnums=0, batch_argnums=batch_argnums, state_argnums=2, rng_argnums=3,
       has_aux=has_aux))
 
@@ -201,11 +201,11 @@ def evaluate(
   True
   """
   _refuse_layout_options("evaluate", options, "")
-  _api.refuse_gradient_options("jaxaccum.linen.evaluate", options,
+  _options.refuse_gradient_options("jaxaccum.linen.evaluate", options,
                                "jaxaccum.linen.value_and_grad")
   _check_fun(fun)
-  return _api.evaluate(_match_state(fun, has_aux), batch_argnums=batch_argnums,
-                       state_argnums=2, rng_argnums=3, has_aux=has_aux, **options)
+  return _transforms.make_evaluate(_match_state(fun, has_aux), dict(
+      options, batch_argnums=batch_argnums, state_argnums=2, rng_argnums=3, has_aux=has_aux))
 
 
 def make_train_step(
@@ -346,7 +346,7 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
     args = (params, batch, model_state, rngs)
     out = _data_parallel.on_replicas(opts, opts.roles(len(args), {}), args, {}, axes=axes)
     (grads,) = out.grads  # argnums=0: the parameters' gradients
-    return _api.pack(out.value, out.extra, grads, out.info, has_extra=True,
+    return _outputs.pack(out.value, out.extra, grads, out.info, has_extra=True,
                      with_info=opts.with_info)
 
   return run

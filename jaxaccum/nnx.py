@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxaccum import _api
-from jaxaccum._core import _options, _split
+from jaxaccum import _transforms
+from jaxaccum._core import _options, _outputs, _split, _validate
 
 __all__ = ("evaluate", "grad", "value_and_grad")
 
@@ -366,7 +366,7 @@ class _Wrapper:
     for name, why in _RESERVED.items():
       if name in options:
         raise TypeError(f"jaxaccum.nnx.{self.name} takes no {name}= option: {why}.")
-    _api.check_callable(fun, "fun(model, batch, ...)")
+    _validate.check_callable(fun, "fun(model, batch, ...)")
     self.fun, self.wrt, self.has_aux = fun, wrt, has_aux
     self.names, self.fun_name = _param_names(fun), getattr(fun, "__name__", "fun")
     self.default_batch = batch_argnums is None or batch_argnums is _options.BATCH_ARGNUMS
@@ -512,7 +512,7 @@ class _ValueAndGradWrapper(_Wrapper):
   name = "value_and_grad"
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
-    return _api.with_transform(_api.value_and_grad, fun, dict(options, argnums=0))
+    return _transforms.make_value_and_grad(fun, dict(options, argnums=0))
 
   def _check_wrt(self, model: Any, diff: Any) -> None:
     if not jax.tree.leaves(diff):
@@ -525,7 +525,7 @@ class _ValueAndGradWrapper(_Wrapper):
     """Updates the NNX objects in place and returns the core's output without the state."""
     (value, extra), grads, *info = out
     aux = self._update(call, nodes, extra)
-    return _api.pack(value, aux, grads[0], info[0] if info else None, has_extra=self.has_aux,
+    return _outputs.pack(value, aux, grads[0], info[0] if info else None, has_extra=self.has_aux,
                      with_info=bool(info))
 
 
@@ -536,7 +536,7 @@ class _EvaluateWrapper(_Wrapper):
   name = "evaluate"
 
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
-    return _api.evaluate(fun, **options)
+    return _transforms.make_evaluate(fun, options)
 
   def _write_back(self, call: _Call, nodes: tuple, out: tuple) -> Any:
     value, extra = out
@@ -601,7 +601,7 @@ def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   True
   """
   vg = value_and_grad(fun, **options)
-  return _api.Grad(vg, has_extra=vg.has_aux, with_info=vg.core.options.with_info)
+  return _transforms.Grad(vg, has_extra=vg.has_aux, with_info=vg.core.options.with_info)
 
 
 def evaluate(
@@ -660,7 +660,7 @@ def evaluate(
         "jaxaccum.nnx.evaluate takes no wrt= option: nothing is differentiated. The model's "
         "nnx.Param variables are passed to every micro-batch and its other variables "
         "threaded; use jaxaccum.nnx.value_and_grad(wrt=...) for gradients.")
-  _api.refuse_gradient_options("jaxaccum.nnx.evaluate", options,
+  _options.refuse_gradient_options("jaxaccum.nnx.evaluate", options,
                                 "jaxaccum.nnx.value_and_grad")
   return _EvaluateWrapper(fun, nnx.Param, batch_argnums, batch_argnames, rng_argnums, has_aux,
                           options)

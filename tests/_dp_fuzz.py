@@ -592,7 +592,7 @@ def _over_c(grad: Any, c: float | dict) -> float:
 def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray, ref_sum: Any,
                 scale: float, ill_conditioned: bool) -> dict:
   """One method on one case: its status, the measured errors and the failed properties."""
-  clip = jaxaccum.clip_per_example(c, method)
+  clip = jaxaccum.dp.clip_per_example(c, method)
   out: dict[str, Any] = {"method": method, "status": "ok", "failed": [], "notes": []}
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -796,7 +796,7 @@ def _run_fsdp(case: Case, f: Fsdp, method: str, c: float | dict, ref_sum: Any,
               scale: float, ill_conditioned: bool) -> dict:
   """One method on one case under the FSDP placement ``f``: the clipped sum against the
   reference, and each example alone among padding rows (the bound)."""
-  clip = jaxaccum.clip_per_example(c, method)
+  clip = jaxaccum.dp.clip_per_example(c, method)
   out: dict[str, Any] = {"method": method, "status": "ok", "failed": [], "notes": []}
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

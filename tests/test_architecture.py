@@ -30,6 +30,7 @@ MAX_MODULE_LINES = 1000
 MAX_GHOST_MODULE_LINES = 600
 CORE = "jaxaccum._core"
 PER_EXAMPLE = "jaxaccum._per_example"
+API = "jaxaccum._api"
 
 
 def test_value_and_grad_has_at_most_twenty_keyword_options():
@@ -95,6 +96,15 @@ def test_the_core_and_the_batch_size_wing_sit_below_the_api():
   ramp = architecture.imports(MODS["jaxaccum._batch_size._ramp"], MODS)
   assert "jaxaccum._batch_size._adaptive" not in ramp
   assert "jaxaccum._batch_size._counter" in ramp
+
+
+def test_no_wing_imports_the_api():
+  """Every wing sits below the public functions: the adapters, the tiers' faces, the planner,
+  the coupled-loss transform and the wings build through ``_transforms`` and ``_core``, and
+  only the top level imports ``_api`` (to re-export it)."""
+  importers = architecture.importers(MODS, API)
+  assert importers, "the top level re-exports the API"  # the measure sees imports at all
+  assert importers <= {"jaxaccum"}, sorted(importers - {"jaxaccum"})
 
 
 # --- the measures themselves, on a planted package ------------------------------------------

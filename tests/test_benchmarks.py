@@ -99,15 +99,17 @@ def test_the_public_names_check_finds_every_form():
       "import jaxaccum\nx = jaxaccum._planning._collectives._contexts":
           "jaxaccum._planning._collectives",
       "import jaxaccum as ja\nja._split.divisors(4)": "ja._split",
-      "import jaxaccum\njaxaccum.Collectives._parse": "jaxaccum.Collectives._parse",
+      "import jaxaccum\njaxaccum.planning.Collectives._parse":
+          "jaxaccum.planning.Collectives._parse",
       "from jaxaccum import eqx\neqx._helper()": "eqx._helper",
       "import jaxaccum.linen as ln\nln._private": "ln._private",
   }
   for source, what in bad.items():
     found = private_uses(source)
     assert len(found) >= 1 and any(what in f for f in found), (source, found)
-  good = ["import jaxaccum\njaxaccum.collectives(f)\nprint(jaxaccum.__version__)",
-          "from jaxaccum import eqx, Collectives\nCollectives.from_text('')",
+  good = ["import jaxaccum\njaxaccum.planning.collectives(f)\nprint(jaxaccum.__version__)",
+          "from jaxaccum import eqx\nfrom jaxaccum.planning import Collectives\n"
+          "Collectives.from_text('')",
           "import numpy as np\nnp._private_thing", "x = obj._cache  # not jaxaccum",
           "import jaxaccum.linen as ln\nln.value_and_grad"]
   for source in good:

@@ -348,7 +348,7 @@ def test_eight_devices_equal_one_devices_full_batch(kind):
     out = compiled(ps, bs)
   close(out, ref)
   # One gradient reduction per step, after the loops; one all-gather per reps leaf.
-  colls = jaxaccum.collectives(compiled)
+  colls = jaxaccum.planning.collectives(compiled)
   assert colls.count("all-reduce") == 1 and not colls.in_loop, str(colls)
   assert colls.count("all-gather") == 2, str(colls)
 

@@ -13,18 +13,12 @@ samples seen, reading any state's counter (``batch_size_ramp``, ``batch_size_ram
 feeds the loader's fresh rows only to the ``k`` micro-batches that run (``place_active_rows``,
 ``RowFeeder``). Their scalar checks are ``jaxaccum._core._validate``'s. The wing sits below the
 API: ``AdaptiveBatch.check`` reads a transform's ``options`` without importing ``_api``.
+The package re-exports the core's names only; ``jaxaccum.contrib`` holds the controllers'.
 """
 
-from jaxaccum._batch_size._adaptive import AdaptiveBatch as AdaptiveBatch
-from jaxaccum._batch_size._adaptive import AdaptiveBatchState as AdaptiveBatchState
 from jaxaccum._batch_size._multisteps import MultiSteps as MultiSteps
 from jaxaccum._batch_size._multisteps import MultiStepsState as MultiStepsState
 from jaxaccum._batch_size._noise import NoiseScale as NoiseScale
 from jaxaccum._batch_size._noise import NoiseScaleState as NoiseScaleState
 from jaxaccum._batch_size._ramp import batch_size_ramp as batch_size_ramp
 from jaxaccum._batch_size._ramp import batch_size_ramp_by_count as batch_size_ramp_by_count
-from jaxaccum._batch_size._rows import RowFeeder as RowFeeder
-from jaxaccum._batch_size._rows import place_active_rows as place_active_rows
-from jaxaccum._batch_size._seesaw import Seesaw as Seesaw
-from jaxaccum._batch_size._seesaw import SeesawState as SeesawState
-from jaxaccum._batch_size._seesaw import seesaw as seesaw

@@ -4,8 +4,8 @@
 an exact int32, and float32 holds each step's addend below ``2**24`` exactly, so a step's
 samples are added without rounding. The count saturates at ``2**55 - 1`` (about ``3.6e16``).
 A state holds a counter in its ``samples_hi`` and ``samples_lo`` fields
-(:class:`jaxaccum.AdaptiveBatchState`, :class:`jaxaccum.SeesawState`); everything that adds
-to it or reads it is here.
+(:class:`jaxaccum.contrib.AdaptiveBatchState`, :class:`jaxaccum.contrib.SeesawState`); everything
+that adds to it or reads it is here.
 """
 
 from __future__ import annotations

@@ -359,7 +359,7 @@ def batch_size_ramp_by_count(
   The returned function takes the count as a Python or NumPy int of any size, a float
   (floored: the float32 counters of optax schedules), a JAX integer or float scalar
   (traced or not; int64 under ``jax_enable_x64``), or the
-  :class:`jaxaccum.AdaptiveBatchState` of a controller, whose exact two-word sample counter
+  :class:`jaxaccum.contrib.AdaptiveBatchState` of a controller, whose exact two-word sample counter
   it reads (rows seen, or tokens under ``reduce="weighted"``). The comparison is exact for
   every count below ``2**62`` in each of these forms (a float is compared by its exact
   value), never wraps, and compiles once however the count moves; counts of ``2**62``

@@ -1,4 +1,4 @@
-"""``jaxaccum.place_active_rows`` and ``jaxaccum.RowFeeder``: feed exactly the rows that run.
+"""``jaxaccum.contrib.place_active_rows`` and ``RowFeeder``: feed exactly the rows that run.
 
 A step built by :func:`jaxaccum.value_and_grad` with ``num_micro_batches=N`` and called with
 ``active_micro_batches=k`` runs micro-batches ``0..k-1`` only. Micro-batch ``i`` holds rows
@@ -57,6 +57,8 @@ def place_active_rows(
     rows: PyTree, *, num_micro_batches: int, active_micro_batches: int, fill: str = "zeros",
 ) -> PyTree:
   """Lays out the rows of ``k`` active micro-batches in a batch of ``N`` micro-batches.
+  Experimental (:mod:`jaxaccum.contrib`), with the controllers that vary ``k``: its cost is not
+  measured yet.
 
   ``rows`` holds ``k * b`` rows: the rows that will run. The result holds ``N * b`` rows,
   with ``rows`` exactly at the positions of micro-batches ``0..k-1`` (batch rows ``r``
@@ -81,7 +83,7 @@ def place_active_rows(
 
   >>> import numpy as np
   >>> import jaxaccum
-  >>> jaxaccum.place_active_rows(np.arange(1, 7), num_micro_batches=4,
+  >>> jaxaccum.contrib.place_active_rows(np.arange(1, 7), num_micro_batches=4,
   ...                            active_micro_batches=2)
   array([1, 2, 0, 0, 3, 4, 0, 0, 5, 6, 0, 0])
   """
@@ -112,11 +114,13 @@ def place_active_rows(
 
 class RowFeeder:
   """Feeds a stream of rows to a step that runs ``k`` of ``N`` micro-batches, each row once.
+  Experimental (:mod:`jaxaccum.contrib`), with the controllers that vary ``k``: its cost is not
+  measured yet (the tests check that every row runs exactly once).
 
   Each :meth:`next_batch` call takes the next ``k * micro_batch_size`` rows of the stream
   and returns the ``(N * micro_batch_size, ...)`` batch of :func:`place_active_rows`:
   those rows where micro-batches ``0..k-1`` run, filler elsewhere. Across a run whose ``k``
-  changes (a :class:`jaxaccum.AdaptiveBatch`, a ramp), every row of the stream runs exactly
+  changes (a :class:`jaxaccum.contrib.AdaptiveBatch`, a ramp), every row of the stream runs exactly
   once, in stream order, and the batch keeps one shape, so the step compiles once.
 
   The stream is a pytree of arrays with a common leading row axis (NumPy arrays, read by
@@ -142,7 +146,7 @@ class RowFeeder:
 
   >>> import numpy as np
   >>> import jaxaccum
-  >>> feeder = jaxaccum.RowFeeder(np.arange(1, 100), num_micro_batches=4,
+  >>> feeder = jaxaccum.contrib.RowFeeder(np.arange(1, 100), num_micro_batches=4,
   ...                             micro_batch_size=2)
   >>> feeder.next_batch(1)
   array([1, 0, 0, 0, 2, 0, 0, 0])

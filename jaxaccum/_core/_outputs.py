@@ -176,3 +176,11 @@ def check_state(opts: Options, positions: tuple[int, ...], state_in: tuple,
             "and dtype.")
     out.append(new)
   return tuple(out)
+
+
+def pack(value: Any, extra: Any, grads: Any, info: Any, *, has_extra: bool,
+         with_info: bool) -> tuple:
+  """:func:`jaxaccum.value_and_grad`'s output: ``(value, grads)``, ``((value, extra), grads)``,
+  and ``info`` last with ``with_info``. The adapters return theirs through it too."""
+  out = ((value, extra), grads) if has_extra else (value, grads)
+  return (*out, info) if with_info else out

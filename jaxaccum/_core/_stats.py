@@ -45,7 +45,7 @@ def all_finite(tree: PyTree) -> jax.Array:
 def relative_difference(actual: PyTree, expected: PyTree) -> float:
   """The L2 norm of ``actual - expected`` over the L2 norm of ``expected`` (the norm of the
   difference where ``expected`` is 0), in float64 on the host: how the checks of a rule on a
-  sample batch measure (:func:`jaxaccum.check_per_example_loss`,
+  sample batch measure (:func:`jaxaccum.dp.check_per_example_loss`,
   ``CachedValueAndGrad.check_encode``)."""
   a = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(actual)]
   b = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(expected)]

@@ -865,7 +865,7 @@ def check_active(active: Any, n: int) -> jax.Array:
   ``ValueError`` here, at trace time. A traced value cannot be checked without a host
   round trip, so it is clipped without a word: ``0`` (or less) runs one micro-batch and
   anything above ``n`` runs all ``n``. The step's ``AccumInfo.num_micro_batches`` says
-  what ran, and :meth:`jaxaccum.AdaptiveBatch.update` and ``check`` use it to catch a
+  what ran, and :meth:`jaxaccum.contrib.AdaptiveBatch.update` and ``check`` use it to catch a
   ``k`` above ``n`` (see the adaptive-batch guide).
   """
   if isinstance(active, (bool, np.bool_)) or not (

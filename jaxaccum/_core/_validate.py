@@ -132,3 +132,10 @@ def check_host_count(name: str, value: Any, *, high: int | None = None, hint: st
     bound = f" and at most num_micro_batches={high}" if high is not None else ""
     raise ValueError(f"{name} must be at least 1{bound}, got {name}={value}.{hint}")
   return int(value)
+
+
+def check_callable(fun: Any, signature: str) -> None:
+  """An adapter's ``fun`` must be callable, as ``signature`` says (``fun(model, batch, ...)``)."""
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be a callable {signature}, got {fun!r} of type {type(fun).__name__}.")

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _api
-from jaxaccum._core import _options, _sharding, _transform
+from jaxaccum._core import _options, _outputs, _sharding, _transform
 from jaxaccum._core._types import ArgNames, ArgNums
 from jaxaccum._parallel import _data_parallel
 
@@ -114,7 +113,7 @@ def local_value_and_grad(
   >>> value, grads = fn(w, x)
   >>> grads.shape                  # one unreduced piece per device
   (8, 3)
-  >>> jaxaccum.collectives(fn, w, x).count()
+  >>> jaxaccum.planning.collectives(fn, w, x).count()
   0
   >>> full_value, full_grads = jax.value_and_grad(loss)(w0, x0)
   >>> bool(jnp.allclose(value.sum(), full_value)), bool(jnp.allclose(grads.sum(0), full_grads))
@@ -135,18 +134,32 @@ def local_value_and_grad(
         "reduce='sum' (the count known from the data, or passed in).")
   # The core's options, validated once (roles, names and their overlaps); they run the
   # micro-batches when accumulating, and resolve each call's roles as the core does.
-  core = _api.value_and_grad(
-      fun, argnums=argnums, batch_argnums=batch_argnums, batch_argnames=batch_argnames,
-      has_aux=has_aux, reduce=reduce, rng_argnums=rng_argnums, rng_argnames=rng_argnames,
-      **(accumulate or {"num_micro_batches": 1}))
-  opts = core.options
+  # state_argnums is validated with the other roles (their overlaps first), then refused.
+  state = accumulate.pop("state_argnums", None)
+  given = dict(argnums=argnums, batch_argnums=batch_argnums, batch_argnames=batch_argnames,
+               has_aux=has_aux, reduce=reduce, rng_argnums=rng_argnums,
+               rng_argnames=rng_argnames, state_argnums=state,
+               **(accumulate or {"num_micro_batches": 1}))
+  opts = _options.make_options(
+      fun, {k: v for k, v in given.items() if k in _options.DEFAULTS},
+      deprecated={k: v for k, v in given.items() if k not in _options.DEFAULTS},
+      where="local_value_and_grad")
+  _refuse_state(state)
   if opts.batch_axis != 0:
     raise ValueError(
         f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
         f"the batch axis must be the leading one, got batch_axis={opts.batch_axis!r}. "
         "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
         "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
-  inner = core if accumulate else jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def inner(a: tuple, k: dict) -> Any:
+    if not accumulate:
+      return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*a, **k)
+    with jax.named_scope(_transform.call_scope("value_and_grad")):
+      value, extra, grads, info = _transform.accumulate(opts, a, k, None)
+    grads = grads[0] if opts.argnums_is_int else grads
+    return _outputs.pack(value, extra, grads, info, has_extra=opts.has_extra,
+                         with_info=opts.with_info)
 
   def local_fn(*args: Any, **kwargs: Any) -> Any:
     with jax.named_scope(_transform.call_scope("local_value_and_grad")):
@@ -159,7 +172,7 @@ def local_value_and_grad(
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
     arrays, kw_arrays = list(args), dict(kwargs)
     for key in (*roles.batch, *roles.batch_names):
-      where = arrays if isinstance(key, int) else kw_arrays
+      where: Any = arrays if isinstance(key, int) else kw_arrays
       label = opts.label(key) if isinstance(key, int) else f"keyword argument {key!r}"
       for path, leaf in jax.tree_util.tree_leaves_with_path(where[key]):
         if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % shards:
@@ -178,7 +191,7 @@ def local_value_and_grad(
       # Unreduced: the driver marks the parameters varying and folds the keys, then runs
       # inner on the shard's rows, with no combine.
       out, grads = _data_parallel.on_replicas(
-          opts, roles, largs, lkwargs, axes=axes, run=lambda a, k: inner(*a, **k))
+          opts, roles, largs, lkwargs, axes=axes, run=inner)
       value, aux = out if has_aux else (out, None)
       lead = lambda x: (x * piece if piece != 1 else x)[None]  # noqa: E731
       value, grads = lead(value), jax.tree.map(lead, grads)
@@ -191,6 +204,17 @@ def local_value_and_grad(
 
   local_fn.__doc__ = fun.__doc__
   return local_fn
+
+
+def _refuse_state(state: Any) -> None:
+  """``state_argnums``: each shard would thread its own state, with no rule for joining the
+  ``D`` states after the call, so it is refused with the way out."""
+  if state is not None:
+    raise ValueError(
+        f"local_value_and_grad takes no state_argnums (got state_argnums={state!r}): each "
+        "data shard would update its own copy of the state and nothing joins the copies. "
+        "Drop state_argnums and return the state in aux (it comes back stacked, one entry "
+        "per shard), or use jaxaccum.value_and_grad(..., state_argnums=..., data_axis=...).")
 
 
 def _parallel(data_axis: Any, accumulate: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:

@@ -44,7 +44,8 @@ from jaxaccum._core import _sharding, _split
 from jaxaccum._core._types import PyTree
 
 _STAGE_AXIS = _sharding.MeshUse(
-    argument="stage_axis", caller="jaxaccum.pipeline", along="the stages are laid out along",
+    argument="stage_axis", caller="jaxaccum.contrib.pipeline",
+    along="the stages are laid out along",
     manual_fix="Call the pipeline outside your shard_map over that axis.", nest=True)
 
 
@@ -74,7 +75,7 @@ def pipeline_schedule(num_stages: int, num_micro_batches: int, *,
     TypeError, ValueError: if a count is not a positive Python int.
 
   >>> import jaxaccum
-  >>> for row in jaxaccum.pipeline_schedule(num_stages=3, num_micro_batches=2):
+  >>> for row in jaxaccum.contrib.pipeline_schedule(num_stages=3, num_micro_batches=2):
   ...   print(" ".join("." if m is None else str(m) for m in row))
   0 . .
   1 0 .
@@ -145,7 +146,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
   >>> import jax, jax.numpy as jnp, jaxaccum
   >>> mesh = jax.make_mesh((4,), ("stage",))
   >>> w = jnp.stack([jnp.eye(3) * (s + 1) for s in range(4)])  # 4 stages
-  >>> pipe = jaxaccum.pipeline(lambda w, x: x @ w, num_micro_batches=2, mesh=mesh)
+  >>> pipe = jaxaccum.contrib.pipeline(lambda w, x: x @ w, num_micro_batches=2, mesh=mesh)
   >>> y = jax.jit(pipe)(w, jnp.ones((4, 3)))
   >>> y[0].tolist()  # 1 * 2 * 3 * 4
   [24.0, 24.0, 24.0]

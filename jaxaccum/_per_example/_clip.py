@@ -186,7 +186,7 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       pytree of such norms whose structure is a prefix of the gradient's (per-layer
       clipping, e.g. ``{"encoder": 1.0, "head": 0.5}``): each subtree of an example's
       gradient is clipped to its own norm, in every ``method``, and an example then adds
-      at most ``sqrt(sum C_g^2)`` (the ``l2_norm_clip`` of :func:`jaxaccum.dp_noise`);
+      at most ``sqrt(sum C_g^2)`` (the ``l2_norm_clip`` of :func:`jaxaccum.dp.dp_noise`);
       ``example_grad_norms`` holds each example's whole-gradient norm.
     method: how the clipped sum is computed. ``"materialize"``: each example's gradient is
       formed under ``jax.vmap``, its norm taken, and the gradients summed with their
@@ -215,11 +215,11 @@ def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
       batch and not passed to ``fun``.
 
   Returns:
-    A :class:`jaxaccum.ClipPerExample`.
+    A :class:`jaxaccum.dp.ClipPerExample`.
 
   >>> import jax.numpy as jnp
   >>> import jaxaccum
-  >>> clip = jaxaccum.clip_per_example(1.0)
+  >>> clip = jaxaccum.dp.clip_per_example(1.0)
   >>> clip({"w": jnp.array([3.0, 4.0])})["w"], clip({"w": jnp.array([0.3, 0.4])})["w"]
   (Array([0.6, 0.8], dtype=float32), Array([0.3, 0.4], dtype=float32))
   """

@@ -1,6 +1,6 @@
 """``dp_noise``: the Gaussian noise of DP-SGD, added to an accumulated clipped gradient.
 
-:func:`jaxaccum.clip_per_example` gives the mean (or sum) of the clipped per-example
+:func:`jaxaccum.dp.clip_per_example` gives the mean (or sum) of the clipped per-example
 gradients; DP-SGD then adds Gaussian noise of standard deviation ``noise_multiplier *
 l2_norm_clip`` to the sum, that is ``noise_multiplier * l2_norm_clip / batch_size`` to the
 mean. ``optax.contrib.dpsgd`` does both steps on per-example gradients (a leading batch
@@ -16,7 +16,6 @@ is private. :func:`dp_optimizer` builds the chain in that order by construction,
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -24,9 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxaccum import _api
-from jaxaccum._core import _stats, _validate
-from jaxaccum._per_example import _clip
+from jaxaccum._core import _validate
 
 
 class DpNoiseState(NamedTuple):
@@ -50,7 +47,7 @@ def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
   cannot tell what ran before it).
 
   Args:
-    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.clip_per_example`.
+    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.dp.clip_per_example`.
     noise_multiplier: the ratio of the noise's standard deviation (on the sum) to ``C``.
     batch_size: what the gradient is a mean over (``B``, or the expected batch size under
       Poisson sampling); ``1`` for a sum (``reduce="sum"``).
@@ -66,7 +63,7 @@ def dp_noise(l2_norm_clip: float, noise_multiplier: float, *, batch_size: float,
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> tx = optax.chain(jaxaccum.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0)),
+  >>> tx = optax.chain(jaxaccum.dp.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0)),
   ...                  optax.sgd(0.1))
   >>> grads = {"w": jnp.zeros(3)}
   >>> updates, state = tx.update(grads, tx.init(grads))
@@ -113,7 +110,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
 
   Args:
     optimizer: an ``optax.GradientTransformation`` (``optax.adam(1e-3)``, a chain).
-    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.clip_per_example`.
+    l2_norm_clip: the clip norm ``C`` of :func:`jaxaccum.dp.clip_per_example`.
     noise_multiplier: the ratio of the noise's standard deviation (on the sum) to ``C``.
     batch_size: what the gradient is a mean over (``B``, or the expected batch size under
       Poisson sampling); ``1`` for a sum (``reduce="sum"``).
@@ -130,7 +127,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> tx = jaxaccum.dp_optimizer(optax.adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1,
+  >>> tx = jaxaccum.dp.dp_optimizer(optax.adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.1,
   ...                            batch_size=256, key=jax.random.key(0))
   >>> params = {"w": jnp.zeros(3)}
   >>> updates, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
@@ -139,7 +136,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
   """
   if not isinstance(optimizer, optax.GradientTransformation) or isinstance(
       optimizer, DpNoise):
-    what = ("jaxaccum.dp_noise, which dp_optimizer adds itself" if isinstance(
+    what = ("jaxaccum.dp.dp_noise, which dp_optimizer adds itself" if isinstance(
         optimizer, DpNoise) else type(optimizer).__name__)
     raise TypeError(
         "dp_optimizer: optimizer must be an optax.GradientTransformation such as "
@@ -151,7 +148,7 @@ def dp_optimizer(optimizer: optax.GradientTransformation, *, l2_norm_clip: float
     inner = optimizer.init(params)
     if _noise_paths(inner):
       raise ValueError(
-          "dp_optimizer: the optimizer passed in holds a jaxaccum.dp_noise of its own, so "
+          "dp_optimizer: the optimizer passed in holds a jaxaccum.dp.dp_noise of its own, so "
           "the noise would be added twice, the second time after another transform. "
           "Pass the optimizer without dp_noise: dp_optimizer adds the noise, first.")
     return (noise.init(params), inner)
@@ -209,12 +206,12 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
 
   >>> import jax, jax.numpy as jnp, optax
   >>> import jaxaccum
-  >>> noise = jaxaccum.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0))
-  >>> jaxaccum.check_dp_chain(optax.chain(noise, optax.adam(1e-3)), jnp.zeros(3))
-  >>> jaxaccum.check_dp_chain(optax.chain(optax.adam(1e-3), noise), jnp.zeros(3))
+  >>> noise = jaxaccum.dp.dp_noise(1.0, 1.1, batch_size=256, key=jax.random.key(0))
+  >>> jaxaccum.dp.check_dp_chain(optax.chain(noise, optax.adam(1e-3)), jnp.zeros(3))
+  >>> jaxaccum.dp.check_dp_chain(optax.chain(optax.adam(1e-3), noise), jnp.zeros(3))
   Traceback (most recent call last):
   ...
-  ValueError: check_dp_chain: jaxaccum.dp_noise is transform 1 of an optax.chain ...
+  ValueError: check_dp_chain: jaxaccum.dp.dp_noise is transform 1 of an optax.chain ...
   """
   if not callable(getattr(tx, "init", None)):
     raise TypeError(
@@ -223,31 +220,31 @@ def check_dp_chain(tx: optax.GradientTransformation, params: Any) -> None:
   paths = _noise_paths(jax.eval_shape(tx.init, params))
   if not paths:
     raise ValueError(
-        "check_dp_chain: tx adds no jaxaccum.dp_noise, so the clipped gradient is released "
-        "without noise. Use jaxaccum.dp_optimizer(optimizer, l2_norm_clip=..., "
+        "check_dp_chain: tx adds no jaxaccum.dp.dp_noise, so the clipped gradient is released "
+        "without noise. Use jaxaccum.dp.dp_optimizer(optimizer, l2_norm_clip=..., "
         "noise_multiplier=..., batch_size=..., key=...).")
   if len(paths) > 1:
     raise ValueError(
-        f"check_dp_chain: tx adds jaxaccum.dp_noise {len(paths)} times; add it once, "
-        "first: jaxaccum.dp_optimizer(optimizer, ...) does.")
+        f"check_dp_chain: tx adds jaxaccum.dp.dp_noise {len(paths)} times; add it once, "
+        "first: jaxaccum.dp.dp_optimizer(optimizer, ...) does.")
   (path,) = paths
   late = next(((kind, i) for kind, i in path if kind in ("chain", "dict") and i > 0), None)
   if late is not None:
     kind, i = late
     where = "an optax.chain" if kind == "chain" else "an optax.named_chain"
     raise ValueError(
-        f"check_dp_chain: jaxaccum.dp_noise is transform {i} of {where} (counting from 0), "
+        f"check_dp_chain: jaxaccum.dp.dp_noise is transform {i} of {where} (counting from 0), "
         f"so {'the transform before it sees' if i == 1 else f'the {i} transforms before it see'} "
         "the clipped gradient without noise, and the update released is not private. Put the "
-        "noise first: jaxaccum.dp_optimizer(optimizer, l2_norm_clip=..., "
+        "noise first: jaxaccum.dp.dp_optimizer(optimizer, l2_norm_clip=..., "
         "noise_multiplier=..., batch_size=..., key=...), or optax.chain(dp_noise(...), "
         "optimizer).")
   wrappers = sorted({kind for kind, _ in path if kind not in ("chain", "dict")})
   if wrappers:
     warnings.warn(
-        f"check_dp_chain: jaxaccum.dp_noise sits inside {', '.join(wrappers)}, whose state "
+        f"check_dp_chain: jaxaccum.dp.dp_noise sits inside {', '.join(wrappers)}, whose state "
         "does not say what it does to the updates before the noise; the order cannot be "
-        "checked there. Prefer jaxaccum.dp_optimizer at the top level.",
+        "checked there. Prefer jaxaccum.dp.dp_optimizer at the top level.",
         UserWarning, stacklevel=2)
 
 
@@ -287,7 +284,7 @@ def place_padding_last(batch: Any, example_mask: Any, *,
   >>> import jaxaccum
   >>> x = np.arange(8)
   >>> mask = np.array([1, 0, 1, 0, 0, 1, 0, 0], bool)
-  >>> rows, mask, k = jaxaccum.place_padding_last(x, mask, num_micro_batches=4)
+  >>> rows, mask, k = jaxaccum.dp.place_padding_last(x, mask, num_micro_batches=4)
   >>> rows, k  # micro-batch i holds rows[i::4]: [0, 2], [5, 1], [3, 4], [6, 7]
   (array([0, 5, 3, 6, 2, 1, 4, 7]), 2)
   """
@@ -332,104 +329,3 @@ def place_padding_last(batch: Any, example_mask: Any, *,
 
   return (jax.tree.map(take, batch), take(example_mask),
           int(k) if host else k.astype(jnp.int32))
-
-
-def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
-                           **options: Any) -> Callable[..., dict[str, float]]:
-  """Checks on a sample batch that ``fun`` is a sum or mean of per-row losses.
-
-  Per-example clipping (:func:`jaxaccum.clip_per_example`) runs ``fun`` on each example
-  alone, as a batch of one. A loss that mixes the rows of its batch (a contrastive loss,
-  whose negatives are the other rows; BatchNorm's batch statistics; a loss normalised by
-  the batch's own maximum) then computes something else, silently: a contrastive loss
-  becomes 0, BatchNorm's output loses its input. The core cannot tell from the program
-  (a mean over the batch's rows is how every loss ends), so this compares, on the batch
-  given: ``fun``'s value and gradient on the whole batch against the same built from
-  each example alone (the identity as ``per_example_transform``), both through
-  :func:`jaxaccum.value_and_grad` in one micro-batch with ``options``. For a loss that
-  is a mean (or sum, or ``reduce="weighted"`` ratio) of per-row losses they agree to
-  float rounding; otherwise this raises. Run it once, outside the training step, on a
-  small batch: it forms every example's gradient.
-
-  Randomness differs between the two (one key for the batch, one per example), so
-  ``rng_argnums``/``rng_argnames`` are refused: check a deterministic version (dropout
-  off). Only the default ``keep_batch_dim=True`` layout is checked (user-level units have
-  no batch loss to compare with), and not through the Flax adapters.
-
-  Args:
-    fun: the loss, as given to :func:`jaxaccum.value_and_grad`.
-    rtol: the largest relative difference accepted (of the value, and of the gradient's
-      L2 norm of the difference against the batch gradient's norm).
-    **options: :func:`jaxaccum.value_and_grad`'s options (``argnums``,
-      ``batch_argnums``, ``has_aux``, ``reduce``, ``state_argnums``...);
-      ``num_micro_batches``/``micro_batch_size`` and ``with_info`` are ignored, and a
-      :class:`jaxaccum.ClipPerExample` as ``per_example_transform`` is replaced by the
-      identity.
-
-  Returns:
-    A function of ``fun``'s arguments that returns ``{"value": ..., "grads": ...}``, the
-    relative differences found, or raises ``ValueError`` naming them.
-
-  Raises:
-    ValueError: ``rng_argnums``/``rng_argnames``, ``keep_batch_dim=False`` or an
-      ``example_mask`` given; or, when called, a difference above ``rtol`` (or a
-      non-finite per-example result where the batch's is finite).
-
-  >>> import jax.numpy as jnp
-  >>> import jaxaccum
-  >>> def contrastive(w, z):
-  ...   s = (z @ w) @ (z @ w).T  # every row against every other row
-  ...   return jnp.mean(jax.nn.logsumexp(s, axis=1) - jnp.diagonal(s))
-  >>> z = jnp.arange(12.0).reshape(4, 3) / 10
-  >>> jaxaccum.check_per_example_loss(contrastive)(jnp.eye(3), z)
-  Traceback (most recent call last):
-  ...
-  ValueError: check_per_example_loss: the loss computed from each example alone ...
-  """
-  for name in ("rng_argnums", "rng_argnames"):
-    if options.setdefault(name, None) is not None:
-      raise ValueError(
-          f"check_per_example_loss: {name}={options[name]!r} is set, but the batch and "
-          "each example alone draw different random numbers, so their losses differ for "
-          "that reason alone. Check a deterministic version of fun (dropout off), without "
-          f"{name}.")
-  transform = options.pop("per_example_transform", None)
-  if isinstance(transform, _clip.ClipPerExample) and (
-      not transform.keep_batch_dim or transform.example_mask is not None):
-    what = ("keep_batch_dim=False" if not transform.keep_batch_dim else
-            f"example_mask={transform.example_mask!r}")
-    raise ValueError(
-        f"check_per_example_loss: clip_per_example({what}) is not checked: "
-        + ("fun takes one unit's rows, with no batch loss to compare against."
-           if not transform.keep_batch_dim else
-           "pass a batch without padding and drop example_mask."))
-  if not (isinstance(rtol, (int, float)) and not isinstance(rtol, bool) and rtol > 0):
-    raise ValueError(f"check_per_example_loss: rtol must be a positive number, got {rtol!r}.")
-  for name in ("num_micro_batches", "micro_batch_size", "with_info"):
-    options.pop(name, None)
-  whole = _api.value_and_grad(fun, num_micro_batches=1, **options)
-  alone = _api.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=1, **options)
-  extra = whole.options.has_extra
-
-  def value_of(out):
-    value = out[0][0] if extra else out[0]
-    return jax.tree.map(lambda v: np.asarray(v, np.float64), value), out[1]
-
-  def check(*args: Any, **kwargs: Any) -> dict[str, float]:
-    v_batch, g_batch = value_of(whole(*args, **kwargs))
-    v_alone, g_alone = value_of(alone(*args, **kwargs))
-    found = {"value": _stats.relative_difference(v_alone, v_batch),
-             "grads": _stats.relative_difference(g_alone, g_batch)}
-    if not all(np.isfinite(v) and v <= rtol for v in found.values()):
-      raise ValueError(
-          "check_per_example_loss: the loss computed from each example alone differs from "
-          f"the batch's (relative difference {found['value']:.3g} in the value and "
-          f"{found['grads']:.3g} in the gradient, above rtol={rtol:g}), so fun mixes the "
-          "rows of its batch (a contrastive loss, BatchNorm's batch statistics, a "
-          "normalisation by the batch). Per-example clipping runs fun on each example "
-          "alone, where such a loss means something else: compute it from each row alone "
-          "(GroupNorm or LayerNorm for BatchNorm; for a contrastive loss, treat the pair "
-          "or group as the unit, keep_batch_dim=False), or do not clip per example.")
-    return found
-
-  return check

@@ -2,7 +2,7 @@
 
 Under ``per_example_transform`` each micro-batch's contribution is computed one example at a
 time (``jax.vmap`` over its rows), each example's gradient transformed (or clipped, with
-:func:`jaxaccum.clip_per_example`) before the examples are summed. The core
+:func:`jaxaccum.dp.clip_per_example`) before the examples are summed. The core
 (:mod:`jaxaccum._core._transform`) knows nothing of it: :func:`check_per_example` validates the
 user's transform and returns a :class:`PerExampleRule`, which
 :class:`jaxaccum._core._options.Options` holds as ``per_example_transform``; the core's
@@ -77,7 +77,7 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
   if not callable(transform):
     raise TypeError(
         "per_example_transform must be a function from one example's gradient to a gradient "
-        f"of the same structure (e.g. jaxaccum.clip_per_example(1.0)), got {transform!r}.")
+        f"of the same structure (e.g. jaxaccum.dp.clip_per_example(1.0)), got {transform!r}.")
   kinds = sorted({t.kind.name for t in terms})
   pairs = [t for t in terms if t.kind.divisor.own_denominator]
   if len(kinds) > 1 or len(pairs) > 1:
@@ -96,7 +96,7 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """What :func:`jaxaccum.per_example_value_and_grad` hands the core's options: the user's
+  """What :func:`jaxaccum.dp.per_example_value_and_grad` hands the core's options: the user's
   transform, which the options check (:meth:`rule`) and which changes the loss terms
   (:meth:`masked_terms`) without the core importing this wing."""
 

@@ -1,4 +1,4 @@
-"""``jaxaccum.collectives``: what a compiled program communicates, read before it runs.
+"""``jaxaccum.planning.collectives``: what a compiled program communicates, read before it runs.
 
 XLA's compiled program (``jax.jit(f).lower(*args).compile().as_text()``) is the program that
 runs, after every pass: the collectives the partitioner inserted, the ones XLA hoisted out of
@@ -176,7 +176,7 @@ def _check_kind(kind: Any) -> tuple[str, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives:
-  """The collectives of one compiled program, as :func:`jaxaccum.collectives` returns them.
+  """The collectives of one compiled program, as :func:`jaxaccum.planning.collectives` returns them.
 
   Iterate over it (or index it) for the :class:`Collective` ops. ``str(result)`` (or
   :meth:`summary`) is a table per kind: ops, their bytes, how many sit inside a loop, the
@@ -282,7 +282,7 @@ class Collectives:
     >>> import jaxaccum
     >>> def f(w, xs):
     ...   return jax.lax.scan(lambda w, x: (jnp.tanh(x @ w), None), w, xs)[0]
-    >>> found = jaxaccum.collectives(f, jax.ShapeDtypeStruct((4, 4), jnp.float32),
+    >>> found = jaxaccum.planning.collectives(f, jax.ShapeDtypeStruct((4, 4), jnp.float32),
     ...                              jax.ShapeDtypeStruct((3, 4, 4), jnp.float32))
     >>> any(" dot(" in line for lines in found.computations(in_loop=True).values()
     ...     for line in lines)
@@ -689,7 +689,7 @@ def collectives(fn: Callable[..., Any] | Any, /, *args: Any, **kwargs: Any) -> C
   >>> import jaxaccum
   >>> def f(x):
   ...   return jnp.sin(x) * 2
-  >>> jaxaccum.collectives(f, jax.ShapeDtypeStruct((8, 4), jnp.float32)).count()
+  >>> jaxaccum.planning.collectives(f, jax.ShapeDtypeStruct((8, 4), jnp.float32)).count()
   0
   """
   return from_compiled(_compile(fn, args, kwargs))

@@ -102,8 +102,8 @@ def resolve(target: Any) -> GpuTarget:
   raise ValueError(
       f"target={target!r} is not a GPU description jaxaccum ships; those are "
       f"{', '.join(map(repr, GPU_TARGETS))}. For another GPU pass the text of its "
-      "GpuTargetConfigProto (jaxaccum.capture_gpu_target() returns it on a machine with that "
-      "GPU) or the path of a .txtpb file holding it."
+      "GpuTargetConfigProto (jaxaccum.planning.capture_gpu_target() returns it on a machine "
+      "with that GPU) or the path of a .txtpb file holding it."
   )
 
 
@@ -255,7 +255,7 @@ def target_mesh(target: Any, shape: int | Sequence[int] = (1,),
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, jaxaccum
     from jax.sharding import NamedSharding, PartitionSpec as P
-    mesh = jaxaccum.target_mesh("h100", (8,), ("data",))
+    mesh = jaxaccum.planning.target_mesh("h100", (8,), ("data",))
     x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(x).compile()
   """
@@ -292,7 +292,7 @@ def capture_gpu_target(device: Any = None) -> str:
   Example (on a machine with a GPU)::
 
     import pathlib, jaxaccum
-    pathlib.Path("my_gpu.txtpb").write_text(jaxaccum.capture_gpu_target())
+    pathlib.Path("my_gpu.txtpb").write_text(jaxaccum.planning.capture_gpu_target())
     # later, on a laptop: jaxaccum.plan(loss, params, batch, target="my_gpu.txtpb")
   """
   device = jax.devices()[0] if device is None else device

@@ -28,8 +28,7 @@ from typing import Any, NamedTuple, SupportsInt, cast
 
 import jax
 
-from jaxaccum import _api
-from jaxaccum._api import value_and_grad
+from jaxaccum import _transforms
 from jaxaccum._core import _options, _sharding, _split
 from jaxaccum._planning import _collectives, _gpu_target
 from jaxaccum._planning._collectives import Collectives
@@ -64,7 +63,7 @@ class PlanCandidate(NamedTuple):
     fits: ``peak_bytes <= memory_budget_bytes``.
     in_loop_collectives: how many collective ops of the compiled program sit inside a loop
       (each runs once per iteration: per micro-batch, or per layer of a scanned model), as
-      :func:`jaxaccum.collectives` counts them.
+      :func:`jaxaccum.planning.collectives` counts them.
     placement: ``(param_gather, grad_scatter)`` of this candidate when the planner chose
       among the FSDP placements (parameters sharded over ``data_axis``), else ``None``.
   """
@@ -100,8 +99,8 @@ class Plan:
       ``"NVIDIA H100 80GB HBM3"``), followed by ``" (described)"`` when it was compiled for a
       described GPU (``target=...``) rather than a device present on this machine.
     num_devices: how many devices the program was compiled for.
-    collectives: the chosen program's collectives (a :class:`jaxaccum.Collectives`, as
-      :func:`jaxaccum.collectives` reads them), for a described GPU too: what a step
+    collectives: the chosen program's collectives (a :class:`jaxaccum.planning.Collectives`, as
+      :func:`jaxaccum.planning.collectives` reads them), for a described GPU too: what a step
       communicates, and how much of it inside the micro-batch loop.
     placement: ``(param_gather, grad_scatter)`` of the chosen program when the planner
       chose among the FSDP placements (see :func:`plan`), else ``None``; pass them to
@@ -548,10 +547,11 @@ def plan(
   With ``target`` (e.g. ``"h100"``) the programs are compiled for ``num_devices`` described
   GPUs on this machine, which needs no GPU: ``pip install 'jaxaccum[gpu-plan]'`` and
   ``JAX_PLATFORMS=cpu`` set before JAX initialises. Arguments without a sharding on the
-  described GPUs are placed on :func:`jaxaccum.target_mesh` ``(target, (num_devices,),
+  described GPUs are placed on :func:`jaxaccum.planning.target_mesh` ``(target, (num_devices,),
   (axis,))``: the batch split over ``axis`` (``data_axis`` when given, else ``"data"``), the
   rest replicated; with ``data_axis`` that mesh is passed as ``mesh=``. ShapeDtypeStructs
-  already sharded on a :func:`jaxaccum.target_mesh` (e.g. FSDP parameters) keep their sharding.
+  already sharded on a :func:`jaxaccum.planning.target_mesh` (e.g. FSDP parameters) keep their
+  sharding.
 
   The memory of a program is XLA's ``peak_memory_in_bytes`` on backends that count
   temporaries in it (GPU, TPU), and ``argument + output + temp - alias`` bytes from
@@ -568,7 +568,7 @@ def plan(
     target: ``None`` (default) plans for the devices the arguments are on. Else a GPU to
       compile for without it: a shipped description (``"h100"``, ``"h200"``, ``"a100-80gb"``,
       ``"b200"``), the text of a ``GpuTargetConfigProto`` (see
-      :func:`jaxaccum.capture_gpu_target`) or the path of a ``.txtpb`` file holding one.
+      :func:`jaxaccum.planning.capture_gpu_target`) or the path of a ``.txtpb`` file holding one.
     num_devices: with ``target``, how many of those GPUs (more than 8 are described as hosts
       of 8).
     memory_budget_bytes: the budget per device, in bytes. ``None`` uses the device's
@@ -588,7 +588,7 @@ def plan(
   Returns:
     A :class:`Plan`; ``print(plan)`` shows the table of compiled candidates (with the number
     of collectives inside loops for each), ``plan.collectives`` the chosen program's
-    collectives (see :func:`jaxaccum.collectives`).
+    collectives (see :func:`jaxaccum.planning.collectives`).
 
   Raises:
     ValueError: a non-positive budget, no budget on a backend that reports no limit, a budget
@@ -621,7 +621,7 @@ def plan(
   # Build once with N = 1 to validate the options eagerly, with the transform's own errors;
   # the plan then reads the validated options, never the raw ones.
   try:
-    vg = _api.with_transform(value_and_grad, fun, dict(options, num_micro_batches=1))
+    vg = _transforms.make_value_and_grad(fun, dict(options, num_micro_batches=1))
   except TypeError as e:
     if "unexpected keyword argument" not in str(e):
       raise
@@ -638,9 +638,9 @@ def plan(
       raise ValueError(
           f"with target={gpu.name!r} the planner builds a mesh of one axis, so data_axis must "
           f"name one axis, got data_axis={axes!r}. For a mesh of several axes build it with "
-          "jaxaccum.target_mesh and pass it as DataParallel(axis, mesh=...), with arguments "
-          "sharded on it.")
-    axis = axes[0] if isinstance(axes, tuple) else "data"
+          "jaxaccum.planning.target_mesh and pass it as DataParallel(axis, mesh=...), with "
+          "arguments sharded on it.")
+    axis = cast(str, axes[0]) if isinstance(axes, tuple) else "data"
     if axes is not None and opts.mesh is not None:
       mesh = opts.mesh
     else:
@@ -655,12 +655,12 @@ def plan(
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
   placements = (isinstance(axes, tuple) and not _placement_given(options)
-                and _shards_over(args, opts.roles(len(args), {}).diff, axes))
+                and _shards_over(args, opts.roles(len(args), {}).diff, cast(tuple, axes)))
 
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     extra = {} if placement is None else dict(param_gather=placement[0],
                                               grad_scatter=placement[1])
-    return jax.jit(_api.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
+    return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
 
   shards = 1
   if isinstance(axes, tuple):
@@ -736,10 +736,10 @@ def plan_step(
   fewest micro-batches that fit. ``plan.compiled`` is the chosen step, ready to call.
 
   With ``target``, arguments not already placed on described GPUs are placed on
-  :func:`jaxaccum.target_mesh` ``(target, (num_devices,), ("data",))`` (the batch split over
-  ``"data"``, the rest replicated), and each step is lowered inside ``jax.set_mesh`` of that
+  :func:`jaxaccum.planning.target_mesh` ``(target, (num_devices,), ("data",))`` (the batch split
+  over ``"data"``, the rest replicated), and each step is lowered inside ``jax.set_mesh`` of that
   mesh, so a step using ``value_and_grad(..., data_axis="data")`` finds it. To shard
-  parameters too (FSDP), build the mesh with :func:`jaxaccum.target_mesh` and pass
+  parameters too (FSDP), build the mesh with :func:`jaxaccum.planning.target_mesh` and pass
   ShapeDtypeStructs with their shardings.
 
   Args:

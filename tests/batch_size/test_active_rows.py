@@ -1,4 +1,4 @@
-"""jaxaccum.place_active_rows and RowFeeder: every row of a stream runs exactly once while k
+"""jaxaccum.contrib.place_active_rows and RowFeeder: every row of a stream runs exactly once while k
 changes, and each step's gradient is the full-batch gradient over exactly its fresh rows.
 
 The rows that ran are read back by hand (``batch[i::N]`` for ``i < k``), never with the
@@ -56,7 +56,7 @@ def test_every_row_runs_once_and_the_gradient_is_the_full_batch_of_those_rows(so
   stream = _stream()
   rows = stream if source == "array" else (
       {key: v[r] for key, v in stream.items()} for r in range(ROWS))
-  feeder = jaxaccum.RowFeeder(rows, num_micro_batches=N, micro_batch_size=B, fill=fill)
+  feeder = jaxaccum.contrib.RowFeeder(rows, num_micro_batches=N, micro_batch_size=B, fill=fill)
   w = jnp.array([0.5, -1.0, 2.0])
   seen, start = [], 0
   for k in KS:
@@ -88,7 +88,7 @@ def test_controller_driven_run_uses_every_row_once_and_resumes_at_its_position()
   # k from an AdaptiveBatch (it grows on this noisy problem), read on the host each step.
   n, b = 8, 2
   stream = _stream(400)
-  ab = jaxaccum.AdaptiveBatch(n, theta=0.5, warmup_steps=1, cooldown_steps=0)
+  ab = jaxaccum.contrib.AdaptiveBatch(n, theta=0.5, warmup_steps=1, cooldown_steps=0)
   vg = jaxaccum.value_and_grad(_loss, num_micro_batches=n, with_info=True)
 
   @jax.jit
@@ -97,13 +97,13 @@ def test_controller_driven_run_uses_every_row_once_and_resumes_at_its_position()
     _, grads, info = vg(w, batch, active_micro_batches=ab.micro_batches(state))
     return w - 0.05 * grads, ab.update(state, info)
 
-  feeder = jaxaccum.RowFeeder(stream, num_micro_batches=n, micro_batch_size=b)
+  feeder = jaxaccum.contrib.RowFeeder(stream, num_micro_batches=n, micro_batch_size=b)
   # From the least-squares fit the gradient is mostly noise: B_simple is large, k grows.
   w = jnp.asarray(np.linalg.lstsq(stream["x"], stream["y"], rcond=None)[0])
   state, ids, ks = ab.init(), [], []
   for t in range(12):
     if t == 6:  # resume from the saved position: a new feeder continues the stream
-      feeder = jaxaccum.RowFeeder(stream, num_micro_batches=n, micro_batch_size=b,
+      feeder = jaxaccum.contrib.RowFeeder(stream, num_micro_batches=n, micro_batch_size=b,
                                   position=feeder.position)
     k = int(ab.micro_batches(state))
     ks.append(k)
@@ -119,19 +119,19 @@ def test_controller_driven_run_uses_every_row_once_and_resumes_at_its_position()
 def test_place_active_rows_layout():
   rows = np.arange(1, 7)
   # k = 2 of N = 3, b = 3: micro-batch 0 holds rows[0::2], micro-batch 1 rows[1::2].
-  placed = jaxaccum.place_active_rows(rows, num_micro_batches=3, active_micro_batches=2)
+  placed = jaxaccum.contrib.place_active_rows(rows, num_micro_batches=3, active_micro_batches=2)
   np.testing.assert_array_equal(placed, [1, 2, 0, 3, 4, 0, 5, 6, 0])
   np.testing.assert_array_equal(placed[0::3], rows[0::2])
   np.testing.assert_array_equal(placed[1::3], rows[1::2])
-  repeat = jaxaccum.place_active_rows(rows, num_micro_batches=3, active_micro_batches=2,
+  repeat = jaxaccum.contrib.place_active_rows(rows, num_micro_batches=3, active_micro_batches=2,
                                       fill="repeat")
   np.testing.assert_array_equal(repeat, [1, 2, 1, 3, 4, 3, 5, 6, 5])
   # k = N: the batch is the rows themselves; JAX input stays JAX, trailing axes kept.
   x = jnp.arange(24.0).reshape(8, 3)
-  same = jaxaccum.place_active_rows(x, num_micro_batches=4, active_micro_batches=4)
+  same = jaxaccum.contrib.place_active_rows(x, num_micro_batches=4, active_micro_batches=4)
   assert isinstance(same, jax.Array)
   np.testing.assert_array_equal(same, x)
-  k1 = jaxaccum.place_active_rows({"a": x[:2]}, num_micro_batches=4,
+  k1 = jaxaccum.contrib.place_active_rows({"a": x[:2]}, num_micro_batches=4,
                                   active_micro_batches=np.int64(1))
   np.testing.assert_array_equal(k1["a"][::4], x[:2])
   assert k1["a"].shape == (8, 3) and not np.asarray(k1["a"]).reshape(2, 4, 3)[:, 1:].any()
@@ -154,20 +154,20 @@ def test_place_active_rows_layout():
 def test_place_active_rows_errors(kwargs, error, match):
   kwargs = {"num_micro_batches": 4, **kwargs}
   with pytest.raises(error, match=re.escape(match)):
-    jaxaccum.place_active_rows(np.zeros((8, 2)), **kwargs)
+    jaxaccum.contrib.place_active_rows(np.zeros((8, 2)), **kwargs)
 
 
 def test_feeder_errors():
   with pytest.raises(ValueError, match=re.escape("different numbers of rows [3, 4]")):
-    jaxaccum.place_active_rows({"a": np.zeros(4), "b": np.zeros(3)}, num_micro_batches=2,
+    jaxaccum.contrib.place_active_rows({"a": np.zeros(4), "b": np.zeros(3)}, num_micro_batches=2,
                                active_micro_batches=1)
   with pytest.raises(ValueError, match="holds a scalar"):
-    jaxaccum.RowFeeder({"a": np.float32(1)}, num_micro_batches=2, micro_batch_size=1)
+    jaxaccum.contrib.RowFeeder({"a": np.float32(1)}, num_micro_batches=2, micro_batch_size=1)
   with pytest.raises(ValueError, match=re.escape("position=11 is beyond the stream's 10 rows")):
-    jaxaccum.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=1, position=11)
+    jaxaccum.contrib.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=1, position=11)
   with pytest.raises(ValueError, match="position must be a non-negative int"):
-    jaxaccum.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=1, position=-1)
-  feeder = jaxaccum.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=3)
+    jaxaccum.contrib.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=1, position=-1)
+  feeder = jaxaccum.contrib.RowFeeder(np.zeros(10), num_micro_batches=2, micro_batch_size=3)
   with pytest.raises(TypeError, match="must be a concrete int on the host, got a traced"):
     jax.jit(feeder.next_batch)(jnp.int32(1))
   feeder.next_batch(2)
@@ -175,7 +175,7 @@ def test_feeder_errors():
     feeder.next_batch(2)
   assert feeder.position == 6  # nothing taken
   # An iterator resumes by skipping rows.
-  it = jaxaccum.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=2,
+  it = jaxaccum.contrib.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=2,
                           position=4)
   np.testing.assert_array_equal(it.next_batch(2), [4, 5, 6, 7])
 
@@ -189,7 +189,7 @@ def test_repeat_fill_copies_micro_batch_i_mod_k_into_every_inactive_slot():
       for n in rng.integers(2, 9, size=30)]
   for n, k, b in cases:
     rows = np.arange(1, k * b + 1) * 10 + rng.integers(0, 10, size=k * b)
-    placed = jaxaccum.place_active_rows(rows, num_micro_batches=n, active_micro_batches=k,
+    placed = jaxaccum.contrib.place_active_rows(rows, num_micro_batches=n, active_micro_batches=k,
                                         fill="repeat")
     assert placed.shape == (n * b,)
     for i in range(n):
@@ -202,10 +202,10 @@ def test_feeder_stream_forms_and_resume_positions():
   with pytest.raises(TypeError, match=re.escape(
       "RowFeeder got a Python list of 50 items as its stream. A list is a pytree") +
       r".* pass the rows stacked into arrays \(np.stack\(rows\)\), or iter\(rows\)"):
-    jaxaccum.RowFeeder(rows, num_micro_batches=2, micro_batch_size=2)
+    jaxaccum.contrib.RowFeeder(rows, num_micro_batches=2, micro_batch_size=2)
   # The two forms the message offers serve the same batches, rows whole.
-  stacked = jaxaccum.RowFeeder(np.stack(rows), num_micro_batches=2, micro_batch_size=2)
-  one_by_one = jaxaccum.RowFeeder(iter(rows), num_micro_batches=2, micro_batch_size=2)
+  stacked = jaxaccum.contrib.RowFeeder(np.stack(rows), num_micro_batches=2, micro_batch_size=2)
+  one_by_one = jaxaccum.contrib.RowFeeder(iter(rows), num_micro_batches=2, micro_batch_size=2)
   for k in (1, 2, 2):
     a, b = stacked.next_batch(k), one_by_one.next_batch(k)
     assert a.shape == (4, 16)
@@ -214,7 +214,7 @@ def test_feeder_stream_forms_and_resume_positions():
   # and its next batch says the stream is used up.
   for length in (1, 7, 10):
     for source in (np.arange(length), iter(range(length))):
-      end = jaxaccum.RowFeeder(source, num_micro_batches=2, micro_batch_size=1,
+      end = jaxaccum.contrib.RowFeeder(source, num_micro_batches=2, micro_batch_size=1,
                                position=length)
       assert end.position == length
       with pytest.raises(StopIteration, match="RowFeeder: the stream"):
@@ -223,7 +223,8 @@ def test_feeder_stream_forms_and_resume_positions():
   with pytest.raises(ValueError, match=re.escape(
       "RowFeeder: position=12 is beyond the end of the iterator, which held only 10 rows; "
       "resume at a position within the stream")):
-    jaxaccum.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=1, position=12)
+    jaxaccum.contrib.RowFeeder(iter(range(10)), num_micro_batches=2, micro_batch_size=1,
+                               position=12)
 
 
 def test_a_traced_active_count_out_of_range_is_clipped_as_documented():

@@ -1,4 +1,4 @@
-"""jaxaccum.AdaptiveBatch: the rules against sequences of k computed by hand, the counters,
+"""jaxaccum.contrib.AdaptiveBatch: the rules against sequences of k computed by hand, the counters,
 the learning-rate scales in closed form, and the controller inside real steps (one compiled
 program, data_axis, MultiSteps, an orbax round trip)."""
 
@@ -59,7 +59,7 @@ def test_norm_test_follows_warmup_cooldown_and_growth_limit():
   # are the constants (bias-corrected), so the sequence follows from the rules alone:
   # steps 1-2 warm-up; step 3 grows 2 -> 4 (x2 limit); one step of cooldown between
   # changes; 4 -> 8 -> 16 -> 21 (20.6 > 16 * 1.25; ceil(k*), under the x2 limit), then held.
-  ab = jaxaccum.AdaptiveBatch(64, theta=2.0, warmup_steps=3, cooldown_steps=2,
+  ab = jaxaccum.contrib.AdaptiveBatch(64, theta=2.0, warmup_steps=3, cooldown_steps=2,
                               hysteresis=0.25, max_growth=2.0)
   ks, state = run_ks(ab, [20.6] * 11)
   assert ks == [2, 2, 4, 4, 8, 8, 16, 16, 21, 21, 21]
@@ -75,21 +75,21 @@ def test_norm_test_follows_warmup_cooldown_and_growth_limit():
 def test_b_simple_rule_and_its_fraction():
   # B* = fraction * tr / |G|^2 rows: with fraction 0.5, tr = 2 * 4 * 12.6 gives k* = 12.6;
   # no warm-up or cooldown: 2 -> 4 -> 8 -> 13 (ceil, under x2), then held; max 10 clips.
-  ab = jaxaccum.AdaptiveBatch(64, rule="b_simple", fraction=0.5, warmup_steps=0,
+  ab = jaxaccum.contrib.AdaptiveBatch(64, rule="b_simple", fraction=0.5, warmup_steps=0,
                               cooldown_steps=0)
   ks, _ = run_ks(ab, [12.6] * 5)
   assert ks == [4, 8, 13, 13, 13]
   ks, _ = run_ks(dataclasses.replace(ab, max_micro_batches=10), [12.6] * 5)
   assert ks == [4, 8, 10, 10, 10]
   # The two rules are one family: theta^2 = 1 / fraction gives the same sequence.
-  ks_norm, _ = run_ks(jaxaccum.AdaptiveBatch(64, theta=math.sqrt(2.0), warmup_steps=0,
+  ks_norm, _ = run_ks(jaxaccum.contrib.AdaptiveBatch(64, theta=math.sqrt(2.0), warmup_steps=0,
                                              cooldown_steps=0), [12.6] * 5)
   assert ks_norm == [4, 8, 13, 13, 13]
 
 
 def test_hysteresis_and_growth_limit_by_hand():
   # decay=0: no smoothing, each step's k* acts alone (smoothing is tested below).
-  ab = jaxaccum.AdaptiveBatch(64, init_micro_batches=8, decay=0.0, warmup_steps=0,
+  ab = jaxaccum.contrib.AdaptiveBatch(64, init_micro_batches=8, decay=0.0, warmup_steps=0,
                               cooldown_steps=0, hysteresis=0.25, max_growth=1.5)
   # 9.9 < 8 * 1.25 = 10 holds; 10.5 > 10 grows to ceil(10.5) = 11; then 11 * 1.25 = 13.75:
   # 13.5 holds; 30.6 grows by at most x1.5: floor(11 * 1.5) = 16, then 24, then
@@ -103,7 +103,7 @@ def test_hysteresis_and_growth_limit_by_hand():
 
 
 def test_monotone_by_default_and_decreases_when_allowed():
-  base = jaxaccum.AdaptiveBatch(64, init_micro_batches=16, decay=0.0, warmup_steps=0,
+  base = jaxaccum.contrib.AdaptiveBatch(64, init_micro_batches=16, decay=0.0, warmup_steps=0,
                                 cooldown_steps=0)
   ks, _ = run_ks(base, [1.0] * 3 + [40.5])
   assert ks == [16, 16, 16, 32]
@@ -121,7 +121,7 @@ def test_smoothing_follows_the_bias_corrected_averages_not_the_last_step():
   # Targets are kept off integers: k* is computed in float32 and rounded up.
   # decay 0.5, |G|^2 = 1, theta = 1, m = 4: tr = 18 then 162 (k* of the steps alone: 4.5,
   # 40.5). EMA of tr: 9 (/ 0.5 = 18), then 0.5 * 9 + 0.5 * 162 = 85.5 (/ 0.75 = 114).
-  ab = jaxaccum.AdaptiveBatch(64, theta=1.0, decay=0.5, warmup_steps=0, cooldown_steps=0,
+  ab = jaxaccum.contrib.AdaptiveBatch(64, theta=1.0, decay=0.5, warmup_steps=0, cooldown_steps=0,
                               max_growth=100.0)
   ks, state = run_ks(ab, [4.5, 40.5])
   assert ks == [5, math.ceil(114 / 4)]
@@ -140,7 +140,7 @@ def test_smoothing_follows_the_bias_corrected_averages_not_the_last_step():
 
 
 def test_nan_and_single_sample_estimates_hold_k():
-  ab = jaxaccum.AdaptiveBatch(64, warmup_steps=0, cooldown_steps=0)
+  ab = jaxaccum.contrib.AdaptiveBatch(64, warmup_steps=0, cooldown_steps=0)
   update = jit_update(ab)
   state = ab.init()
   one = info_for(1, 1.0, 1e6)._replace(num_samples=jnp.int32(1))  # one sample: NaN
@@ -169,7 +169,7 @@ def test_nan_and_single_sample_estimates_hold_k():
 
 
 def test_sample_counter_is_exact_across_the_float32_and_int32_limits():
-  ab = jaxaccum.AdaptiveBatch(4)
+  ab = jaxaccum.contrib.AdaptiveBatch(4)
   update = jit_update(ab)
 
   def add(state, size):
@@ -200,7 +200,7 @@ def test_sample_counter_is_exact_across_the_float32_and_int32_limits():
 
 
 def test_lr_scales_in_closed_form():
-  ab = jaxaccum.AdaptiveBatch(64, init_micro_batches=2, warmup_steps=0, cooldown_steps=0)
+  ab = jaxaccum.contrib.AdaptiveBatch(64, init_micro_batches=2, warmup_steps=0, cooldown_steps=0)
   # One step at k = 2 (m = 4 rows), |G|^2 = 1, tr = 9 * 4 * 8 = 288: k grows to 4.
   state = jit_update(ab)(ab.init(), info_for(2, 1.0, 288.0))
   assert int(ab.micro_batches(state)) == 4
@@ -245,7 +245,7 @@ def _reference_k(ab, k, t, floor):
 def test_growth_and_shrink_boundaries_and_caps_over_generated_cases():
   # rule b_simple with fraction 1, |G|^2 = 1, m = 4 rows, no smoothing: tr = 4 t makes the
   # step's target exactly t when t, k are small dyadic numbers (checked below).
-  base = jaxaccum.AdaptiveBatch(64, rule="b_simple", fraction=1.0, decay=0.0,
+  base = jaxaccum.contrib.AdaptiveBatch(64, rule="b_simple", fraction=1.0, decay=0.0,
                                 warmup_steps=0, cooldown_steps=0, allow_decrease=True,
                                 min_micro_batches=1)
 
@@ -295,7 +295,7 @@ def test_one_device_never_traps_k_at_one():
   # one device (one sample per micro-batch) k never reaches 1, where it could measure
   # nothing; with 2 data shards per micro-batch it does.
   rng = np.random.default_rng(1)
-  ab = jaxaccum.AdaptiveBatch(32, allow_decrease=True, decay=0.0, warmup_steps=0,
+  ab = jaxaccum.contrib.AdaptiveBatch(32, allow_decrease=True, decay=0.0, warmup_steps=0,
                               cooldown_steps=0, init_micro_batches=9)
   for devices in (1, 2):
     seen = set()
@@ -305,13 +305,13 @@ def test_one_device_never_traps_k_at_one():
     assert min(seen) == (2 if devices == 1 else 1), (devices, sorted(seen))
   # A run that starts at k = 1 on one device (NaN estimates) moves to 2 on its first step,
   # warm-up or not; under data_axis k = 1 measures and is kept.
-  one = jaxaccum.AdaptiveBatch(32, init_micro_batches=1)  # warm-up 10, cooldown 5
+  one = jaxaccum.contrib.AdaptiveBatch(32, init_micro_batches=1)  # warm-up 10, cooldown 5
   state = jit_update(one)(one.init(), info_for(1, 1.0, 1.0))
   assert int(one.micro_batches(state)) == 2 and int(state.since_change) == 0
   state = jit_update(one)(one.init(), info_for(1, 1.0, 1.0, devices=2))
   assert int(one.micro_batches(state)) == 1
   # With max_micro_batches=1 there is nothing else to run.
-  single = jaxaccum.AdaptiveBatch(1)
+  single = jaxaccum.contrib.AdaptiveBatch(1)
   assert int(single.micro_batches(jit_update(single)(single.init(), info_for(1, 1.0, 1.0)))) == 1
 
 
@@ -320,7 +320,7 @@ def test_real_steps_on_one_device_shrink_to_two_not_one():
   n, rows = 8, 2
   vg = jaxaccum.value_and_grad(lambda w, b: 0.5 * jnp.mean((b[0] @ w - b[1]) ** 2),
                                num_micro_batches=n, with_info=True)
-  ab = jaxaccum.AdaptiveBatch(n, init_micro_batches=n, allow_decrease=True, warmup_steps=1,
+  ab = jaxaccum.contrib.AdaptiveBatch(n, init_micro_batches=n, allow_decrease=True, warmup_steps=1,
                               cooldown_steps=0).check(vg)
 
   @jax.jit
@@ -343,7 +343,7 @@ def _mean_loss(w, batch):
 
 def test_check_and_update_catch_k_above_the_transforms_count():
   vg = jaxaccum.value_and_grad(_mean_loss, micro_batch_size=4, with_info=True)
-  ab = jaxaccum.AdaptiveBatch(16, lr_scaling="linear")
+  ab = jaxaccum.contrib.AdaptiveBatch(16, lr_scaling="linear")
   for transform in (vg, jaxaccum.grad(_mean_loss, micro_batch_size=4, with_info=True)):
     with pytest.raises(ValueError, match=r"splits each batch into micro-batches of "
                        r"micro_batch_size=4 rows, so its num_micro_batches depends on the "
@@ -382,12 +382,12 @@ def test_rows_per_micro_batch_count_only_the_micro_batches_not_skipped():
   x[5, 0] = np.nan  # row 5 is in micro-batch 5 % 4 = 1
   _, _, info = vg(W0, (jnp.asarray(x), jnp.asarray(y)))
   assert int(info.skipped) == 1 and float(info.batch_size) == 12.0
-  ab = jaxaccum.AdaptiveBatch(4, init_micro_batches=4)
+  ab = jaxaccum.contrib.AdaptiveBatch(4, init_micro_batches=4)
   state = jit_update(ab)(ab.init(), info)
   assert float(state.micro_batch_samples) == 4.0 and ab.sample_count(state) == 12
   # Generated: k micro-batches of m rows on D shards, s pieces skipped.
   rng = np.random.default_rng(2)
-  ab = jaxaccum.AdaptiveBatch(64, init_micro_batches=64)
+  ab = jaxaccum.contrib.AdaptiveBatch(64, init_micro_batches=64)
   for _ in range(40):
     k, d, m = int(rng.integers(1, 65)), int(rng.choice([1, 2, 4, 8])), float(rng.choice([4, 8]))
     s = int(rng.integers(0, k * d))
@@ -398,7 +398,7 @@ def test_rows_per_micro_batch_count_only_the_micro_batches_not_skipped():
 
 
 def test_sample_counter_saturates_exactly_at_its_top():
-  ab = jaxaccum.AdaptiveBatch(4)
+  ab = jaxaccum.contrib.AdaptiveBatch(4)
   update = jit_update(ab)
   top = (2**31 - 1) * 2**24 + 2**24 - 1
 
@@ -429,7 +429,7 @@ def test_sample_counter_saturates_exactly_at_its_top():
 def test_progress_is_a_compensated_sum():
   # lr_scaling="sqrt" at k / k0 = 3 / 2: every step adds float32(sqrt(1.5)). 200,000
   # steps: a plain float32 sum is off by about 1e-3 here; the compensated one is not.
-  ab = jaxaccum.AdaptiveBatch(3, init_micro_batches=2, lr_scaling="sqrt")
+  ab = jaxaccum.contrib.AdaptiveBatch(3, init_micro_batches=2, lr_scaling="sqrt")
   state = ab.init()._replace(micro_batches=jnp.int32(3))
   info = info_for(3, 1.0, 0.0)  # no noise: k* = 0 holds k
 
@@ -444,7 +444,7 @@ def test_progress_is_a_compensated_sum():
   assert abs(float(state.progress) - exact) <= 2 * np.spacing(np.float32(exact))
   assert abs((float(state.progress) - float(state.progress_error)) - exact) <= 1e-7 * exact
   # At 2**24 a plain float32 sum can no longer add 1; the compensated one adds every step.
-  none = jaxaccum.AdaptiveBatch(3)
+  none = jaxaccum.contrib.AdaptiveBatch(3)
   st = none.init()._replace(progress=jnp.float32(2**24))
   st, _ = jax.jit(lambda s: jax.lax.scan(lambda c, _: (none.update(c, info), None), s, None,
                                          length=1001))(st)
@@ -452,7 +452,7 @@ def test_progress_is_a_compensated_sum():
 
 
 def test_replace_keeps_defaults_the_user_never_gave():
-  ab = jaxaccum.AdaptiveBatch(64)
+  ab = jaxaccum.contrib.AdaptiveBatch(64)
   simple = dataclasses.replace(ab, rule="b_simple")
   assert (simple.theta, simple.fraction) == (None, 0.25)
   back = dataclasses.replace(simple, rule="norm_test")
@@ -464,11 +464,12 @@ def test_replace_keeps_defaults_the_user_never_gave():
   with pytest.raises(ValueError, match=r"theta=2.0 is the parameter of rule='norm_test'; "
                      r"rule='b_simple' takes fraction .* Drop theta \(theta=None in "
                      r"dataclasses.replace\)"):
-    dataclasses.replace(jaxaccum.AdaptiveBatch(64, theta=2.0), rule="b_simple")
+    dataclasses.replace(jaxaccum.contrib.AdaptiveBatch(64, theta=2.0), rule="b_simple")
   with pytest.raises(ValueError, match=r"init_micro_batches=2 must lie in \[min_micro_batches"
                      r", max_micro_batches\] = \[8, 64\]; pass an init_micro_batches in "
                      r"that range, or init_micro_batches=None"):
-    dataclasses.replace(jaxaccum.AdaptiveBatch(64, init_micro_batches=2), min_micro_batches=8)
+    dataclasses.replace(jaxaccum.contrib.AdaptiveBatch(64, init_micro_batches=2),
+                        min_micro_batches=8)
 
 
 # --- the controller in a real step ---------------------------------------------------------
@@ -492,7 +493,7 @@ def make_batch(t):
 
 VG = jaxaccum.value_and_grad(weighted_loss, num_micro_batches=N, reduce="weighted",
                              with_info=True)
-AB = jaxaccum.AdaptiveBatch(N, theta=1.0, warmup_steps=2, cooldown_steps=1,
+AB = jaxaccum.contrib.AdaptiveBatch(N, theta=1.0, warmup_steps=2, cooldown_steps=1,
                             lr_scaling="sqrt").check(VG)
 OPT = optax.inject_hyperparams(optax.sgd)(learning_rate=LR)
 
@@ -554,7 +555,7 @@ def test_orbax_round_trip_resumes_bit_identically(tmp_path):
                           {"w": W0, "opt": OPT.init(W0), "ab": AB.init()})
   restored = ckpt.restore(path, abstract)
   ckpt.close()
-  assert isinstance(restored["ab"], jaxaccum.AdaptiveBatchState)
+  assert isinstance(restored["ab"], jaxaccum.contrib.AdaptiveBatchState)
   chex.assert_trees_all_equal(restored["ab"], half[2])
   resumed = run_steps(restored["w"], restored["opt"], restored["ab"], t_half, 2 * t_half)
   chex.assert_trees_all_equal(resumed, straight)
@@ -579,7 +580,7 @@ def test_data_axis_on_8_devices_equals_one_device_fed_the_same_samples():
     x, y = batch
     return 0.5 * jnp.mean((x @ w - y) ** 2)
 
-  ab = jaxaccum.AdaptiveBatch(n, init_micro_batches=1, theta=0.5, warmup_steps=1,
+  ab = jaxaccum.contrib.AdaptiveBatch(n, init_micro_batches=1, theta=0.5, warmup_steps=1,
                               cooldown_steps=0)
   vg_dp = jaxaccum.value_and_grad(loss, num_micro_batches=n, with_info=True,
                                   data_axis="data")
@@ -614,7 +615,7 @@ def test_data_axis_on_8_devices_equals_one_device_fed_the_same_samples():
 def test_multisteps_windows_have_the_lengths_the_controller_chose():
   inner = optax.sgd(LR)
   ms = jaxaccum.MultiSteps(inner, every_k_schedule=1, with_info=True, micro_batch_size=ROWS)
-  ab = jaxaccum.AdaptiveBatch(8, theta=1.0, warmup_steps=1, cooldown_steps=0).check(ms)
+  ab = jaxaccum.contrib.AdaptiveBatch(8, theta=1.0, warmup_steps=1, cooldown_steps=0).check(ms)
 
   def loss(w, batch):
     x, y = batch
@@ -657,53 +658,53 @@ def test_multisteps_windows_have_the_lengths_the_controller_chose():
 def test_construction_errors_name_the_argument_and_the_fix():
   with pytest.raises(ValueError, match=r"min_micro_batches=8 is larger than "
                      r"max_micro_batches=4; lower min_micro_batches"):
-    jaxaccum.AdaptiveBatch(4, min_micro_batches=8)
+    jaxaccum.contrib.AdaptiveBatch(4, min_micro_batches=8)
   with pytest.raises(TypeError, match=r"max_micro_batches must be a Python int .* got "
                      r"float 4.0"):
-    jaxaccum.AdaptiveBatch(4.0)
+    jaxaccum.contrib.AdaptiveBatch(4.0)
   with pytest.raises(ValueError, match=r"max_micro_batches must be an int >= 1 .* got "
                      r"max_micro_batches=0"):
-    jaxaccum.AdaptiveBatch(0)
+    jaxaccum.contrib.AdaptiveBatch(0)
   with pytest.raises(TypeError, match="min_micro_batches must be a Python int"):
-    jaxaccum.AdaptiveBatch(4, min_micro_batches=True)
+    jaxaccum.contrib.AdaptiveBatch(4, min_micro_batches=True)
   with pytest.raises(ValueError, match=r"init_micro_batches=1 must lie in \[min_micro_batches"
                      r", max_micro_batches\] = \[2, 4\]"):
-    jaxaccum.AdaptiveBatch(4, min_micro_batches=2, init_micro_batches=1)
+    jaxaccum.contrib.AdaptiveBatch(4, min_micro_batches=2, init_micro_batches=1)
   with pytest.raises(ValueError, match=r"rule must be one of 'norm_test', 'b_simple', got "
                      r"rule='bsimple'"):
-    jaxaccum.AdaptiveBatch(4, rule="bsimple")
+    jaxaccum.contrib.AdaptiveBatch(4, rule="bsimple")
   with pytest.raises(ValueError, match=r"fraction=0.5 is the parameter of rule='b_simple'; "
                      r"rule='norm_test' takes theta"):
-    jaxaccum.AdaptiveBatch(4, fraction=0.5)
+    jaxaccum.contrib.AdaptiveBatch(4, fraction=0.5)
   with pytest.raises(ValueError, match=r"theta=2 is the parameter of rule='norm_test'"):
-    jaxaccum.AdaptiveBatch(4, rule="b_simple", theta=2)
+    jaxaccum.contrib.AdaptiveBatch(4, rule="b_simple", theta=2)
   with pytest.raises(ValueError, match=r"theta must be a finite float > 0.0 .* got theta=0"):
-    jaxaccum.AdaptiveBatch(4, theta=0)
+    jaxaccum.contrib.AdaptiveBatch(4, theta=0)
   with pytest.raises(ValueError, match=r"fraction must be a finite float > 0.0 .* got "
                      r"fraction=inf"):
-    jaxaccum.AdaptiveBatch(4, rule="b_simple", fraction=float("inf"))
+    jaxaccum.contrib.AdaptiveBatch(4, rule="b_simple", fraction=float("inf"))
   with pytest.raises(TypeError, match=r"theta must be a float .* got str"):
-    jaxaccum.AdaptiveBatch(4, theta="3")
+    jaxaccum.contrib.AdaptiveBatch(4, theta="3")
   with pytest.raises(ValueError, match=r"max_growth must be a finite float > 1.0 .* got "
                      r"max_growth=1.0"):
-    jaxaccum.AdaptiveBatch(4, max_growth=1.0)
+    jaxaccum.contrib.AdaptiveBatch(4, max_growth=1.0)
   with pytest.raises(ValueError, match=r"hysteresis must be a finite float >= 0.0"):
-    jaxaccum.AdaptiveBatch(4, hysteresis=-0.1)
+    jaxaccum.contrib.AdaptiveBatch(4, hysteresis=-0.1)
   with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 0"):
-    jaxaccum.AdaptiveBatch(4, warmup_steps=-1)
+    jaxaccum.contrib.AdaptiveBatch(4, warmup_steps=-1)
   with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
-    jaxaccum.AdaptiveBatch(4, decay=1.0)
+    jaxaccum.contrib.AdaptiveBatch(4, decay=1.0)
   with pytest.raises(ValueError, match=r"lr_scaling must be one of 'none', 'sqrt', "
                      r"'linear', 'adascale', got lr_scaling='adam'"):
-    jaxaccum.AdaptiveBatch(4, lr_scaling="adam")
+    jaxaccum.contrib.AdaptiveBatch(4, lr_scaling="adam")
   with pytest.raises(TypeError, match="allow_decrease must be a bool"):
-    jaxaccum.AdaptiveBatch(4, allow_decrease="yes")
+    jaxaccum.contrib.AdaptiveBatch(4, allow_decrease="yes")
 
 
 def test_check_and_update_errors():
   with pytest.raises(ValueError, match=r"AdaptiveBatch\(max_micro_batches=16\) exceeds the "
                      r"transform's num_micro_batches=8: .* Lower max_micro_batches to 8"):
-    jaxaccum.AdaptiveBatch(16).check(VG)
+    jaxaccum.contrib.AdaptiveBatch(16).check(VG)
   no_info = jaxaccum.value_and_grad(weighted_loss, num_micro_batches=N, reduce="weighted")
   with pytest.raises(ValueError, match="build the transform with with_info=True"):
     AB.check(no_info)
@@ -780,7 +781,7 @@ def test_weighted_controller_decides_in_micro_batches_whatever_the_unit_of_sampl
     x, y, mask = batch
     return jnp.sum(0.5 * (x @ w - y) ** 2 * mask), jnp.sum(mask)
 
-  ab = jaxaccum.AdaptiveBatch(n, theta=1.0, warmup_steps=2, cooldown_steps=1)
+  ab = jaxaccum.contrib.AdaptiveBatch(n, theta=1.0, warmup_steps=2, cooldown_steps=1)
   runs = {}
   for name, loss, reduce in (("rows", row_loss, "mean"), ("tokens", token_loss, "weighted")):
     vg = jaxaccum.value_and_grad(loss, num_micro_batches=n, reduce=reduce, with_info=True)

@@ -26,9 +26,10 @@ ADDENDS = st.one_of(st.integers(0, 2**24), st.integers(0, 2**54)).map(
     lambda n: int(np.float32(n)))
 
 
-def _state(count: int) -> jaxaccum.SeesawState:
-  return jaxaccum.SeesawState(samples_hi=jnp.int32(count // LO), samples_lo=jnp.int32(count % LO),
-                              max_level=jnp.int32(0), noise=jaxaccum.NoiseScale().init())
+def _state(count: int) -> jaxaccum.contrib.SeesawState:
+  return jaxaccum.contrib.SeesawState(samples_hi=jnp.int32(count // LO),
+                                      samples_lo=jnp.int32(count % LO),
+                                      max_level=jnp.int32(0), noise=jaxaccum.NoiseScale().init())
 
 
 ADD = jax.jit(_counter.add_samples)
@@ -57,8 +58,8 @@ def test_reading_a_state(count):
 
 
 def test_states_that_hold_a_counter():
-  ab = jaxaccum.AdaptiveBatch(4)
-  rule = jaxaccum.seesaw(lambda n: 1.0, init_micro_batches=1, max_micro_batches=2, total=10)
+  ab = jaxaccum.contrib.AdaptiveBatch(4)
+  rule = jaxaccum.contrib.seesaw(lambda n: 1.0, init_micro_batches=1, max_micro_batches=2, total=10)
   assert _counter.has_counter(ab.init()) and _counter.has_counter(rule.init())
   ms = jaxaccum.MultiSteps(optax.sgd(1.0), 2).init({"w": jnp.zeros(2)})
   for other in (ms, ab.init().noise, jnp.int32(3), 3, (1, 2), None):
@@ -69,7 +70,7 @@ def test_states_that_hold_a_counter():
 @given(COUNTS)
 def test_the_count_ramp_reads_every_state_with_a_counter_as_its_count(count):
   ramp = jaxaccum.batch_size_ramp_by_count({0: 1, 2**24: 2, 2**40: 3, 2**55 - 1: 4})
-  ab = jaxaccum.AdaptiveBatch(4).init()
+  ab = jaxaccum.contrib.AdaptiveBatch(4).init()
   ab = ab._replace(samples_hi=jnp.int32(count // LO), samples_lo=jnp.int32(count % LO))
   expected = int(ramp(count))
   assert int(ramp(ab)) == int(ramp(_state(count))) == expected

@@ -4,7 +4,7 @@ On 8 CPU devices, a scan-over-layers model with replicated parameters and a batc
 ``"data"``: each call computes per-device, unreduced gradients (no collective) and the window's
 last call sums them, once, in float32, before the inner optimizer. References: the whole
 window's batch through plain ``jax.value_and_grad`` and the same optax optimizer, and each
-shard's rows sliced by hand. Collective counts are read with ``jaxaccum.collectives`` and
+shard's rows sliced by hand. Collective counts are read with ``jaxaccum.planning.collectives`` and
 checked against the compiled text.
 """
 
@@ -215,9 +215,9 @@ def test_collectives_one_float32_reduction_per_window(axis_type, dtype):
   step = make_step(opt, grad_fn)
 
   # The micro-step path: the per-device gradients communicate nothing.
-  assert jaxaccum.collectives(jax.jit(grad_fn), params, micro).count() == 0
+  assert jaxaccum.planning.collectives(jax.jit(grad_fn), params, micro).count() == 0
   compiled = step.lower(params, state, micro).compile()
-  found = jaxaccum.collectives(compiled)
+  found = jaxaccum.planning.collectives(compiled)
   text = compiled.as_text()
   # The whole step: all-reduces only, none in a loop, all in the branch that only the window's
   # last call takes, one float32 result per gradient leaf (XLA may fuse them into one op).
@@ -234,7 +234,7 @@ def test_collectives_one_float32_reduction_per_window(axis_type, dtype):
   # The default path for contrast: jax.grad of the sharded batch reduces in the layer loop.
   plain = jaxaccum.MultiSteps(optax.adam(1e-2), every_k_schedule=K)
   default = make_step(plain, jax.value_and_grad(loss_fn))
-  per_call = jaxaccum.collectives(default, params, plain.init(params), micro)
+  per_call = jaxaccum.planning.collectives(default, params, plain.init(params), micro)
   assert per_call.count("all-reduce", in_loop=True) >= 1, per_call
 
 
@@ -275,7 +275,7 @@ def test_skip_nonfinite_costs_one_boolean_all_reduce_per_call():
     return jax.device_put(jnp.broadcast_to(g / D, (D, 3)), NamedSharding(mesh, P("data")))
 
   update = jax.jit(opt.update)
-  found = jaxaccum.collectives(update, pieces(jnp.ones(3)), state, params)
+  found = jaxaccum.planning.collectives(update, pieces(jnp.ones(3)), state, params)
   text = update.lower(pieces(jnp.ones(3)), state, params).compile().as_text()
   every_call = [op for op in found if op.computation not in branch_computations(text)]
   assert [(op.kind, op.dtype) for op in every_call] == [("all-reduce", "bool")], found

@@ -188,7 +188,7 @@ def _wide_reference(count):
 _wide = jaxaccum.batch_size_ramp_by_count(WIDE)
 
 
-_STATE = jaxaccum.AdaptiveBatch(8).init()
+_STATE = jaxaccum.contrib.AdaptiveBatch(8).init()
 
 
 @jax.jit
@@ -361,7 +361,7 @@ def test_count_ramps_are_monotone_at_every_count_up_to_the_dtypes_limit():
 def test_count_ramp_reads_the_controllers_sample_counter():
   # Steps of 2**30 samples push the controller's counter past 2**31 and 2**32: the ramp
   # read from the state equals the ramp of its exact count, and the hand-computed value.
-  ab = jaxaccum.AdaptiveBatch(8)
+  ab = jaxaccum.contrib.AdaptiveBatch(8)
   ramp = jaxaccum.batch_size_ramp_by_count({0: 1, 2**31: 2, 3 * 2**30 + 1: 3, 2**32: 4})
   info = jaxaccum.AccumInfo(
       num_micro_batches=jnp.int32(2), micro_batch_size=jnp.float32(2.0**29),

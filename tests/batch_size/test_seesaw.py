@@ -1,4 +1,4 @@
-"""jaxaccum.seesaw: the rule against sequences computed by hand (step and cosine references,
+"""jaxaccum.contrib.seesaw: the rule against sequences computed by hand (step and cosine references,
 both optimizers, the cap) and over generated schedules, exact counts past 2**31, one
 compiled program while k changes, every row used once (RowFeeder), MultiSteps windows, the
 noise guard, an orbax round trip, and the errors."""
@@ -53,7 +53,7 @@ def check_against_hand(rule, counts):
     # Every jitted path in one program (one compilation per rule): int32 and float32
     # counts, SeesawState, and the controller's exact two-word counter (AdaptiveBatchState).
     exact = [n for n in small if n < 2**24]  # float32 counts, exact below 2**24
-    ab = jaxaccum.AdaptiveBatch(8).init()
+    ab = jaxaccum.contrib.AdaptiveBatch(8).init()
 
     @jax.jit
     def paths(ints, floats, his, los):
@@ -78,13 +78,13 @@ def check_against_hand(rule, counts):
 def test_step_decay_by_hand_adam_and_sgd():
   ref = optax.piecewise_constant_schedule(1.0, {100: 0.5, 200: 0.5, 300: 0.5, 400: 0.1})
   counts = [0, 99, 100, 199, 200, 300, 399, 400, 10_000]
-  adam = jaxaccum.seesaw(ref, init_micro_batches=1, max_micro_batches=4, total=20_000)
+  adam = jaxaccum.contrib.seesaw(ref, init_micro_batches=1, max_micro_batches=4, total=20_000)
   # Lr 1, .5, .25, .125, .0125 -> k 1, 2, 4 (cap), 4, 4; lr x sqrt(k).
   assert [int(adam.micro_batches(n)) for n in counts] == [1, 1, 2, 2, 4, 4, 4, 4, 4]
   np.testing.assert_allclose([float(adam.learning_rate(n)) for n in counts],
                              [1, 1, .5 * 2**.5, .5 * 2**.5, .5, .25, .25, .025, .025],
                              rtol=1e-6)
-  sgd = jaxaccum.seesaw(ref, init_micro_batches=3, max_micro_batches=100, optimizer="sgd",
+  sgd = jaxaccum.contrib.seesaw(ref, init_micro_batches=3, max_micro_batches=100, optimizer="sgd",
                         total=20_000)
   # Three halvings, then 1/10: 1/80 of the peak is 6 halvings (64 <= 80 < 128), k = 3 * 64
   # capped at 100, where the rest of the decay stays: lr = 1/80 * 100/3.
@@ -101,7 +101,7 @@ def test_cosine_with_warmup_by_hand():
   decay; the cap (not a power of two times init) is the last level."""
   warm, total = 100, 1100
   ref = optax.warmup_cosine_decay_schedule(0.0, 1.0, warm, total, end_value=0.0)
-  rule = jaxaccum.seesaw(ref, init_micro_batches=2, max_micro_batches=12, decay_start=warm,
+  rule = jaxaccum.contrib.seesaw(ref, init_micro_batches=2, max_micro_batches=12, decay_start=warm,
                          total=total)
   assert rule.ks == (2, 4, 8, 12)
   # 0.5 (1 + cos(pi t)) = 2**-j  ->  t = arccos(2**(1-j) - 1) / pi.
@@ -112,7 +112,7 @@ def test_cosine_with_warmup_by_hand():
   counts = list(range(0, total + 50, 7)) + list(rule.thresholds) + [
       t - 1 for t in rule.thresholds[1:]]
   check_against_hand(rule, sorted(counts))
-  check_against_hand(jaxaccum.seesaw(ref, init_micro_batches=2, max_micro_batches=12,
+  check_against_hand(jaxaccum.contrib.seesaw(ref, init_micro_batches=2, max_micro_batches=12,
                                      decay_start=warm, total=total, optimizer="sgd"), counts)
 
 
@@ -120,7 +120,7 @@ def test_optax_step_schedule_indexed_by_samples():
   """The docs' recipe: a step-indexed schedule at B0 rows per step is n -> sched(n // B0)."""
   b0 = 16
   sched = optax.exponential_decay(1.0, transition_steps=10, decay_rate=0.5, staircase=True)
-  rule = jaxaccum.seesaw(lambda n: sched(n // b0), init_micro_batches=1,
+  rule = jaxaccum.contrib.seesaw(lambda n: sched(n // b0), init_micro_batches=1,
                          max_micro_batches=8, total=100 * b0)
   assert rule.thresholds == (0, 10 * b0, 20 * b0, 30 * b0)
   check_against_hand(rule, [0, 159, 160, 320, 479, 480, 1599])
@@ -140,7 +140,7 @@ def test_generated_step_schedules_match_the_hand_rule(data):
   optimizer = data.draw(st.sampled_from(["adam", "sgd"]))
   r = data.draw(st.sampled_from([2, 2, 3, 4]))
   ref = optax.piecewise_constant_schedule(0.3, dict(zip(bounds, scales, strict=True)))
-  rule = jaxaccum.seesaw(ref, init_micro_batches=init, max_micro_batches=cap,
+  rule = jaxaccum.contrib.seesaw(ref, init_micro_batches=init, max_micro_batches=cap,
                          optimizer=optimizer, ramp_factor=r, total=6000)
   counts = sorted({0, 6000} | {b + d for b in bounds for d in (-1, 0, 1)}
                   | set(data.draw(st.lists(st.integers(0, 6000), max_size=20))))
@@ -156,7 +156,7 @@ def test_generated_cosine_schedules_match_the_hand_rule(warm, total, alpha, init
   ref = optax.warmup_cosine_decay_schedule(0.0, 1e-3, max(warm, 1), total,
                                            end_value=1e-3 * alpha)
   start = max(warm, 1)
-  rule = jaxaccum.seesaw(ref, init_micro_batches=init, max_micro_batches=init * 2**levels,
+  rule = jaxaccum.contrib.seesaw(ref, init_micro_batches=init, max_micro_batches=init * 2**levels,
                          optimizer=optimizer, decay_start=start, total=total)
   rng = np.random.default_rng(seed)
   counts = sorted(set(rng.integers(0, total + 10, 40).tolist())
@@ -168,7 +168,7 @@ def test_counts_past_2_31_are_exact():
   edge = 3 * 2**31 + 5
   ref = optax.piecewise_constant_schedule(1.0, {edge: 0.5})
   # The reference is a Python-int function of samples here, so it is exact at any size.
-  rule = jaxaccum.seesaw(lambda n: 1.0 if n < edge else 0.5, init_micro_batches=2,
+  rule = jaxaccum.contrib.seesaw(lambda n: 1.0 if n < edge else 0.5, init_micro_batches=2,
                          max_micro_batches=4, total=2**40)
   del ref
   assert rule.thresholds == (0, edge)
@@ -238,7 +238,7 @@ def test_learning_rate_from_a_counter_past_2_24_is_the_levels(data):
   init = data.draw(st.integers(1, 3))
   optimizer = data.draw(st.sampled_from(["adam", "sgd"]))
   schedule = exact_steps([(b, 1 / r**m) for b, m in zip(bounds, powers, strict=True)])
-  rule = jaxaccum.seesaw(schedule, init_micro_batches=init, optimizer=optimizer,
+  rule = jaxaccum.contrib.seesaw(schedule, init_micro_batches=init, optimizer=optimizer,
                          max_micro_batches=init * r ** sum(powers), ramp_factor=r, total=2**41)
   assert rule.thresholds == (0, *bounds)
   seen = sorted({max(b + d, 0) for b in bounds for d in (-2, -1, 0, 1, 2)}
@@ -246,7 +246,7 @@ def test_learning_rate_from_a_counter_past_2_24_is_the_levels(data):
                 | set(data.draw(st.lists(st.integers(0, 2**41), max_size=8))))
   kw = dict(init=init, cap=rule.max_micro_batches, optimizer=optimizer, r=r)
   want = [hand(schedule, n, **kw) for n in seen]
-  ab = jaxaccum.AdaptiveBatch(8).init()
+  ab = jaxaccum.contrib.AdaptiveBatch(8).init()
 
   @jax.jit
   def read(his, los):
@@ -304,7 +304,7 @@ def test_ramp_factor_r_ramps_once_per_r_fold_decay(r, drops, peak, init, levels)
   ref = optax.piecewise_constant_schedule(peak, {b: float(f) for b, f in zip(
       bounds, factors, strict=True)})
   cap = init * r**levels
-  rule = jaxaccum.seesaw(ref, init_micro_batches=init, max_micro_batches=cap, ramp_factor=r,
+  rule = jaxaccum.contrib.seesaw(ref, init_micro_batches=init, max_micro_batches=cap, ramp_factor=r,
                          total=100 * (len(factors) + 1))
   assert (rule.thresholds, rule.ks) == rational_levels(
       list(zip(bounds, factors, strict=True)), init=init, cap=cap, r=r)
@@ -314,7 +314,7 @@ def test_ramp_factor_r_ramps_once_per_r_fold_decay(r, drops, peak, init, levels)
 
 N, M, D = 8, 2, 3  # micro-batches, rows per micro-batch, features
 REF = optax.piecewise_constant_schedule(0.1, {20: 0.5, 40: 0.5, 60: 0.5, 200: 0.5})
-RULE = jaxaccum.seesaw(REF, init_micro_batches=1, max_micro_batches=N, total=400)
+RULE = jaxaccum.contrib.seesaw(REF, init_micro_batches=1, max_micro_batches=N, total=400)
 
 
 def loss_fn(w, batch):
@@ -347,7 +347,7 @@ def test_one_program_every_row_once_and_the_gradient_of_the_rows_that_ran():
   those rows (plain jax.grad on them); over the run every row runs once, k takes every
   level, and one compiled program serves them all."""
   x, y = stream(400)
-  feeder = jaxaccum.RowFeeder((x, y), num_micro_batches=N, micro_batch_size=M)
+  feeder = jaxaccum.contrib.RowFeeder((x, y), num_micro_batches=N, micro_batch_size=M)
   w, opt_state, state = jnp.zeros(D), OPT.init(jnp.zeros(D)), RULE.init()
   ks, used = [], 0
   while True:
@@ -376,7 +376,7 @@ def test_one_program_every_row_once_and_the_gradient_of_the_rows_that_ran():
 def test_multisteps_window_follows_the_rule():
   """With MultiSteps, k is the window length: one micro-batch per call, and the rule's
   counter advances when a window completes."""
-  rule = jaxaccum.seesaw(REF, init_micro_batches=1, max_micro_batches=4, total=400)
+  rule = jaxaccum.contrib.seesaw(REF, init_micro_batches=1, max_micro_batches=4, total=400)
   state = rule.init()
   ms = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=lambda step: ks_now[0])
   w = jnp.zeros(D)
@@ -420,7 +420,7 @@ def test_orbax_round_trip_resumes_bit_identically(tmp_path):
                           {"w": w0, "opt": OPT.init(w0), "seesaw": RULE.init()})
   restored = ckpt.restore(tmp_path / "ckpt", abstract)
   ckpt.close()
-  assert isinstance(restored["seesaw"], jaxaccum.SeesawState)
+  assert isinstance(restored["seesaw"], jaxaccum.contrib.SeesawState)
   chex.assert_trees_all_equal(restored["seesaw"], half[2])
   resumed = run(restored["w"], restored["opt"], restored["seesaw"], 15, 30, x, y)
   chex.assert_trees_all_equal(resumed, straight)
@@ -457,7 +457,7 @@ def guarded_by_hand(guard, b_simple):
 
 @pytest.mark.parametrize("b_simple,guard", [(5.0, 1.0), (9.0, 1.0), (100.0, 1.0), (5.0, 2.0)])
 def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_simple, guard):
-  rule = jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
+  rule = jaxaccum.contrib.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
                          noise_guard=guard)
   update = jax.jit(rule.update)
   state, ks = rule.init(), []
@@ -474,8 +474,9 @@ def test_noise_guard_stops_before_the_batch_passes_the_measured_noise_scale(b_si
 
 
 # Rules with B_simple read from each step alone (noise_decay=0), one compiled run each.
-GUARDED = {guard: jaxaccum.seesaw(REF, init_micro_batches=2, max_micro_batches=16, total=400,
-                                  noise_guard=guard, noise_decay=0.0) for guard in (1.0, 2.0)}
+GUARDED = {guard: jaxaccum.contrib.seesaw(REF, init_micro_batches=2, max_micro_batches=16,
+                                          total=400, noise_guard=guard, noise_decay=0.0)
+           for guard in (1.0, 2.0)}
 
 
 @functools.cache
@@ -540,7 +541,7 @@ def test_errors_name_the_argument_the_value_and_the_fix(kwargs, error, match):
   args = dict(schedule=REF, init_micro_batches=1, max_micro_batches=8, total=400)
   args.update(kwargs)
   with pytest.raises(error, match=match):
-    jaxaccum.seesaw(args.pop("schedule"), **args)
+    jaxaccum.contrib.seesaw(args.pop("schedule"), **args)
 
 
 def test_update_errors():
@@ -548,7 +549,7 @@ def test_update_errors():
     RULE.update(None, samples=1)
   with pytest.raises(TypeError, match="without samples=, it counts"):
     RULE.update(RULE.init())
-  guarded = jaxaccum.seesaw(REF, init_micro_batches=1, max_micro_batches=8, total=400,
+  guarded = jaxaccum.contrib.seesaw(REF, init_micro_batches=1, max_micro_batches=8, total=400,
                             noise_guard=1.0)
   with pytest.raises(TypeError, match=r"noise_guard=1.0 needs the step's jaxaccum.AccumInfo"):
     guarded.update(guarded.init(), samples=4)

@@ -280,7 +280,7 @@ def test_data_axis_with_the_batch_sharded_along_axis_1(axis_type):
     got = step(PARAMS, *args)
     close(got, ref)
     # One reduction of loss, gradients and denominator after the loop, none inside it.
-    coll = jaxaccum.collectives(step, PARAMS, *args)
+    coll = jaxaccum.planning.collectives(step, PARAMS, *args)
     assert coll.count(in_loop=True) == 0 and coll.count("all-reduce") == 1, coll
 
 
@@ -314,7 +314,7 @@ def test_split_along_a_sharded_axis_1_moves_no_data():
   with jax.set_mesh(mesh):
     xs, ys = _sharded(x, y)
     close(step(PARAMS, xs, ys), jax.jit(jax.value_and_grad(seq_loss))(PARAMS, x, y))
-    coll = jaxaccum.collectives(step, PARAMS, xs, ys)
+    coll = jaxaccum.planning.collectives(step, PARAMS, xs, ys)
     text = step.lower(PARAMS, xs, ys).compile().as_text()
   assert coll.count(["all-gather", "all-to-all", "collective-permute"]) == 0, coll
   assert all(c.bytes <= 4 * (F + 2) for c in coll), coll  # parameters' and loss' sizes

@@ -160,7 +160,7 @@ def test_info_is_one_scalar_reduction_after_the_loop_under_data_axis():
     for with_info in (False, True):
       step = jax.jit(jaxaccum.value_and_grad(mean_loss, num_micro_batches=4,
                                              with_info=with_info, data_axis="data"))
-      cs = jaxaccum.collectives(step, W, batch)
+      cs = jaxaccum.planning.collectives(step, W, batch)
       assert cs.num_loops, cs
       assert not [c for c in cs if c.in_loop], cs
       counts[with_info] = sum(c.kind == "all-reduce" for c in cs)

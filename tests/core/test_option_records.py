@@ -62,7 +62,7 @@ def data(seed=0, rows=16):
 def _cases():
   mesh = mesh8()
   policy = jax.checkpoint_policies.dots_saveable
-  clip = jaxaccum.clip_per_example(0.5)
+  clip = jaxaccum.dp.clip_per_example(0.5)
   return {
       "mesh": (dict(data_axis="data", mesh=mesh),
                dict(data_axis=jaxaccum.DataParallel("data", mesh=mesh)), loss),
@@ -94,7 +94,7 @@ def test_each_deprecated_keyword_warns_and_matches_the_record(name, seed):
       k for k in old if k in _options.DEPRECATED)
   assert any(f"value_and_grad({name}=...) is deprecated" in str(r.message) for r in record)
   if new == "per_example":
-    new_step = jaxaccum.per_example_value_and_grad(fun, old["per_example_transform"],
+    new_step = jaxaccum.dp.per_example_value_and_grad(fun, old["per_example_transform"],
                                                    num_micro_batches=2)
   else:
     new_step = jaxaccum.value_and_grad(fun, num_micro_batches=2, **new)

@@ -493,13 +493,13 @@ def test_pipeline_forward_scan_runs_the_schedules_ticks(s, m, r):
   """The forward scan has one tick per row of pipeline_schedule (M + S - 1 for GPipe)."""
   mesh = jax.make_mesh((s,), ("stage",), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=jax.devices()[:s])
-  pipe = jaxaccum.pipeline(lambda w, x: x + jnp.tanh(x @ w), num_micro_batches=m,
+  pipe = jaxaccum.contrib.pipeline(lambda w, x: x + jnp.tanh(x @ w), num_micro_batches=m,
                            mesh=mesh, num_repeats=r)
   lead = (s,) if r == 1 else (r, s)
   w = jax.device_put(np.zeros((*lead, 4, 4), np.float32),
                      NamedSharding(mesh, P("stage") if r == 1 else P(None, "stage")))
   x = jax.device_put(np.zeros((2 * m, 4), np.float32), NamedSharding(mesh, P()))
-  ticks = len(jaxaccum.pipeline_schedule(s, m, num_repeats=r))
+  ticks = len(jaxaccum.contrib.pipeline_schedule(s, m, num_repeats=r))
   assert scan_lengths(jax.make_jaxpr(pipe)(w, x).jaxpr) == [ticks]
   if r == 1:
     assert ticks == m + s - 1

@@ -132,7 +132,7 @@ def test_the_shard_map_advice_gives_the_full_batch(reduce):
     b = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), (x, y, m))
     step = jax.jit(jax.shard_map(per_device, in_specs=(P(), P("data")), out_specs=P()))
     _close(step(W, b), ref)
-    colls = jaxaccum.collectives(step, W, b)
+    colls = jaxaccum.planning.collectives(step, W, b)
     assert colls.num_loops and not colls.in_loop, colls.ops
     with pytest.raises(ValueError, match=r"already manual here.*jax.lax.pcast\(params, "
                        r"\('data',\), to='varying'\).*pmean \(not the psum\)"):

@@ -57,7 +57,7 @@ def test_explicit_axes_inside_jit(shape, names, batch_axes):
   chex.assert_trees_all_equal(_numpy(out), _numpy(want))
   assert_close(out, ref)
   # The same communication as the named axes: one reduction per step, none in the loop.
-  colls = jaxaccum.collectives(auto, params, batch)
+  colls = jaxaccum.planning.collectives(auto, params, batch)
   assert colls.count("all-reduce") >= 1 and not colls.in_loop, str(colls)
 
 
@@ -126,7 +126,7 @@ def test_auto_with_fsdp_placement_and_a_mesh_given():
   step = jax.jit(jaxaccum.value_and_grad(loss, num_micro_batches=N,
                  data_axis=jaxaccum.DataParallel("auto", mesh=mesh, param_gather="micro_batch",
                                                  grad_scatter="step")))
-  colls = jaxaccum.collectives(step, params, batch)
+  colls = jaxaccum.planning.collectives(step, params, batch)
   assert colls.count("all-gather", in_loop=True) >= 1, str(colls)
   assert colls.count("reduce-scatter", in_loop=False) >= 1, str(colls)
   assert_close(step(params, batch), ref)

@@ -7,7 +7,7 @@ reference that does not use it: the full batch through plain ``jax.vjp`` of
 ``jax.value_and_grad``, the same step under ``param_gather="step"`` (the gather before the
 loop, which needs no tie), or the batch itself (what ``fun`` sees must be the batch's values
 bit for bit). Where the gathers sit is read from the compiled program by
-``jaxaccum.collectives``; the scanned-layers model's placement is checked in
+``jaxaccum.planning.collectives``; the scanned-layers model's placement is checked in
 ``test_fsdp_placement.py``.
 
 Differentiating through the data (adversarial examples, data distillation, saliency) is
@@ -215,7 +215,7 @@ def test_generated_placements_equal_the_step_gather_and_the_full_batch(seed):
   assert got["micro_batch"][1].sharding.is_equivalent_to(placed["x"].sharding, 2)
   if n > 1:
     step = _placed_step("micro_batch", case["scatter"], n, mesh, case["remat"])[0]
-    colls = jaxaccum.collectives(step, sharded, placed)
+    colls = jaxaccum.planning.collectives(step, sharded, placed)
     # The parameters' gathers (over "data"; XLA gathers a batch sharded over "model" itself).
     gathers = [c for c in colls.select("all-gather") if c.mesh_axes == ("data",)]
     assert gathers and all(c.in_loop for c in gathers), (case, str(colls))
@@ -241,7 +241,7 @@ def test_gathering_per_micro_batch_keeps_no_full_parameters_across_the_loop():
         data_axis=jaxaccum.DataParallel("data", mesh=mesh, param_gather=gather)))
     compiled = step.lower(params, batch).compile()
     temp[gather] = compiled.memory_analysis().temp_size_in_bytes
-    colls = jaxaccum.collectives(compiled)
+    colls = jaxaccum.planning.collectives(compiled)
     assert colls.count("all-gather", in_loop=gather == "micro_batch") == 6, str(colls)
   assert temp["micro_batch"] < temp["step"], temp
 

@@ -5,7 +5,7 @@ per step (``param_gather="step"``) or in every micro-batch (``"micro_batch"``), 
 gradients reduce-scattered in every micro-batch (``grad_scatter="micro_batch"``) or once
 after the loop (``"step"``). Each of the four combinations must give the full batch's loss
 and gradients (plain ``jax.value_and_grad`` on the whole batch), and the compiled program,
-read by ``jaxaccum.collectives``, must hold its gathers and reduce-scatters where the
+read by ``jaxaccum.planning.collectives``, must hold its gathers and reduce-scatters where the
 options put them. HSDP (``data_axis=("replica", "fsdp")``, parameters over ``"fsdp"``):
 the reduce-scatter runs over ``"fsdp"`` and the all-reduce over ``"replica"`` once per
 step, outside the loop.
@@ -75,7 +75,7 @@ def test_fsdp_combinations_equal_the_full_batch(gather, scatter):
   params, batch = _placed(mesh, "data", "data")
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(*_problem())
   step = _step("data", mesh, gather, scatter)
-  colls = jaxaccum.collectives(step, params, batch)
+  colls = jaxaccum.planning.collectives(step, params, batch)
   _check_placement(colls, gather, scatter, len(jax.tree.leaves(params)))
   # A gather per micro-batch runs N times per step; once per step, once.
   runs = {c.executions for c in colls.select("all-gather")}
@@ -115,7 +115,7 @@ def test_weighted_loss_two_differentiated_arguments_and_remat():
                                                     grad_scatter=scatter)))
     # remat recomputes the forward pass, gathers included, in the backward pass: a gather
     # per micro-batch runs twice per micro-batch.
-    _check_placement(jaxaccum.collectives(step, params, scale, batch), gather, scatter,
+    _check_placement(jaxaccum.planning.collectives(step, params, scale, batch), gather, scatter,
                      (len(jax.tree.leaves(params)) + 1) * (2 if gather == "micro_batch" else 1))
     value, grads = step(params, scale, batch)
     assert_close(value, ref_out[0], err_msg=f"{gather}, {scatter}")
@@ -128,7 +128,7 @@ def test_hsdp_reduce_scatter_over_fsdp_all_reduce_over_replica_once(scatter):
   params, batch = _placed(mesh, "fsdp", ("replica", "fsdp"))
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(*_problem())
   step = _step(("replica", "fsdp"), mesh, "step", scatter)
-  colls = jaxaccum.collectives(step, params, batch)
+  colls = jaxaccum.planning.collectives(step, params, batch)
   assert colls.mesh_shape == (("replica", 2), ("fsdp", 4))
   scatters = colls.select("reduce-scatter")
   assert len(scatters) >= 1 and {c.mesh_axes for c in scatters} == {("fsdp",)}, str(colls)
@@ -177,7 +177,7 @@ def test_scan_over_layers_lm():
                    data_axis=jaxaccum.DataParallel("data", param_gather=gather,
                                                    grad_scatter=scatter)))
     with jax.set_mesh(mesh):
-      colls = jaxaccum.collectives(step, sharded, placed)
+      colls = jaxaccum.planning.collectives(step, sharded, placed)
       value, grads = step(sharded, placed)
     _check_placement(colls, gather, scatter, len(params))
     assert_close(value, ref[0], err_msg=f"{gather}, {scatter}")
@@ -241,7 +241,7 @@ def test_scanned_stacked_layers_gather_inside_every_micro_batch(seed, mesh_kind,
           "data", mesh=None if through_set_mesh else mesh, param_gather="micro_batch",
           grad_scatter=scatter)))
   with jax.set_mesh(mesh) if through_set_mesh else contextlib.nullcontext():
-    colls = jaxaccum.collectives(step, sharded, placed)
+    colls = jaxaccum.planning.collectives(step, sharded, placed)
     value, grads = step(sharded, placed)
   # The parameters' gathers, over "data" (XLA gathers a batch sharded over "model" itself).
   gathers = [c for c in colls.select("all-gather") if c.mesh_axes == ("data",)]

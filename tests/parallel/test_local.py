@@ -125,3 +125,19 @@ def test_keyword_arguments_errors(problem):
                      r"batch_argnames=\('batch',\) both name \['batch'\]"):
     jaxaccum.local_value_and_grad(keyword_loss, data_axis="data", batch_argnames="batch",
                                   rng_argnames="batch")
+
+
+@pytest.mark.parametrize("extra", [{}, {"num_micro_batches": 2}])
+def test_state_argnums_is_refused_by_name_with_the_way_out(extra):
+  """Each shard would thread its own copy of the state, with nothing to join the copies: a
+  ValueError naming the argument, the value and the fix, when the transform is built (a
+  state overlapping the batch is still reported as the overlap it is)."""
+  def stateful(w, x, s):
+    return jnp.mean((x @ w) ** 2), s + 1
+
+  with pytest.raises(ValueError, match=r"local_value_and_grad takes no state_argnums \(got "
+                     r"state_argnums=2\).*Drop state_argnums and return the state in aux"):
+    jaxaccum.local_value_and_grad(stateful, data_axis="data", state_argnums=2, **extra)
+  with pytest.raises(ValueError, match=r"batch_argnums=\(1,\) and state_argnums=\(1,\) "
+                     r"overlap"):
+    jaxaccum.local_value_and_grad(stateful, data_axis="data", state_argnums=1, **extra)

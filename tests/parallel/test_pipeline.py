@@ -1,4 +1,4 @@
-"""jaxaccum.pipeline on 8 virtual CPU devices, against the unpipelined model.
+"""jaxaccum.contrib.pipeline on 8 virtual CPU devices, against the unpipelined model.
 
 The reference applies the stages one after the other to the whole batch (a Python loop
 over the stacked parameters) under plain ``jax.value_and_grad`` on unsharded arrays. The
@@ -92,7 +92,7 @@ def _compiled_once(shape, m, remat, axis_type, stage, rows, repeats):
   rng = np.random.default_rng(m)
   params = _stage_params(s, repeats=repeats)
   x = rng.normal(size=(m * rows * (2 if len(shape) == 2 else 1), D)).astype(np.float32)
-  pipe = jaxaccum.pipeline(stage, num_micro_batches=m, mesh=mesh, remat=remat,
+  pipe = jaxaccum.contrib.pipeline(stage, num_micro_batches=m, mesh=mesh, remat=remat,
                            num_repeats=repeats)
   step = jax.jit(jax.value_and_grad(_square_loss(pipe), argnums=(0, 1)))
   args = _put(mesh, params, x, repeats)
@@ -116,7 +116,7 @@ def _assert_same_shardings(grads, params):
 
 @pytest.mark.parametrize("s, m", [(1, 1), (4, 1), (4, 3), (4, 4), (8, 16), (3, 7)])
 def test_schedule_has_s_times_m_busy_slots_out_of_s_times_m_plus_s_minus_1(s, m):
-  table = jaxaccum.pipeline_schedule(num_stages=s, num_micro_batches=m)
+  table = jaxaccum.contrib.pipeline_schedule(num_stages=s, num_micro_batches=m)
   assert len(table) == m + s - 1 and all(len(row) == s for row in table)
   busy = [(t, j) for t, row in enumerate(table) for j, mb in enumerate(row) if mb is not None]
   assert len(busy) == s * m
@@ -130,7 +130,7 @@ def test_schedule_has_s_times_m_busy_slots_out_of_s_times_m_plus_s_minus_1(s, m)
 
 @pytest.mark.parametrize("s, m, r", [(4, 4, 2), (4, 6, 3), (4, 2, 2), (8, 8, 2)])
 def test_circular_schedule_runs_every_chunk_on_every_micro_batch_once(s, m, r):
-  table = jaxaccum.pipeline_schedule(s, m, num_repeats=r)
+  table = jaxaccum.contrib.pipeline_schedule(s, m, num_repeats=r)
   period = max(m, s)
   assert len(table) == (r - 1) * period + m + s - 1
   busy = sum(e is not None for row in table for e in row)
@@ -189,7 +189,7 @@ def test_circular_schedule_matches_the_sequential_model(shape, m, r, stage):
   assert_close(value, ref_value, rtol=1e-5)
   assert_close(grads, ref_grads, rtol=1e-5)
   _assert_same_shardings(grads[0], args[0])
-  permutes = jaxaccum.collectives(compiled).select("collective-permute")
+  permutes = jaxaccum.planning.collectives(compiled).select("collective-permute")
   assert len(permutes) == 2 and all(c.in_loop for c in permutes), permutes
 
 
@@ -197,7 +197,7 @@ def test_forward_under_set_mesh_equals_sequential_in_row_order():
   mesh = _mesh((8,))
   params = _stage_params(8, seed=1)
   x = np.random.default_rng(1).normal(size=(10, 3, D)).astype(np.float32)
-  pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=5)  # mesh=None: from set_mesh
+  pipe = jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=5)  # mesh=None: from set_mesh
   with jax.set_mesh(mesh):
     y = jax.jit(pipe)(*_put(mesh, params, x))
   assert_close(y, sequential(mlp_stage, params, x), rtol=1e-5)
@@ -255,7 +255,7 @@ def test_token_weighted_loss_inside_value_and_grad(data_axis):
   # 2 outer micro-batches x 2 pipeline micro-batches, with different numbers of tokens.
   tokens = np.asarray(jaxaccum.split_micro_batches(batch["mask"], num_micro_batches=2))
   assert len(set(tokens.sum(axis=(1, 2)))) == 2
-  pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=2)
+  pipe = jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=2)
   step = jaxaccum.value_and_grad(_token_loss(pipe), num_micro_batches=2, reduce="weighted",
                                  has_aux=True, aux_reduce={"tokens": "sum"},
                                  data_axis=data_axis)
@@ -291,7 +291,7 @@ def test_circular_schedule_inside_value_and_grad_data_axis(axis_type, n, m):
   mesh = _mesh((2, 4), axis_type)
   params, batch = _lm_problem()
   params["stages"] = _stage_params(4, seed=4, repeats=2)
-  pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=m, num_repeats=2)
+  pipe = jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=m, num_repeats=2)
   step = jaxaccum.value_and_grad(_token_loss(pipe), num_micro_batches=n, reduce="weighted",
                                  has_aux=True, aux_reduce={"tokens": "sum"}, data_axis="data")
   with jax.set_mesh(mesh):
@@ -322,9 +322,9 @@ def test_forward_scan_runs_the_ticks_of_the_schedule(s, m, r):
                        axis_types=(AxisType.Explicit,))
   params = _stage_params(s, repeats=r)
   x = np.ones((2 * m, D), np.float32)
-  pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=m, num_repeats=r, mesh=mesh)
+  pipe = jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=m, num_repeats=r, mesh=mesh)
   lengths = scan_lengths(jax.make_jaxpr(pipe)(*_put(mesh, params, x, r)).jaxpr)
-  assert lengths == [len(jaxaccum.pipeline_schedule(s, m, num_repeats=r))], lengths
+  assert lengths == [len(jaxaccum.contrib.pipeline_schedule(s, m, num_repeats=r))], lengths
 
 
 # ------------------------------------------------------------------- compiled programs
@@ -340,7 +340,7 @@ def _spans_stage(groups, mesh):
 def test_compiled_loop_has_one_permute_per_tick_and_no_stage_all_reduce(shape, m):
   axis_type = AxisType.Auto if len(shape) == 2 else AxisType.Explicit
   compiled, _, _ = _compiled(shape, m, axis_type=axis_type)
-  colls = jaxaccum.collectives(compiled)
+  colls = jaxaccum.planning.collectives(compiled)
   permutes = [c for c in colls if c.kind == "collective-permute"]
   # One in the forward scan, its transpose in the backward scan; both inside the loops.
   assert len(permutes) == 2 and all(c.in_loop for c in permutes), colls
@@ -381,46 +381,47 @@ def test_temp_memory_affine_in_ticks_and_lowered_by_remat():
 
 def test_options_are_checked_when_the_pipeline_is_built():
   with pytest.raises(TypeError, match="num_micro_batches must be a positive Python int"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=2.0)
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=2.0)
   with pytest.raises(ValueError, match="num_micro_batches=0"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=0)
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=0)
   with pytest.raises(TypeError, match="stage_axis must be a mesh axis name"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=2, stage_axis=("stage",))
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=2, stage_axis=("stage",))
   with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=2, mesh="stage")
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=2, mesh="stage")
   with pytest.raises(TypeError, match="stage_fn must be callable"):
-    jaxaccum.pipeline(None, num_micro_batches=2)
+    jaxaccum.contrib.pipeline(None, num_micro_batches=2)
   with pytest.raises(TypeError, match="num_repeats must be a positive Python int"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=2, num_repeats=None)
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=2, num_repeats=None)
   with pytest.raises(ValueError, match="num_stages=0"):
-    jaxaccum.pipeline_schedule(0, 2)
+    jaxaccum.contrib.pipeline_schedule(0, 2)
 
 
 def test_trace_time_errors():
   mesh = _mesh((8,))
   params = _stage_params(8)
   x = np.ones((16, D), np.float32)
-  pipe = jaxaccum.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh)
+  pipe = jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh)
   with pytest.raises(ValueError, match=r"stage_params\['w1'\] has shape \(4, 8, 16\), but "
                                        r"the stage axis 'stage' has size 8"):
     pipe(_stage_params(4), x)
   with pytest.raises(ValueError, match=r"has shape \(8, 8, 16\), but the stage axis 'stage' "
                                        r"has size 8 and num_repeats=2: every leaf needs "
                                        r"leading axes \(num_repeats, stages\) = \(2, 8\)"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh, num_repeats=2)(params, x)
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh, num_repeats=2)(params, x)
   with pytest.raises(ValueError, match="batch size 18 is not divisible by "
                                        r"num_micro_batches=4.*divisors of 18: 1, 2, 3, 6, 9, 18"):
     pipe(params, np.ones((18, D), np.float32))
   with pytest.raises(ValueError, match=r"stage_fn must return a value shaped like its input.*"
                                        r"float32\[4, 8\].*float32\[4, 16\]"):
-    jaxaccum.pipeline(lambda w, x: jnp.tanh(x @ w["w1"]), num_micro_batches=4,
-                      mesh=mesh)(params, x)
+    jaxaccum.contrib.pipeline(lambda w, x: jnp.tanh(x @ w["w1"]), num_micro_batches=4,
+                              mesh=mesh)(params, x)
   with pytest.raises(ValueError, match=r"stage_axis='pipe' names mesh axis 'pipe', which is "
                                        r"not in the mesh; its axes are \{'stage': 8\}"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh, stage_axis="pipe")(params, x)
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=4, mesh=mesh,
+                              stage_axis="pipe")(params, x)
   with pytest.raises(ValueError, match=r"stage_axis='stage' needs a mesh: pass mesh=\.\.\. "
-                                       "to jaxaccum.pipeline"):
-    jaxaccum.pipeline(mlp_stage, num_micro_batches=4)(params, x)
+                                       "to jaxaccum.contrib.pipeline"):
+    jaxaccum.contrib.pipeline(mlp_stage, num_micro_batches=4)(params, x)
   with pytest.raises(ValueError, match=r"stage_axis axes \['stage'\] are already manual here.*"
                                        "outside your shard_map over that axis"):
     jax.shard_map(lambda p, x: pipe(p, x), mesh=mesh, in_specs=(P("stage"), P()),

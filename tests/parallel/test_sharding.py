@@ -96,7 +96,7 @@ def _setup(kind, axis_type, params, batch):
 
 
 def _compile(step, *args):
-  colls = jaxaccum.collectives(step, *args)
+  colls = jaxaccum.planning.collectives(step, *args)
   assert colls.num_loops, "no while loop in the compiled program: the accumulation scan is missing"
   return colls
 

@@ -74,7 +74,7 @@ def test_reduced_params_unreduced_accumulator(bias):
     reduced = jax.tree.map(lambda p: jax.device_put(p, P(reduced={"data"})), params)
     sharded = jax.device_put(xs, P(None, "data", None))
     got = step(reduced, sharded, bias)
-    found = jaxaccum.collectives(step.lower(reduced, sharded, bias))
+    found = jaxaccum.planning.collectives(step.lower(reduced, sharded, bias))
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
   # What the recipe is for: no reduction inside either loop, one after them (XLA combines
   # the gradient leaves into one all-reduce of a tuple).

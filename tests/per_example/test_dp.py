@@ -85,8 +85,8 @@ def noisy_loss(p, batch, key):
 
 @functools.cache
 def _aux_step(method):
-  return jax.jit(jaxaccum.per_example_value_and_grad(
-      noisy_loss, jaxaccum.clip_per_example(C, method), num_micro_batches=4, has_aux=True,
+  return jax.jit(jaxaccum.dp.per_example_value_and_grad(
+      noisy_loss, jaxaccum.dp.clip_per_example(C, method), num_micro_batches=4, has_aux=True,
                                             rng_argnums=2, with_info=True,
       remat=True, aux_reduce={"err": "concat", "abs": None}))
 
@@ -120,7 +120,7 @@ def sum_loss(p, batch):
 def _skip_step(method):
   return jax.jit(jaxaccum.grad(
       sum_loss, num_micro_batches=4, reduce="sum", skip_nonfinite=True, with_info=True,
-      per_example_transform=jaxaccum.clip_per_example(C, method)))
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method)))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -147,8 +147,8 @@ def weighted_loss(p, batch):
 def test_weighted_divides_the_clipped_numerators_by_all_tokens(method):
   params, (x, y) = _problem(3)
   m = (jnp.arange(B) % 3 != 0).astype(jnp.float32)
-  value, grads = jax.jit(jaxaccum.per_example_value_and_grad(
-      weighted_loss, jaxaccum.clip_per_example(C, method), num_micro_batches=2,
+  value, grads = jax.jit(jaxaccum.dp.per_example_value_and_grad(
+      weighted_loss, jaxaccum.dp.clip_per_example(C, method), num_micro_batches=2,
                                                reduce="weighted"))(params, (x, y, m))
   ref, _ = _loop(lambda p, b: weighted_loss(p, b)[0], params, (x, y, m), range(B),
                  divisor=float(m.sum()))
@@ -163,7 +163,7 @@ def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
   params, batch = _problem(4, rows=32)
   step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2,
                  data_axis=jaxaccum.DataParallel("data", mesh=mesh), with_info=True,
-                               per_example_transform=jaxaccum.clip_per_example(C, method)))
+                               per_example_transform=jaxaccum.dp.clip_per_example(C, method)))
   with jax.set_mesh(mesh):
     grads, info = step(params, batch)
   ref, norms = _loop(mean_loss, params, batch, range(32), divisor=32)
@@ -176,7 +176,7 @@ def test_linen_and_equinox_adapters(method):
   import equinox as eqx
   import flax.linen as nn
 
-  clip = jaxaccum.clip_per_example(C, method)
+  clip = jaxaccum.dp.clip_per_example(C, method)
   x, y = _problem(5)[1]
 
   class Mlp(nn.Module):
@@ -224,7 +224,7 @@ def test_nnx_adapter(method, monkeypatch):
     return decided[-1]
 
   monkeypatch.setattr(_analysis, "decide", spy)
-  clip = jaxaccum.clip_per_example(C, method)
+  clip = jaxaccum.dp.clip_per_example(C, method)
   x, y = _problem(5)[1]
 
   class NnxMlp(nnx.Module):
@@ -255,8 +255,8 @@ def test_nnx_adapter(method, monkeypatch):
 
 @functools.cache
 def _nan_safe_step(method):
-  return jax.jit(jaxaccum.per_example_value_and_grad(
-      mean_loss, jaxaccum.clip_per_example(C, method, nan_safe=True), num_micro_batches=4,
+  return jax.jit(jaxaccum.dp.per_example_value_and_grad(
+      mean_loss, jaxaccum.dp.clip_per_example(C, method, nan_safe=True), num_micro_batches=4,
                                            skip_nonfinite=True, with_info=True))
 
 
@@ -282,8 +282,8 @@ def test_example_mask_removes_padding_from_sum_and_count_without_recompiling(met
     traces.append(1)
     return mean_loss(p, batch)
 
-  step = jax.jit(jaxaccum.per_example_value_and_grad(
-      loss, jaxaccum.clip_per_example(C, method, example_mask="mask"), num_micro_batches=4,
+  step = jax.jit(jaxaccum.dp.per_example_value_and_grad(
+      loss, jaxaccum.dp.clip_per_example(C, method, example_mask="mask"), num_micro_batches=4,
                                       batch_argnames="mask", with_info=True))
   for mask in (np.arange(B) % 5 != 0, np.arange(B) < 11):
     loss_value, grads, info = step(params, (x, y), mask=jnp.asarray(mask))
@@ -310,7 +310,7 @@ def test_user_level_clipping_with_keep_batch_dim_false(method):
 
   grads, info = jax.jit(jaxaccum.grad(
       unit_loss, num_micro_batches=4, with_info=True,
-      per_example_transform=jaxaccum.clip_per_example(C, method, keep_batch_dim=False)))(
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method, keep_batch_dim=False)))(
           params, (xu, yu))
   out, norms = [], []
   for u in range(B):
@@ -324,7 +324,7 @@ def test_user_level_clipping_with_keep_batch_dim_false(method):
 def test_dp_noise_equals_optax_dpsgd_on_per_example_gradients():
   params, batch = _problem(9)
   sigma, lr = 1.1, 0.1
-  tx = optax.chain(jaxaccum.dp_noise(C, sigma, batch_size=B, key=jax.random.key(5)),
+  tx = optax.chain(jaxaccum.dp.dp_noise(C, sigma, batch_size=B, key=jax.random.key(5)),
                    optax.sgd(lr))
   # optax's DP-SGD (dpsgd without momentum is this chain) takes per-example gradients.
   ref_tx = optax.chain(optax.contrib.differentially_private_aggregate(
@@ -333,7 +333,7 @@ def test_dp_noise_equals_optax_dpsgd_on_per_example_gradients():
   @jax.jit
   def both(params, batch):
     grads = jaxaccum.grad(mean_loss, num_micro_batches=4,
-                          per_example_transform=jaxaccum.clip_per_example(C))(params, batch)
+                          per_example_transform=jaxaccum.dp.clip_per_example(C))(params, batch)
     ours, _ = tx.update(grads, tx.init(params), params)
     per_example = jax.vmap(jax.grad(mean_loss), in_axes=(None, 0))(
         params, jax.tree.map(lambda a: a[:, None], batch))
@@ -352,18 +352,18 @@ def test_dp_noise_equals_optax_dpsgd_on_per_example_gradients():
 def test_concrete_bad_clip_norms_raise():
   for bad in (-1.0, 0, jnp.array(-1.0), jnp.array(jnp.nan), np.float32(0.0), float("nan")):
     with pytest.raises(ValueError, match="max_norm must be positive, got max_norm="):
-      jaxaccum.clip_per_example(bad)
+      jaxaccum.dp.clip_per_example(bad)
   with pytest.raises(TypeError, match="max_norm must be a scalar"):
-    jaxaccum.clip_per_example(jnp.ones(2))
+    jaxaccum.dp.clip_per_example(jnp.ones(2))
   with pytest.raises(TypeError, match="max_norm must be a positive number"):
-    jaxaccum.clip_per_example("1")
+    jaxaccum.dp.clip_per_example("1")
   with pytest.raises(ValueError, match="method must be one of 'auto', 'ghost', 'materialize'"):
-    jaxaccum.clip_per_example(1.0, "fast")
+    jaxaccum.dp.clip_per_example(1.0, "fast")
   with pytest.raises(TypeError, match="nan_safe must be a bool"):
-    jaxaccum.clip_per_example(1.0, nan_safe=1)
+    jaxaccum.dp.clip_per_example(1.0, nan_safe=1)
   with pytest.raises(ValueError, match=r"batch_argnames=\(\) does not name it"):
     jaxaccum.grad(mean_loss, num_micro_batches=2,
-                  per_example_transform=jaxaccum.clip_per_example(1.0, example_mask="mask"))
+                  per_example_transform=jaxaccum.dp.clip_per_example(1.0, example_mask="mask"))
 
 
 def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
@@ -372,7 +372,7 @@ def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
   @jax.jit
   def step(c):
     return jaxaccum.grad(mean_loss, num_micro_batches=2, skip_nonfinite=True, with_info=True,
-                         per_example_transform=jaxaccum.clip_per_example(c))(params, batch)
+                         per_example_transform=jaxaccum.dp.clip_per_example(c))(params, batch)
 
   for bad in (-1.0, 0.0, jnp.nan):
     grads, info = step(jnp.float32(bad))
@@ -382,7 +382,7 @@ def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
   ref, _ = _loop(mean_loss, params, batch, range(B), divisor=B)
   _close(grads, ref)
   # Called directly on one gradient, a traced bad norm gives NaN too.
-  out = jax.jit(lambda c: jaxaccum.clip_per_example(c)(jnp.array([3.0, 4.0])))(-1.0)
+  out = jax.jit(lambda c: jaxaccum.dp.clip_per_example(c)(jnp.array([3.0, 4.0])))(-1.0)
   assert bool(jnp.all(jnp.isnan(out)))
 
 
@@ -392,13 +392,13 @@ def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
 @pytest.mark.parametrize("method", ALL)
 def test_clip_of_a_gradient_whose_squared_norm_overflows_float32(method):
   big = {"w": jnp.array([3e19, 4e19])}  # |g| = 5e19, |g|^2 = 2.5e39 > float32's max
-  _close(jaxaccum.clip_per_example(1.0)(big)["w"], np.array([0.6, 0.8]))
+  _close(jaxaccum.dp.clip_per_example(1.0)(big)["w"], np.array([0.6, 0.8]))
   params, batch = _problem(11)
 
   def huge(p, batch):
     return 1e20 * mean_loss(p, batch)
 
-  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.
+  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.dp.
                         clip_per_example(C, method))(params, batch)
   # Every example's gradient is 1e20 times mean_loss's, far above C: clipped to C along it.
   unit = [_clip_np(_jgrad(mean_loss)(params, _rows(batch, j)), np.inf) for j in range(B)]
@@ -417,8 +417,8 @@ def test_time_major_aux_concat_under_batch_axis_one():
   opts = dict(num_micro_batches=4, batch_argnums=(1, 2), batch_axis=1, has_aux=True,
               aux_reduce="concat")
   (_, plain), _ = jaxaccum.value_and_grad(seq_loss, **opts)(params, xt, yt)
-  (_, aux), _ = jaxaccum.per_example_value_and_grad(
-      seq_loss, jaxaccum.clip_per_example(C), **opts)(params, xt, yt)
+  (_, aux), _ = jaxaccum.dp.per_example_value_and_grad(
+      seq_loss, jaxaccum.dp.clip_per_example(C), **opts)(params, xt, yt)
   _close(aux, plain, rtol=1e-5)
   _close(aux, jax.vmap(_pred, (None, 0))(params, xt), rtol=1e-5)
 
@@ -430,8 +430,8 @@ def test_scalar_per_example_aux_concatenates_to_one_entry_per_example():
     loss = mean_loss(p, batch)
     return loss, loss  # each example's own loss, a scalar
 
-  (_, losses), _ = jaxaccum.per_example_value_and_grad(
-      with_loss, jaxaccum.clip_per_example(C), num_micro_batches=4, has_aux=True,
+  (_, losses), _ = jaxaccum.dp.per_example_value_and_grad(
+      with_loss, jaxaccum.dp.clip_per_example(C), num_micro_batches=4, has_aux=True,
                                            aux_reduce="concat")(params, batch)
   _close(losses, np.array([mean_loss(params, _rows(batch, j)) for j in range(B)]), rtol=1e-5)
 
@@ -452,13 +452,13 @@ def test_an_extra_example_axis_gets_a_jaxaccum_error_not_a_convolution_rank_erro
     x, y = batch
     return jnp.mean((apply(p, x)[:, 0] - y) ** 2)
 
-  clip = jaxaccum.clip_per_example(C)
+  clip = jaxaccum.dp.clip_per_example(C)
   with pytest.raises(TypeError, match=r"(?s)reaches fun as \(1, 1, 6, 6, 1\).*Drop it.*"
                                       r"keep_batch_dim=False.*convolution requires"):
     jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=clip)(
         params, (images, labels))
   # As the error says: with keep_batch_dim=False fun sees each (1, 6, 6, 1) row, as there.
-  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=jaxaccum.
+  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=jaxaccum.dp.
                         clip_per_example(C, keep_batch_dim=False))(params, (images, labels))
   ref, _ = _loop(loss, params, (images[:, 0], labels), range(8), divisor=8)
   _close(grads, ref)
@@ -489,8 +489,8 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
 
   def peak(n, method=None):
     vg = (jaxaccum.value_and_grad(_deep_tanh_loss, num_micro_batches=n) if method is None else
-          jaxaccum.per_example_value_and_grad(
-              _deep_tanh_loss, jaxaccum.clip_per_example(1.0, method), num_micro_batches=n))
+          jaxaccum.dp.per_example_value_and_grad(
+              _deep_tanh_loss, jaxaccum.dp.clip_per_example(1.0, method), num_micro_batches=n))
     m = jax.jit(vg).lower(*shapes).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
@@ -500,7 +500,7 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
   plans = {method: jaxaccum.plan(
       _deep_tanh_loss, *shapes, memory_budget_bytes=budget, verbose=False,
       **({} if method is None else {
-          "per_example_transform": jaxaccum.clip_per_example(1.0, method)}))
+          "per_example_transform": jaxaccum.dp.clip_per_example(1.0, method)}))
       for method in (None, "ghost")}
   assert plans[None].num_micro_batches == 4
   n = plans["ghost"].num_micro_batches

@@ -71,9 +71,9 @@ def test_dp_optimizer_equals_noise_then_optimizer_with_the_same_keys(name, seed)
   sigma = float(rng.uniform(0.5, 2.0))
   batch = int(rng.integers(1, 300))
   key = jax.random.key(seed + 10)
-  ours = jaxaccum.dp_optimizer(OPTIMIZERS[name](), l2_norm_clip=C, noise_multiplier=sigma,
+  ours = jaxaccum.dp.dp_optimizer(OPTIMIZERS[name](), l2_norm_clip=C, noise_multiplier=sigma,
                                batch_size=batch, key=key)
-  ref = optax.chain(jaxaccum.dp_noise(C, sigma, batch_size=batch, key=key),
+  ref = optax.chain(jaxaccum.dp.dp_noise(C, sigma, batch_size=batch, key=key),
                     OPTIMIZERS[name]())
   s1, s2 = ours.init(params), ref.init(params)
   p1 = p2 = params
@@ -93,7 +93,7 @@ def test_dp_optimizer_adds_the_documented_noise_before_the_optimizer(seed):
   rng = np.random.default_rng(seed)
   sigma, batch = float(rng.uniform(0.1, 3.0)), int(rng.integers(1, 64))
   key = jax.random.key(seed)
-  tx = jaxaccum.dp_optimizer(optax.sgd(1.0), l2_norm_clip=C, noise_multiplier=sigma,
+  tx = jaxaccum.dp.dp_optimizer(optax.sgd(1.0), l2_norm_clip=C, noise_multiplier=sigma,
                              batch_size=batch, key=key)
   state = tx.init(params)
   g = jax.tree.map(jnp.cos, params)
@@ -110,7 +110,7 @@ def test_dp_optimizer_adds_the_documented_noise_before_the_optimizer(seed):
 
 def test_dp_optimizer_without_noise_is_the_optimizer_alone():
   params = _params(7)
-  tx = jaxaccum.dp_optimizer(optax.adam(1e-2), l2_norm_clip=C, noise_multiplier=0.0,
+  tx = jaxaccum.dp.dp_optimizer(optax.adam(1e-2), l2_norm_clip=C, noise_multiplier=0.0,
                              batch_size=32, key=jax.random.key(0))
   ref = optax.adam(1e-2)
   s1, s2 = tx.init(params), ref.init(params)
@@ -123,7 +123,7 @@ def test_dp_optimizer_without_noise_is_the_optimizer_alone():
 
 def test_dp_optimizer_passes_extra_arguments_to_the_optimizer():
   params = _params(1)
-  tx = jaxaccum.dp_optimizer(optax.polyak_sgd(), l2_norm_clip=C, noise_multiplier=0.0,
+  tx = jaxaccum.dp.dp_optimizer(optax.polyak_sgd(), l2_norm_clip=C, noise_multiplier=0.0,
                              batch_size=8, key=jax.random.key(0))
   g = jax.tree.map(jnp.ones_like, params)
   u, _ = tx.update(g, tx.init(params), params, value=jnp.float32(2.0))
@@ -132,7 +132,7 @@ def test_dp_optimizer_passes_extra_arguments_to_the_optimizer():
   _close(u, ref)
 
 
-NOISE = functools.partial(jaxaccum.dp_noise, C, 1.1, batch_size=16, key=jax.random.key(0))
+NOISE = functools.partial(jaxaccum.dp.dp_noise, C, 1.1, batch_size=16, key=jax.random.key(0))
 BEFORE = {
     "adam": lambda: optax.adam(1e-3),
     "sgd": lambda: optax.sgd(0.1),
@@ -148,46 +148,46 @@ def test_check_dp_chain_refuses_a_transform_before_the_noise(name):
   params = _params(0)
   with pytest.raises(ValueError, match=r"dp_noise is transform 1 of an optax.chain .*"
                                        r"not private.*dp_optimizer"):
-    jaxaccum.check_dp_chain(optax.chain(BEFORE[name](), NOISE()), params)
+    jaxaccum.dp.check_dp_chain(optax.chain(BEFORE[name](), NOISE()), params)
   # Deeper in a nested chain, or later in a named chain: the same.
   with pytest.raises(ValueError, match="transform 2 of an optax.chain"):
-    jaxaccum.check_dp_chain(optax.chain(optax.identity(), BEFORE[name](), NOISE()), params)
+    jaxaccum.dp.check_dp_chain(optax.chain(optax.identity(), BEFORE[name](), NOISE()), params)
   with pytest.raises(ValueError, match="transform 1 of an optax.named_chain"):
-    jaxaccum.check_dp_chain(optax.named_chain(("opt", BEFORE[name]()), ("noise", NOISE())),
+    jaxaccum.dp.check_dp_chain(optax.named_chain(("opt", BEFORE[name]()), ("noise", NOISE())),
                             params)
   # Noise first passes, nested or not, and so does dp_optimizer.
-  jaxaccum.check_dp_chain(optax.chain(NOISE(), BEFORE[name]()), params)
-  jaxaccum.check_dp_chain(optax.chain(optax.chain(NOISE(), BEFORE[name]()), optax.sgd(1.0)),
+  jaxaccum.dp.check_dp_chain(optax.chain(NOISE(), BEFORE[name]()), params)
+  jaxaccum.dp.check_dp_chain(optax.chain(optax.chain(NOISE(), BEFORE[name]()), optax.sgd(1.0)),
                           params)
-  jaxaccum.check_dp_chain(jaxaccum.dp_optimizer(
+  jaxaccum.dp.check_dp_chain(jaxaccum.dp.dp_optimizer(
       BEFORE[name](), l2_norm_clip=C, noise_multiplier=1.0, batch_size=4,
       key=jax.random.key(1)), params)
 
 
 def test_check_dp_chain_refuses_no_noise_and_noise_twice_and_warns_inside_wrappers():
   params = _params(0)
-  with pytest.raises(ValueError, match="adds no jaxaccum.dp_noise"):
-    jaxaccum.check_dp_chain(optax.adam(1e-3), params)
-  with pytest.raises(ValueError, match="adds jaxaccum.dp_noise 2 times"):
-    jaxaccum.check_dp_chain(optax.chain(NOISE(), optax.adam(1e-3), NOISE()), params)
+  with pytest.raises(ValueError, match="adds no jaxaccum.dp.dp_noise"):
+    jaxaccum.dp.check_dp_chain(optax.adam(1e-3), params)
+  with pytest.raises(ValueError, match="adds jaxaccum.dp.dp_noise 2 times"):
+    jaxaccum.dp.check_dp_chain(optax.chain(NOISE(), optax.adam(1e-3), NOISE()), params)
   with pytest.warns(UserWarning, match="sits inside MultiStepsState.*cannot be checked"):
-    jaxaccum.check_dp_chain(optax.MultiSteps(optax.chain(NOISE(), optax.sgd(0.1)), 2),
+    jaxaccum.dp.check_dp_chain(optax.MultiSteps(optax.chain(NOISE(), optax.sgd(0.1)), 2),
                             params)
   with pytest.raises(TypeError, match="tx must be an optax.GradientTransformation"):
-    jaxaccum.check_dp_chain("adam", params)
+    jaxaccum.dp.check_dp_chain("adam", params)
 
 
 def test_dp_optimizer_refuses_noise_inside_and_bad_input():
   params = _params(0)
-  tx = jaxaccum.dp_optimizer(optax.chain(optax.sgd(0.1), NOISE()), l2_norm_clip=C,
+  tx = jaxaccum.dp.dp_optimizer(optax.chain(optax.sgd(0.1), NOISE()), l2_norm_clip=C,
                              noise_multiplier=1.0, batch_size=8, key=jax.random.key(0))
-  with pytest.raises(ValueError, match="holds a jaxaccum.dp_noise of its own.*twice"):
+  with pytest.raises(ValueError, match="holds a jaxaccum.dp.dp_noise of its own.*twice"):
     tx.init(params)
-  with pytest.raises(TypeError, match="got jaxaccum.dp_noise, which dp_optimizer adds"):
-    jaxaccum.dp_optimizer(NOISE(), l2_norm_clip=C, noise_multiplier=1.0, batch_size=8,
+  with pytest.raises(TypeError, match="got jaxaccum.dp.dp_noise, which dp_optimizer adds"):
+    jaxaccum.dp.dp_optimizer(NOISE(), l2_norm_clip=C, noise_multiplier=1.0, batch_size=8,
                           key=jax.random.key(0))
   with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
-    jaxaccum.dp_optimizer(optax.adam, l2_norm_clip=C, noise_multiplier=1.0, batch_size=8,
+    jaxaccum.dp.dp_optimizer(optax.adam, l2_norm_clip=C, noise_multiplier=1.0, batch_size=8,
                           key=jax.random.key(0))
   for kw, err, pat in [({"l2_norm_clip": 0.0}, ValueError, "l2_norm_clip must be a finite float"),
                        ({"noise_multiplier": -1.0}, ValueError, "noise_multiplier must be"),
@@ -195,16 +195,16 @@ def test_dp_optimizer_refuses_noise_inside_and_bad_input():
                        ({"l2_norm_clip": float("nan")}, ValueError, "l2_norm_clip=nan")]:
     args = {"l2_norm_clip": C, "noise_multiplier": 1.0, "batch_size": 8, **kw}
     with pytest.raises(err, match=pat):
-      jaxaccum.dp_optimizer(optax.sgd(0.1), key=jax.random.key(0), **args)
+      jaxaccum.dp.dp_optimizer(optax.sgd(0.1), key=jax.random.key(0), **args)
 
 
 def test_the_chain_the_guide_once_showed_is_refused():
   # The noise after Adam: the update released is Adam's of the un-noised clipped gradient.
   w = jnp.zeros(3)
-  wrong = optax.chain(optax.adam(1e-3), jaxaccum.dp_noise(1.0, 1.1, batch_size=8,
+  wrong = optax.chain(optax.adam(1e-3), jaxaccum.dp.dp_noise(1.0, 1.1, batch_size=8,
                                                           key=jax.random.key(0)))
   with pytest.raises(ValueError, match="transform 1 of an optax.chain"):
-    jaxaccum.check_dp_chain(wrong, w)
+    jaxaccum.dp.check_dp_chain(wrong, w)
 
 
 # --- 2. Per-example randomness ---------------------------------------------------------------
@@ -227,10 +227,10 @@ def test_positional_and_keyword_keys_give_each_example_its_own_fold(n, b, seed):
   x = jnp.ones((rows, D))
   w = jnp.ones(D)
   key = jax.random.key(seed)
-  clip = jaxaccum.clip_per_example(C, "materialize")
-  pos = jaxaccum.per_example_value_and_grad(_mask_loss, clip, num_micro_batches=n, has_aux=True,
+  clip = jaxaccum.dp.clip_per_example(C, "materialize")
+  pos = jaxaccum.dp.per_example_value_and_grad(_mask_loss, clip, num_micro_batches=n, has_aux=True,
                                 aux_reduce="concat", rng_argnums=2)
-  kw = jaxaccum.per_example_value_and_grad(lambda w, x, *, key: _mask_loss(w, x, key), clip,
+  kw = jaxaccum.dp.per_example_value_and_grad(lambda w, x, *, key: _mask_loss(w, x, key), clip,
                                            num_micro_batches=n,
                                has_aux=True, aux_reduce="concat", rng_argnames="key")
   (_, m_pos), _ = pos(w, x, key)
@@ -270,7 +270,7 @@ def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, remat, n, b,
   x = jax.random.normal(jax.random.key(seed), (rows, D)) + 3.0  # no output exactly 0
   step = jaxaccum.nnx.value_and_grad(
       loss, num_micro_batches=n, has_aux=True, aux_reduce="concat", remat=remat,
-      per_example_transform=jaxaccum.clip_per_example(C, method))
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method))
   (_, masks), _ = step(model, x)
   # The documented rule: example r of micro-batch i draws with its stream's key folded
   # with r, at the stream's count of micro-batch i (the count advances once per
@@ -300,7 +300,7 @@ def test_a_plain_state_key_is_folded_and_a_state_key_fun_replaces_is_refused():
   x, w = jnp.ones((4, D)), jnp.ones(D)
   state = {"key": jax.random.key(3), "layers": jax.random.split(jax.random.key(4), 3),
            "n": jnp.int32(0)}
-  step = jaxaccum.per_example_value_and_grad(loss, jaxaccum.clip_per_example(C),
+  step = jaxaccum.dp.per_example_value_and_grad(loss, jaxaccum.dp.clip_per_example(C),
                                              num_micro_batches=2, state_argnums=2, has_aux=True,
                                  aux_reduce="concat")
   (_, (new, (keep, also))), _ = step(w, x, state)
@@ -317,7 +317,7 @@ def test_a_plain_state_key_is_folded_and_a_state_key_fun_replaces_is_refused():
     keep = jax.random.bernoulli(sub, 0.5, x.shape)
     return jnp.mean(jnp.where(keep, x * w, 0.0)), {"key": new_key, "n": state["n"]}
 
-  bad = jaxaccum.per_example_value_and_grad(advancing, jaxaccum.clip_per_example(C),
+  bad = jaxaccum.dp.per_example_value_and_grad(advancing, jaxaccum.dp.clip_per_example(C),
                                             num_micro_batches=2, state_argnums=2)
   with pytest.raises(TypeError,
                      match=r"state_argnums=\(2,\) depends on the example.*PRNG key held"):
@@ -368,13 +368,13 @@ def test_check_per_example_loss_passes_row_losses_and_refuses_mixed_ones(seed):
                          (_weighted_row_loss, (x, y, t), {"reduce": "weighted"}),
                          (lambda w, b: (_row_loss(w, b), {"n": jnp.sum(b[1])}), (x, y),
                           {"has_aux": True})]:
-    found = jaxaccum.check_per_example_loss(
-        fun, per_example_transform=jaxaccum.clip_per_example(C), **kw)(w, batch)
+    found = jaxaccum.dp.check_per_example_loss(
+        fun, per_example_transform=jaxaccum.dp.clip_per_example(C), **kw)(w, batch)
     assert found["value"] < 1e-5 and found["grads"] < 1e-4, found
   with pytest.raises(ValueError, match="mixes the rows of its batch"):
-    jaxaccum.check_per_example_loss(_contrastive)(w, x)
+    jaxaccum.dp.check_per_example_loss(_contrastive)(w, x)
   with pytest.raises(ValueError, match="mixes the rows of its batch"):
-    jaxaccum.check_per_example_loss(_batch_norm_loss)(w, (x, y))
+    jaxaccum.dp.check_per_example_loss(_batch_norm_loss)(w, (x, y))
 
 
 def _gradient_mixes_rows(w, batch):
@@ -389,7 +389,7 @@ def test_check_per_example_loss_compares_the_gradient_not_only_the_value():
   # of the mean of the examples' gradients from the batch's gradient, which
   # check_per_example_loss must report (raising above rtol), while the values agree.
   grad = jax.jit(jax.grad(_gradient_mixes_rows))
-  strict = jaxaccum.check_per_example_loss(_gradient_mixes_rows)
+  strict = jaxaccum.dp.check_per_example_loss(_gradient_mixes_rows)
   for seed in range(3):
     rng = np.random.default_rng(seed)
     batch = (jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
@@ -406,22 +406,22 @@ def test_check_per_example_loss_compares_the_gradient_not_only_the_value():
       got = float(re.search(r"and (\S+) in the gradient", str(err.value)).group(1))
       np.testing.assert_allclose(got, want, rtol=5e-3)  # printed to 3 digits
     else:
-      found = jaxaccum.check_per_example_loss(_gradient_mixes_rows, rtol=2 * want)(w, batch)
+      found = jaxaccum.dp.check_per_example_loss(_gradient_mixes_rows, rtol=2 * want)(w, batch)
       assert found["value"] == 0.0
       np.testing.assert_allclose(found["grads"], want, rtol=1e-4)
 
 
 def test_check_per_example_loss_bad_options():
   with pytest.raises(ValueError, match="rng_argnums=2 is set"):
-    jaxaccum.check_per_example_loss(_row_loss, rng_argnums=2)
+    jaxaccum.dp.check_per_example_loss(_row_loss, rng_argnums=2)
   with pytest.raises(ValueError, match="keep_batch_dim=False"):
-    jaxaccum.check_per_example_loss(
-        _row_loss, per_example_transform=jaxaccum.clip_per_example(C, keep_batch_dim=False))
+    jaxaccum.dp.check_per_example_loss(
+        _row_loss, per_example_transform=jaxaccum.dp.clip_per_example(C, keep_batch_dim=False))
   with pytest.raises(ValueError, match="example_mask='m'"):
-    jaxaccum.check_per_example_loss(
-        _row_loss, per_example_transform=jaxaccum.clip_per_example(C, example_mask="m"))
+    jaxaccum.dp.check_per_example_loss(
+        _row_loss, per_example_transform=jaxaccum.dp.clip_per_example(C, example_mask="m"))
   with pytest.raises(ValueError, match="rtol must be a positive number"):
-    jaxaccum.check_per_example_loss(_row_loss, rtol=0)
+    jaxaccum.dp.check_per_example_loss(_row_loss, rtol=0)
 
 
 # --- 4. The option pairs and every-factor-zero micro-batches, on every program ---------------
@@ -536,7 +536,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   mask[dead_rows] = False
   step = _shared_step((name, "zero: mask"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n, batch_argnames="mask",
-      per_example_transform=jaxaccum.clip_per_example(C, method, example_mask="mask")))
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method, example_mask="mask")))
   live = [j for j in range(rows) if mask[j]]
   grads = step(params, (x, y), mask=jnp.asarray(mask))
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
@@ -544,7 +544,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   # nan_safe: every example of micro-batch `dead` is not finite.
   safe = _shared_step((name, "zero: nan_safe"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n,
-      per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))
   grads = safe(params, (x, y))
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
   _close(grads, _ref(loss, params, (x, y), live, rows))
@@ -552,7 +552,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   alone = jax.tree.map(lambda a: a[dead::n], (x, y))
   zero = _shared_step((name, "zero: alone"), lambda: jaxaccum.grad(
       loss, num_micro_batches=1, reduce="sum",
-      per_example_transform=jaxaccum.clip_per_example(C, method, nan_safe=True)))(params,
+      per_example_transform=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))(params,
                                                                                  alone)
   for g in jax.tree.leaves(zero):
     np.testing.assert_array_equal(g, np.zeros_like(g))
@@ -570,8 +570,8 @@ def test_nan_safe_with_a_mask_keeps_a_real_nan_example_out_of_the_value(program,
   x, y = _data(seed, rows, nan_rows=[bad, pad])
   mask = np.ones(rows, bool)
   mask[pad] = False
-  step = _shared_step((name, "nan_safe + mask"), lambda: jaxaccum.per_example_value_and_grad(
-      loss, jaxaccum.clip_per_example(C, method, nan_safe=True,
+  step = _shared_step((name, "nan_safe + mask"), lambda: jaxaccum.dp.per_example_value_and_grad(
+      loss, jaxaccum.dp.clip_per_example(C, method, nan_safe=True,
                                                       example_mask="mask"), num_micro_batches=n,
                                                           batch_argnames="mask", with_info=True))
   value, grads, info = step(params, (x, y), mask=jnp.asarray(mask))
@@ -599,8 +599,8 @@ def test_weighted_with_a_mask_leaves_padding_tokens_out_of_the_denominator(progr
   mask = rng.random(rows) < 0.6
   mask[0] = True
   t[~mask] = 7.0  # padding rows claim tokens: they must not count
-  step = _shared_step((name, "weighted + mask"), lambda: jaxaccum.per_example_value_and_grad(
-      _mlp_weighted, jaxaccum.clip_per_example(C, method, example_mask="mask"),
+  step = _shared_step((name, "weighted + mask"), lambda: jaxaccum.dp.per_example_value_and_grad(
+      _mlp_weighted, jaxaccum.dp.clip_per_example(C, method, example_mask="mask"),
                                                num_micro_batches=n, reduce="weighted",
                                                    batch_argnames="mask"))
   value, grads = step(params, (x, y, t), mask=jnp.asarray(mask))
@@ -627,8 +627,8 @@ def test_user_level_clipping_concatenates_a_non_scalar_aux(method, seed):
     err = _mlp_rows(p, xb) - yb
     return jnp.mean(err ** 2), {"err": err, "h": jnp.tanh(xb @ p["w1"])}
 
-  (value, aux), grads = jax.jit(jaxaccum.per_example_value_and_grad(
-      unit, jaxaccum.clip_per_example(C, method, keep_batch_dim=False), num_micro_batches=n,
+  (value, aux), grads = jax.jit(jaxaccum.dp.per_example_value_and_grad(
+      unit, jaxaccum.dp.clip_per_example(C, method, keep_batch_dim=False), num_micro_batches=n,
                                       has_aux=True, aux_reduce="concat"))(
           params, (x, y))
   ref_aux = [unit(params, (x[u], y[u]))[1] for u in range(users)]
@@ -652,7 +652,7 @@ def test_place_padding_last_fills_the_first_micro_batches_and_keeps_the_gradient
   mask[rng.integers(rows)] = True
   x, y = _data(seed, rows)
   x[~mask] = 1e3  # padding holds garbage
-  (xs, ys), m, k = jaxaccum.place_padding_last((x, y), mask, num_micro_batches=n)
+  (xs, ys), m, k = jaxaccum.dp.place_padding_last((x, y), mask, num_micro_batches=n)
   real = int(mask.sum())
   assert k == max(1, -(-real // b))
   # Hand-sliced micro-batches: the first k hold every real row, in order, the rest none.
@@ -664,13 +664,13 @@ def test_place_padding_last_fills_the_first_micro_batches_and_keeps_the_gradient
   params = _mlp_params(seed)
   step = jax.jit(jaxaccum.grad(
       _mlp_loss, num_micro_batches=n, batch_argnames="mask",
-      per_example_transform=jaxaccum.clip_per_example(C, "materialize", example_mask="mask")))
+      per_example_transform=jaxaccum.dp.clip_per_example(C, "materialize", example_mask="mask")))
   full = step(params, (x, y), mask=jnp.asarray(mask))
   skipped = step(params, (xs, ys), mask=jnp.asarray(m), active_micro_batches=k)
   _close(skipped, full)
   _close(full, _ref(_mlp_loss, params, (x, y), np.flatnonzero(mask), real))
   # Inside jit, on JAX arrays: the same rows and a traced count.
-  (xj, yj), mj, kj = jax.jit(functools.partial(jaxaccum.place_padding_last,
+  (xj, yj), mj, kj = jax.jit(functools.partial(jaxaccum.dp.place_padding_last,
                                                num_micro_batches=n))((x, y), jnp.asarray(mask))
   np.testing.assert_array_equal(xj, xs)
   np.testing.assert_array_equal(mj, m)
@@ -680,18 +680,18 @@ def test_place_padding_last_fills_the_first_micro_batches_and_keeps_the_gradient
 def test_place_padding_last_bad_input():
   x = np.zeros((8, 2))
   with pytest.raises(TypeError, match="example_mask must be an array of one bool per row"):
-    jaxaccum.place_padding_last(x, [True] * 8, num_micro_batches=2)
+    jaxaccum.dp.place_padding_last(x, [True] * 8, num_micro_batches=2)
   with pytest.raises(TypeError, match="example_mask must be an array"):
-    jaxaccum.place_padding_last(x, np.ones((8, 1), bool), num_micro_batches=2)
+    jaxaccum.dp.place_padding_last(x, np.ones((8, 1), bool), num_micro_batches=2)
   with pytest.raises(ValueError, match="num_micro_batches=3 must be a positive divisor"):
-    jaxaccum.place_padding_last(x, np.ones(8, bool), num_micro_batches=3)
+    jaxaccum.dp.place_padding_last(x, np.ones(8, bool), num_micro_batches=3)
   with pytest.raises(TypeError, match="num_micro_batches must be a positive int"):
-    jaxaccum.place_padding_last(x, np.ones(8, bool), num_micro_batches=2.0)
+    jaxaccum.dp.place_padding_last(x, np.ones(8, bool), num_micro_batches=2.0)
   with pytest.raises(ValueError, match=r"batch leaf \[1\] has shape \(4,\)"):
-    jaxaccum.place_padding_last((x, np.zeros(4)), np.ones(8, bool), num_micro_batches=2)
+    jaxaccum.dp.place_padding_last((x, np.zeros(4)), np.ones(8, bool), num_micro_batches=2)
 
 
 def test_no_warning_from_the_safe_forms():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    jaxaccum.check_dp_chain(optax.chain(NOISE(), optax.adam(1e-3)), _params(0))
+    jaxaccum.dp.check_dp_chain(optax.chain(NOISE(), optax.adam(1e-3)), _params(0))

@@ -105,8 +105,8 @@ def _check(structure, method, placement, seed, explicit=True):
                              overlap_grad_reduce=overlap)
 
   def step(params, batch, c):
-    clip = jaxaccum.clip_per_example(c, method)
-    return jaxaccum.per_example_value_and_grad(loss, clip, num_micro_batches=st["n"],
+    clip = jaxaccum.dp.clip_per_example(c, method)
+    return jaxaccum.dp.per_example_value_and_grad(loss, clip, num_micro_batches=st["n"],
                                                reduce=st["kind"], data_axis=dp)(params, batch)
 
   step = jax.jit(step)

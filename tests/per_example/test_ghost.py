@@ -480,10 +480,10 @@ def test_a_scanned_lm_holds_no_more_than_plain_accumulation():
 
   def temp(transform=None):
     step = (jaxaccum.value_and_grad(loss, num_micro_batches=2) if transform is None else
-            jaxaccum.per_example_value_and_grad(loss, transform, num_micro_batches=2))
+            jaxaccum.dp.per_example_value_and_grad(loss, transform, num_micro_batches=2))
     return jax.jit(step).lower(p, tokens).compile().memory_analysis().temp_size_in_bytes
 
-  assert temp(jaxaccum.clip_per_example(1.0, "ghost")) <= temp()
+  assert temp(jaxaccum.dp.clip_per_example(1.0, "ghost")) <= temp()
 
 
 @pytest.mark.parametrize("nan_safe", [False, True])
@@ -507,10 +507,10 @@ def test_an_mlp_holds_at_most_half_again_plain_accumulations_temporaries(nan_saf
 
   def temp(transform=None):
     step = (jaxaccum.value_and_grad(loss, micro_batch_size=8) if transform is None else
-            jaxaccum.per_example_value_and_grad(loss, transform, micro_batch_size=8))
+            jaxaccum.dp.per_example_value_and_grad(loss, transform, micro_batch_size=8))
     return jax.jit(step).lower(p, batch).compile().memory_analysis().temp_size_in_bytes
 
-  clip = jaxaccum.clip_per_example(1.0, "ghost", nan_safe=nan_safe)
+  clip = jaxaccum.dp.clip_per_example(1.0, "ghost", nan_safe=nan_safe)
   assert temp(clip) <= 1.5 * temp()
 
 

@@ -59,14 +59,14 @@ def _norm(tree):
 
 # method="materialize": each example's gradient formed, as any transform's is; the other
 # methods of clip_per_example run the same options in tests/per_example/test_dp.py.
-CLIP = jaxaccum.clip_per_example(0.5, "materialize")
+CLIP = jaxaccum.dp.clip_per_example(0.5, "materialize")
 CLIP_JIT = jax.jit(CLIP)  # the same transform for the references' per-row loops
 
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_mean_matches_the_per_example_loop(n):
   params, batch = _problem()
-  step = jax.jit(jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=n))
+  step = jax.jit(jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=n))
   loss, grads = step(params, batch)
   chex.assert_trees_all_close(grads, _loop(mean_loss, params, batch, CLIP_JIT), rtol=1e-5,
                               atol=1e-6)
@@ -84,7 +84,7 @@ def test_sum_matches_the_per_example_loop_and_grad_drops_the_value():
   chex.assert_trees_all_close(step(params, batch),
                               _loop(sum_loss, params, batch, CLIP_JIT, mean=False),
                               rtol=1e-5, atol=1e-6)
-  loss, _ = jaxaccum.per_example_value_and_grad(sum_loss, CLIP, micro_batch_size=4,
+  loss, _ = jaxaccum.dp.per_example_value_and_grad(sum_loss, CLIP, micro_batch_size=4,
                                                 reduce="sum")(params, batch)
   chex.assert_trees_all_close(loss, sum_loss(params, batch), rtol=1e-6)
 
@@ -102,7 +102,7 @@ def test_identity_transform_equals_plain_accumulation_with_aux():
   red = {"abs": None, "big": None, "peak": "max", "ok": None, "err": "concat"}
   plain = jax.jit(jaxaccum.value_and_grad(fun, num_micro_batches=4, has_aux=True,
                                           aux_reduce=red))(params, batch)
-  ident = jax.jit(jaxaccum.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=4,
+  ident = jax.jit(jaxaccum.dp.per_example_value_and_grad(fun, lambda g: g, num_micro_batches=4,
                   has_aux=True,
                                           aux_reduce=red)
                   )(params, batch)
@@ -135,13 +135,13 @@ def test_clip_per_example_clips_each_example_to_the_norm():
 
 def test_clip_per_example_validates_max_norm_and_keeps_nan():
   with pytest.raises(ValueError, match="max_norm must be positive, got max_norm=0"):
-    jaxaccum.clip_per_example(0)
+    jaxaccum.dp.clip_per_example(0)
   with pytest.raises(TypeError, match="max_norm must be a positive number"):
-    jaxaccum.clip_per_example("1")
-  out = jaxaccum.clip_per_example(1.0)({"a": jnp.array([jnp.nan, 1.0])})
+    jaxaccum.dp.clip_per_example("1")
+  out = jaxaccum.dp.clip_per_example(1.0)({"a": jnp.array([jnp.nan, 1.0])})
   assert bool(jnp.isnan(out["a"][0]))
   # A traced norm (a schedule inside jit) works too.
-  clipped = jax.jit(lambda c, g: jaxaccum.clip_per_example(c)(g))(2.0, jnp.array([3.0, 4.0]))
+  clipped = jax.jit(lambda c, g: jaxaccum.dp.clip_per_example(c)(g))(2.0, jnp.array([3.0, 4.0]))
   chex.assert_trees_all_close(clipped, jnp.array([1.2, 1.6]))
 
 
@@ -159,7 +159,7 @@ def test_weighted_transforms_each_numerator_gradient_and_divides_by_all_tokens()
     return (num, den), tok
 
   batch = (x, y, mask)
-  (value, aux), grads = jax.jit(jaxaccum.per_example_value_and_grad(
+  (value, aux), grads = jax.jit(jaxaccum.dp.per_example_value_and_grad(
       loss, CLIP, num_micro_batches=4, reduce="weighted", has_aux=True)
   )(params, batch)
   num_grad = jax.jit(jax.grad(lambda p, b: fun(p, b)[0]))
@@ -183,7 +183,7 @@ def test_dict_terms_of_one_kind_transform_the_example_total():
     t = terms(p, batch)
     return t["mse"] + 0.1 * t["l1"]
 
-  loss, grads = jax.jit(jaxaccum.per_example_value_and_grad(
+  loss, grads = jax.jit(jaxaccum.dp.per_example_value_and_grad(
       terms, CLIP, num_micro_batches=4, reduce=jaxaccum.Terms({"mse": "mean", "l1": "mean"},
           weights={"l1": 0.1})))(params, batch)
   chex.assert_trees_all_close(grads, _loop(total, params, batch, CLIP_JIT), rtol=1e-5,
@@ -251,7 +251,7 @@ def test_state_shared_by_examples_passes_and_per_example_state_is_an_error():
   def counted(p, batch, state):
     return mean_loss(p, batch), {"step": state["step"] + 1}
 
-  (loss, state), grads = jaxaccum.per_example_value_and_grad(
+  (loss, state), grads = jaxaccum.dp.per_example_value_and_grad(
       counted, CLIP, num_micro_batches=4, state_argnums=2)(
           params, batch, {"step": jnp.int32(0)})
   assert int(state["step"]) == 4  # once per micro-batch, as without the transform
@@ -261,7 +261,7 @@ def test_state_shared_by_examples_passes_and_per_example_state_is_an_error():
   def stats(p, batch, state):
     return mean_loss(p, batch), {"mean": jnp.mean(batch[0], axis=0)}
 
-  step = jaxaccum.per_example_value_and_grad(stats, CLIP, num_micro_batches=4, state_argnums=2)
+  step = jaxaccum.dp.per_example_value_and_grad(stats, CLIP, num_micro_batches=4, state_argnums=2)
   with pytest.raises(TypeError, match="state_argnums=.*depends on the example"):
     step(params, batch, {"mean": jnp.zeros(D)})
 
@@ -313,7 +313,7 @@ def test_data_axis_on_eight_devices_matches_the_loop():
   params, (x, y) = _problem(11)
   x2, y2 = jnp.concatenate([x, -x]), jnp.concatenate([y, y + 1.0])  # 32 rows
   batch = (x2, y2)
-  step = jax.jit(jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
+  step = jax.jit(jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
                  data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   with jax.set_mesh(mesh):
     loss, grads = step(params, batch)
@@ -336,7 +336,7 @@ def test_micro_grad_basic_translated_from_optax():
   targets = jnp.array([0, 1, 2, 3], dtype=jnp.float32)
   opts = dict(reduce="sum", has_aux=True, aux_reduce="concat", batch_argnums=(1, 2),
               micro_batch_size=2)
-  (value, values), grads = jaxaccum.per_example_value_and_grad(
+  (value, values), grads = jaxaccum.dp.per_example_value_and_grad(
       mean_squared_loss, lambda g: g, **opts)(params, features, targets)
   chex.assert_trees_all_close(grads, jnp.array([-6.0]))
   chex.assert_trees_all_close(values, jnp.array([0, 0.5, 2, 4.5]))
@@ -355,12 +355,12 @@ def test_micro_grad_early_stopping_translated_from_optax():
 def test_errors_name_the_option():
   params, batch = _problem()
   with pytest.raises(TypeError, match="per_example_transform must be a function"):
-    jaxaccum.per_example_value_and_grad(mean_loss, 1.0, num_micro_batches=2)
+    jaxaccum.dp.per_example_value_and_grad(mean_loss, 1.0, num_micro_batches=2)
   with pytest.raises(ValueError, match=r"per_example_transform .* mixes the kinds"):
-    jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2, reduce={"a": "mean",
-                                        "b": "sum"})
+    jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
+                                           reduce={"a": "mean", "b": "sum"})
   with pytest.raises(ValueError, match=r"per_example_transform .* 2 weighted terms"):
-    jaxaccum.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
+    jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
                                         reduce={"a": "weighted", "b": "weighted"})
   wrong = jaxaccum.grad(mean_loss, num_micro_batches=2,
                         per_example_transform=lambda g: (g, g))

@@ -188,7 +188,7 @@ def test_per_layer_clip_norms_every_method(seed, loss, scan):
   limits = {"enc": float(rng.uniform(0.2, 1.0)), "head": float(rng.uniform(0.5, 2.0))}
   want = _per_layer_reference(loss, params, batch, limits)
   for method in ("materialize", "auto", "ghost"):
-    clip = jaxaccum.clip_per_example(limits, method)
+    clip = jaxaccum.dp.clip_per_example(limits, method)
     got = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
                                 per_example_transform=clip))(params, batch)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
@@ -210,7 +210,7 @@ def test_per_layer_clip_norms_under_both_ghost_programs(program):
   batch = (rng.normal(size=(6, 1, 4)).astype(np.float32),
            rng.normal(size=(6, 1, 3)).astype(np.float32))
   limits = {"enc": 0.3, "head": 1.1}
-  clip = jaxaccum.clip_per_example(limits)
+  clip = jaxaccum.dp.clip_per_example(limits)
   groups = clip.leaf_groups(params)
   got = jax.jit(lambda p, b: _ghost.clipped_sum(
       lambda d, x: (_mlp(d[0], x), ()), (p,), b, 0, clip.factors, strict=True, norms=True,
@@ -249,7 +249,7 @@ def test_per_layer_clip_norms_with_a_materialised_leaf_in_each_group(seed):
     else:
       groups[name] = float(rng.uniform(0.1, 1.0))
   groups["l2"] = float(rng.uniform(0.5, 2.0))
-  clip = jaxaccum.clip_per_example(_merged(groups))  # max_norm as a prefix of params
+  clip = jaxaccum.dp.clip_per_example(_merged(groups))  # max_norm as a prefix of params
   assert len(set(clip.leaf_groups(params))) == len(groups)
   rules = _ghost.rules(lambda d, x: (_scaled_mlp(d[0], x), ()), (params,),
                        jax.tree.map(lambda a: a[:, None], batch), 0)
@@ -286,16 +286,16 @@ def _grouped_mlp(q, batch):
 def test_per_layer_clip_norms_errors():
   with pytest.raises(ValueError, match="prefix of the gradient"):
     jax.jit(jaxaccum.grad(_mlp, num_micro_batches=1, per_example_transform=(
-        jaxaccum.clip_per_example({"encoder": 1.0, "head": 1.0}))))(
+        jaxaccum.dp.clip_per_example({"encoder": 1.0, "head": 1.0}))))(
             _mlp_params(0), (np.zeros((2, 4), np.float32), np.zeros((2, 3), np.float32)))
   with pytest.raises(ValueError, match="holds no clip norm"):
-    jaxaccum.clip_per_example({})
+    jaxaccum.dp.clip_per_example({})
   with pytest.raises(ValueError, match="max_norm must be positive"):
-    jaxaccum.clip_per_example({"enc": 1.0, "head": -1.0})
+    jaxaccum.dp.clip_per_example({"enc": 1.0, "head": -1.0})
 
 
 def test_per_layer_clip_called_on_one_gradient():
-  clip = jaxaccum.clip_per_example({"a": 1.0, "b": 10.0})
+  clip = jaxaccum.dp.clip_per_example({"a": 1.0, "b": 10.0})
   got = clip({"a": jnp.array([3.0, 4.0]), "b": jnp.array([3.0, 4.0])})
   chex.assert_trees_all_close(got, {"a": jnp.array([0.6, 0.8]), "b": jnp.array([3.0, 4.0])})
 
@@ -316,7 +316,7 @@ def test_the_gram_guard_under_data_axis(method):
 
   step = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
                  mesh=mesh), reduce="sum", with_info=True,
-                               per_example_transform=jaxaccum.clip_per_example(1.0, method)))
+                               per_example_transform=jaxaccum.dp.clip_per_example(1.0, method)))
   with jax.set_mesh(mesh):
     _, info = step(params, x)
   want = [np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(
@@ -350,13 +350,13 @@ def test_auto_materialises_where_ghost_norms_save_little():
                                       (_mlp, mlp, mlp_batch, False)):
     one = jax.tree.map(lambda a: a[:, None], batch)
     got = _ghost.clipped_sum(lambda d, x, loss=loss: (loss(d[0], x), ()), (params,), one, 0,
-                             jaxaccum.clip_per_example(0.5).factors, strict=False,
+                             jaxaccum.dp.clip_per_example(0.5).factors, strict=False,
                              norms=True, auto=True)
     assert (got is None) == little
     auto = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
-                                 per_example_transform=jaxaccum.clip_per_example(0.5)))
+                                 per_example_transform=jaxaccum.dp.clip_per_example(0.5)))
     ref = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
-                                per_example_transform=jaxaccum.clip_per_example(
+                                per_example_transform=jaxaccum.dp.clip_per_example(
                                     0.5, "materialize")))
     chex.assert_trees_all_close(auto(params, batch), ref(params, batch), rtol=1e-5, atol=1e-6)
 
@@ -386,7 +386,7 @@ def _bf16_alone(act, method):
   ``c`` traced: one program per shape."""
   return jax.jit(lambda params, row, c: jaxaccum.grad(
       _bf16_layers(act), num_micro_batches=1, reduce="sum",
-      per_example_transform=jaxaccum.clip_per_example(c, method))(params, row))
+      per_example_transform=jaxaccum.dp.clip_per_example(c, method))(params, row))
 
 
 def _narrow_cases(count=8, examples=16):
@@ -454,7 +454,7 @@ def test_a_bfloat16_second_pass_asked_for_is_refused():
   rng = np.random.default_rng(3)
   xs = (rng.normal(size=(4, 1, 4)).astype(np.float32),
         rng.normal(size=(4, 1, 3)).astype(np.float32))
-  weigh = jaxaccum.clip_per_example(0.5).factors
+  weigh = jaxaccum.dp.clip_per_example(0.5).factors
   with pytest.raises(ValueError, match="program='second' was asked for.*bfloat16"):
     _ghost.clipped_sum(f, (params,), xs, 0, weigh, strict=True, program="second")
   assert _ghost.clipped_sum(f, (params,), xs, 0, weigh, strict=False, program="second",
@@ -473,9 +473,9 @@ def test_per_layer_norms_in_a_narrow_scanned_program():
   limits = {"enc": 0.05, "head": 2.0}
   with pytest.raises(ValueError, match="cannot bound each example's contribution"):
     jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=2, per_example_transform=(
-        jaxaccum.clip_per_example(limits, "ghost"))))(params, batch)
+        jaxaccum.dp.clip_per_example(limits, "ghost"))))(params, batch)
   one = jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=1, reduce="sum",
-                              per_example_transform=jaxaccum.clip_per_example(limits)))
+                              per_example_transform=jaxaccum.dp.clip_per_example(limits)))
   for j in range(6):
     got = one(params, jax.tree.map(lambda a, j=j: a[j:j + 1], batch))
     for name, c in limits.items():

@@ -1,4 +1,4 @@
-"""Tests for ``jaxaccum.collectives``: the collectives of a compiled program, never run.
+"""Tests for ``jaxaccum.planning.collectives``: the collectives of a compiled program, never run.
 
 Every count is checked against the compiled HLO text read independently (plain regular
 expressions over ``compiled.as_text()``), every size against ``prod(shape) * itemsize``, and
@@ -67,7 +67,7 @@ def test_psum_in_shard_map_is_one_all_reduce_outside_any_loop():
   f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x * 2, "data"), mesh=mesh,
                             in_specs=P("data"), out_specs=P()))
   x = sds((64, 3), jnp.float32, mesh, P("data"))
-  got = jaxaccum.collectives(f, x)
+  got = jaxaccum.planning.collectives(f, x)
   text = f.lower(x).compile().as_text()
   assert text_count(text, "all-reduce") == 1
   assert got.count() == got.count("all-reduce") == 1 and len(got) == 1
@@ -90,7 +90,7 @@ def test_psum_inside_a_fori_loop_is_in_the_loop():
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                             check_vma=False))
   x = sds((16,), jnp.float32, mesh, P("data"))
-  got = jaxaccum.collectives(f, x)
+  got = jaxaccum.planning.collectives(f, x)
   text = f.lower(x).compile().as_text()
   assert text_count(text, "all-reduce") == got.count() == 1
   (c,) = got
@@ -113,7 +113,7 @@ def test_nested_loops_give_depth_two():
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                             check_vma=False))
   x = sds((16,), jnp.float32, mesh, P("data"))
-  got = jaxaccum.collectives(f, x)
+  got = jaxaccum.planning.collectives(f, x)
   text = f.lower(x).compile().as_text()
   assert text_count(text, "all-reduce") == got.count() == 1
   (c,) = got
@@ -142,7 +142,7 @@ def test_fsdp_all_gather_and_reduce_scatter():
                             out_specs=P("fsdp"), check_vma=False))
   w = sds((8, 4), jnp.float32, mesh, P("fsdp"))
   x = sds((32, 4), jnp.float32, mesh, P(("data", "fsdp")))
-  got = jaxaccum.collectives(f, w, x)
+  got = jaxaccum.planning.collectives(f, w, x)
   text = f.lower(w, x).compile().as_text()
   for kind in ("all-gather", "reduce-scatter"):
     assert got.count(kind) == text_count(text, kind) == 1, (kind, got)
@@ -166,7 +166,7 @@ def test_a_tuple_all_reduce_is_one_op_whose_bytes_are_the_sum():
                             check_vma=False))
   x = sds((16, 8), jnp.float32, mesh, P("data"))
   w = sds((256, 512), jnp.float32, mesh, P())
-  got = jaxaccum.collectives(f, x, w)
+  got = jaxaccum.planning.collectives(f, x, w)
   text = f.lower(x, w).compile().as_text()
   assert text_count(text, "all-reduce") == got.count() == 1
   (c,) = got
@@ -187,7 +187,7 @@ def test_other_kinds_and_their_axes():
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "fsdp"),
                             out_specs=P("data", "fsdp"), check_vma=False))
   x = sds((16, 8), jnp.float32, mesh, P("data", "fsdp"))
-  got = jaxaccum.collectives(f, x)
+  got = jaxaccum.planning.collectives(f, x)
   text = f.lower(x).compile().as_text()
   for kind in ("collective-permute", "all-to-all"):
     assert got.count(kind) == text_count(text, kind) == 1
@@ -229,7 +229,7 @@ def test_value_and_grad_with_and_without_data_axis(axis_type):
   once = jax.jit(jaxaccum.value_and_grad(loss_fn, num_micro_batches=4,
                  data_axis=jaxaccum.DataParallel("data", mesh=mesh)))
   for fn in (plain, once):
-    got = jaxaccum.collectives(fn, params, batch)
+    got = jaxaccum.planning.collectives(fn, params, batch)
     text = fn.lower(params, batch).compile().as_text()
     assert got.count("all-reduce") == text_count(text, "all-reduce") == got.count()
     for c in got:
@@ -267,7 +267,7 @@ def test_two_branches_of_one_cond_run_one_all_reduce():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
   args = sds((1,), jnp.float32, mesh, P()), sds((16, 3), jnp.float32, mesh, P("data"))
-  got = jaxaccum.collectives(f, *args)
+  got = jaxaccum.planning.collectives(f, *args)
   text = f.lower(*args).compile().as_text()
   (branches,) = branch_names(text)  # one conditional, both its branches all-reduce
   assert got.count() == text_count(text, "all-reduce") == 3
@@ -291,7 +291,7 @@ def test_micro_batch_loop_under_traced_active_micro_batches_is_an_upper_bound():
   vg = jaxaccum.value_and_grad(loss_fn, num_micro_batches=4)
   w, x = sds((3,), jnp.float32, mesh, P()), sds((64, 3), jnp.float32, mesh, P("data"))
   traced = jax.jit(lambda w, x, k: vg(w, x, active_micro_batches=k))
-  got = jaxaccum.collectives(traced, w, x, sds((), jnp.int32))
+  got = jaxaccum.planning.collectives(traced, w, x, sds((), jnp.int32))
   text = traced.lower(w, x, sds((), jnp.int32)).compile().as_text()
   branches = set().union(*branch_names(text))
   # The loop's body runs micro-batch i only while i < k: its all-reduce is in a branch.
@@ -301,7 +301,7 @@ def test_micro_batch_loop_under_traced_active_micro_batches_is_an_upper_bound():
   assert got.max_executions() == 4 * got.count()
   assert str(got).splitlines()[2].split()[-1] == f"≤{4 * got.count()}", str(got)
   # Without active_micro_batches every micro-batch runs: exact counts, nothing conditional.
-  plain = jaxaccum.collectives(jax.jit(vg), w, x)
+  plain = jaxaccum.planning.collectives(jax.jit(vg), w, x)
   assert plain.count() >= 1 and not any(c.conditional for c in plain), plain
   assert plain.max_executions() == sum(c.executions for c in plain) == 4 * plain.count()
   assert "≤" not in str(plain)
@@ -328,14 +328,15 @@ def test_runs_add_up_over_call_sites_and_take_the_larger_branch():
       'backend_config={"known_trip_count":{"n":"3"}}',
       "  ROOT %k = f32[8]{0} conditional(pred[] %i, f32[8]{0} %w, f32[8]{0} %w), "
       "true_computation=%twice, false_computation=%none", "}"])
-  (c,) = jaxaccum.Collectives.from_text(text)  # one op, in a computation called from 4 sites
+  # one op, in a computation called from 4 sites
+  (c,) = jaxaccum.planning.Collectives.from_text(text)
   # Once from ENTRY, 3 times from the loop's body, twice from the true branch.
   assert c.executions == 1 + 3 + 2 and c.conditional and c.loop_depth == 1
-  got = jaxaccum.Collectives.from_text(text)
+  got = jaxaccum.planning.Collectives.from_text(text)
   assert got.max_executions() == 1 + 3 + 2  # the true branch runs more than the false one
   assert str(got).splitlines()[2].split()[-1] == "≤6"
   # Without the conditional every run is certain.
-  exact = jaxaccum.Collectives.from_text(text.replace(
+  exact = jaxaccum.planning.Collectives.from_text(text.replace(
       "conditional(pred[] %i, f32[8]{0} %w, f32[8]{0} %w), true_computation=%twice, "
       "false_computation=%none", "call(f32[8]{0} %w), to_apply=%body"))
   assert [(c.executions, c.conditional) for c in exact] == [(1 + 3 + 1, False)]
@@ -360,9 +361,9 @@ def test_never_runs_fn():
     return jax.pure_callback(count, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2
 
   x = jnp.ones((8, 2))
-  got = jaxaccum.collectives(f, x)
+  got = jaxaccum.planning.collectives(f, x)
   assert got.count() == 0 and calls == []
-  got = jaxaccum.collectives(jax.jit(f), x=x)  # a jitted fn, arguments by keyword
+  got = jaxaccum.planning.collectives(jax.jit(f), x=x)  # a jitted fn, arguments by keyword
   assert got.count() == 0 and calls == []
 
 
@@ -375,9 +376,9 @@ def test_lowered_and_compiled_programs_and_keyword_arguments():
   x = sds((64,), jnp.float32, mesh, P("data"))
   s = sds((), jnp.float32)
   lowered = jax.jit(f).lower(x, scale=s)
-  by_fn = jaxaccum.collectives(f, x, scale=s)
-  assert by_fn.ops and by_fn == jaxaccum.collectives(lowered)
-  assert by_fn == jaxaccum.collectives(lowered.compile())
+  by_fn = jaxaccum.planning.collectives(f, x, scale=s)
+  assert by_fn.ops and by_fn == jaxaccum.planning.collectives(lowered)
+  assert by_fn == jaxaccum.planning.collectives(lowered.compile())
   text = lowered.compile().as_text()
   assert sum(text_count(text, k) for k in _collectives.KINDS) == by_fn.count()
 
@@ -392,7 +393,7 @@ def test_summary_lists_each_kind_with_its_counts():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("fsdp")),
                             out_specs=(P("data"), P()), check_vma=False))
-  got = jaxaccum.collectives(f, sds((16,), jnp.float32, mesh, P("data")),
+  got = jaxaccum.planning.collectives(f, sds((16,), jnp.float32, mesh, P("data")),
                              sds((8, 2), jnp.float32, mesh, P("fsdp")))
   text = str(got)
   assert text == got.summary()
@@ -413,7 +414,7 @@ def test_mesh_axes_from_the_mesh_set_with_set_mesh():
   g = jax.shard_map(f, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x"), check_vma=False)
   a = np.ones((4, 8), np.float32)  # not placed: the mesh comes from the context
   with jax.set_mesh(mesh):
-    got = jaxaccum.collectives(g, a)
+    got = jaxaccum.planning.collectives(g, a)
   assert [c.mesh_axes for c in got] == [("y",)]
 
 
@@ -441,9 +442,9 @@ MESH_2x4 = {"a": 2, "b": 4}
 def test_replica_group_spellings(groups, expected, axes):
   text = _module(f"ROOT %r = f32[8]{{0}} all-reduce(f32[8]{{0}} %p), channel_id=1, "
                  f"replica_groups={groups}, use_global_device_ids=true, to_apply=%add")
-  (c,) = jaxaccum.Collectives.from_text(text, mesh=MESH_2x4)
+  (c,) = jaxaccum.planning.Collectives.from_text(text, mesh=MESH_2x4)
   assert c.replica_groups == expected and c.mesh_axes == axes and c.groups == groups
-  (c,) = jaxaccum.Collectives.from_text(text)  # without a mesh: groups, and named axes
+  (c,) = jaxaccum.planning.Collectives.from_text(text)  # without a mesh: groups, and named axes
   named = groups.startswith("mesh")
   assert c.mesh_axes == (tuple(re.findall(r"'(\w+)'", groups.split("{")[1])) if named else None)
 
@@ -451,7 +452,7 @@ def test_replica_group_spellings(groups, expected, axes):
 def test_unread_groups_keep_the_raw_text():
   text = _module("ROOT %r = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups=something new, "
                  "to_apply=%add")
-  (c,) = jaxaccum.Collectives.from_text(text, mesh=MESH_2x4)
+  (c,) = jaxaccum.planning.Collectives.from_text(text, mesh=MESH_2x4)
   assert c.groups == "something new" and c.replica_groups is None and c.mesh_axes is None
 
 
@@ -473,7 +474,7 @@ def test_async_pairs_count_once_with_the_done_ops_results():
       "source_target_pairs={{0,1}}",
       "%cpd2 = f32[4]{0} collective-permute-done(%cps2)",
       "ROOT %t = (f32[8]{0}) tuple(%agd)")
-  got = jaxaccum.Collectives.from_text(text)
+  got = jaxaccum.planning.Collectives.from_text(text)
   assert [c.kind for c in got] == ["all-reduce", "all-gather", "reduce-scatter",
                                    "collective-permute", "collective-permute"]
   ar, ag, rs, cp, cp2 = got
@@ -501,7 +502,7 @@ def test_collectives_in_called_computations_and_conditionals():
       "%cond (p: f32[8]) -> pred[] {", "  ROOT %b = pred[] constant(true)", "}",
       "ENTRY %main (p: f32[8]) -> f32[8] {",
       "  ROOT %w = f32[8]{0} while(f32[8]{0} %p), condition=%cond, body=%body", "}"])
-  got = jaxaccum.Collectives.from_text(text)
+  got = jaxaccum.planning.Collectives.from_text(text)
   assert sorted(c.kind for c in got) == ["all-gather", "all-reduce"]  # %dead is not called
   assert all(c.loop_depth == 1 and c.executions is None for c in got)  # no known trip count
   assert "?" in str(got).splitlines()[2]
@@ -512,7 +513,7 @@ def test_collectives_in_called_computations_and_conditionals():
 
 def test_fn_that_is_not_callable():
   with pytest.raises(TypeError, match=r"fn must be a function.*got 3 of type int"):
-    jaxaccum.collectives(3, jnp.ones(2))
+    jaxaccum.planning.collectives(3, jnp.ones(2))
 
 
 def test_arguments_that_cannot_be_lowered_are_named():
@@ -521,25 +522,25 @@ def test_arguments_that_cannot_be_lowered_are_named():
 
   with pytest.raises(TypeError, match=r"args\[1\]\['name'\] = 'abc' \(of type str\).*"
                      r"jax.ShapeDtypeStruct"):
-    jaxaccum.collectives(f, jnp.ones(2), {"x": jnp.ones(2), "name": "abc"})
+    jaxaccum.planning.collectives(f, jnp.ones(2), {"x": jnp.ones(2), "name": "abc"})
   with pytest.raises(TypeError, match=r"kwargs\['w'\] = <object object"):
-    jaxaccum.collectives(jax.jit(f), w=object(), batch={"x": jnp.ones(2)})
+    jaxaccum.planning.collectives(jax.jit(f), w=object(), batch={"x": jnp.ones(2)})
 
 
 def test_arguments_with_a_compiled_program():
   compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()
   with pytest.raises(TypeError, match="already a Compiled program"):
-    jaxaccum.collectives(compiled, jnp.ones(2))
+    jaxaccum.planning.collectives(compiled, jnp.ones(2))
 
 
 def test_unknown_kind_and_text_without_entry():
-  got = jaxaccum.collectives(lambda x: x, jnp.ones(2))
+  got = jaxaccum.planning.collectives(lambda x: x, jnp.ones(2))
   with pytest.raises(ValueError, match=r"kind='all_reduce' is not a collective kind.*all-reduce"):
     got.count("all_reduce")
   with pytest.raises(ValueError, match="no ENTRY computation"):
-    jaxaccum.Collectives.from_text("not HLO")
+    jaxaccum.planning.Collectives.from_text("not HLO")
   with pytest.raises(TypeError, match="mesh must be"):
-    jaxaccum.Collectives.from_text(_module("ROOT %c = f32[8] copy(%p)"), mesh=8)
+    jaxaccum.planning.Collectives.from_text(_module("ROOT %c = f32[8] copy(%p)"), mesh=8)
 
 
 def test_a_loops_condition_runs_once_more_than_its_body():
@@ -561,12 +562,12 @@ def test_a_loops_condition_runs_once_more_than_its_body():
       "ENTRY %main (p: f32[8]) -> f32[8] {",
       "  ROOT %w = f32[8]{0} while(f32[8]{0} %p), condition=%cond, body=%body, "
       'backend_config={"known_trip_count":{"n":"3"}}', "}"])
-  got = jaxaccum.Collectives.from_text(text)
+  got = jaxaccum.planning.Collectives.from_text(text)
   runs = {c.line.split()[0]: (c.executions, c.loop_depth, c.conditional) for c in got}
   assert runs == {"ROOT": (3, 1, False), "%r": (3 + 1, 1, False)}, runs
   assert got.max_executions() == 3 + (3 + 1) and got.select(in_loop=True).count() == 2
   assert str(got).splitlines()[2].split()[-1] == "7", str(got)
   # Unknown trip count: unknown runs, for either op.
-  unknown = jaxaccum.Collectives.from_text(text.replace(
+  unknown = jaxaccum.planning.Collectives.from_text(text.replace(
       ', backend_config={"known_trip_count":{"n":"3"}}', ""))
   assert [c.executions for c in unknown] == [None, None] and unknown.max_executions() is None

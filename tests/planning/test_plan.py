@@ -326,7 +326,7 @@ def test_plan_reports_the_collectives_of_each_candidate(data_axis):
     row = next(r for r in table if re.match(rf"\s*{c.num_micro_batches}\s", r))
     assert row.split()[-5 if "chosen" in row else -3] == str(c.in_loop_collectives), row
   # The chosen program's own collectives, read from the compiled program the plan returns.
-  assert p.collectives == jaxaccum.collectives(p.compiled)
+  assert p.collectives == jaxaccum.planning.collectives(p.compiled)
   assert p.collectives.count("all-reduce") == len(
       re.findall(r"\sall-reduce(?:-start)?\(", p.compiled.as_text())) > 0
   assert p.collectives.count(in_loop=True) == p.candidates[0].in_loop_collectives
@@ -530,7 +530,7 @@ def test_gpu_target_errors_without_a_gpu_or_the_extra():
   with pytest.raises(ValueError, match=r"num_devices=8 needs target=\.\.\."):
     jaxaccum.plan(mlp_loss, params, batch, memory_budget_bytes=HUGE, num_devices=8)
   with pytest.raises(ValueError, match="capture_gpu_target needs a CUDA GPU"):
-    jaxaccum.capture_gpu_target()
+    jaxaccum.planning.capture_gpu_target()
   try:
     importlib.metadata.version("jax-cuda12-plugin")
   except importlib.metadata.PackageNotFoundError:  # the main test environment: not installed
@@ -538,7 +538,7 @@ def test_gpu_target_errors_without_a_gpu_or_the_extra():
                        match=r"install them with `pip install 'jaxaccum\[gpu-plan\]'`"):
       jaxaccum.plan(mlp_loss, params, batch, target="h100")
     with pytest.raises(ImportError, match="jax-cuda12-plugin and jax-cuda12-pjrt not installed"):
-      jaxaccum.target_mesh("h100", (8,), ("data",))
+      jaxaccum.planning.target_mesh("h100", (8,), ("data",))
 
 
 def test_shipped_descriptions_and_the_default_budget(monkeypatch):
