@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum._core import _info, _reduce, _sharding, _stats, _validate
+from jaxaccum._core import _info, _options, _reduce, _sharding, _stats, _validate
 from jaxaccum._core._types import PyTree
 
 # The defaults' leaves below (the empty AccumInfo's too, jax.Array in its fields) are numpy
@@ -250,8 +250,12 @@ class MultiSteps:
       whole gradient, in float32 or the wider ``accumulator_dtype``), then applies the
       inner optimizer. ``should_skip_update_fn`` sees the pieces, and ``skip_nonfinite``
       costs one boolean all-reduce per call; ``with_info`` is not available.
-    mesh: the mesh holding ``data_axis``; ``None`` uses the mesh set with
-      :func:`jax.set_mesh` when :meth:`init` runs.
+      ``data_axis=jaxaccum.DataParallel(axis, mesh=mesh)`` names the mesh holding the axes
+      (a ``DataParallel`` with a placement is refused: the pieces come reduced by
+      nothing); without a mesh, the one set with :func:`jax.set_mesh` when :meth:`init`
+      runs.
+    mesh: deprecated (kept for one release with a :class:`DeprecationWarning`): pass
+      ``data_axis=jaxaccum.DataParallel(axis, mesh=mesh)``.
 
   Raises:
     ValueError, TypeError: ``every_k_schedule`` is not a positive int or a callable,
@@ -303,7 +307,7 @@ class MultiSteps:
       with_info: bool = False,
       micro_batch_size: float | None = None,
       skip_nonfinite: bool = False,
-      data_axis: str | Sequence[str] | None = None,
+      data_axis: str | Sequence[str] | _options.DataParallel | None = None,
       mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
@@ -349,7 +353,9 @@ class MultiSteps:
           f"micro_batch_size={micro_batch_size} is used only by the statistics; pass "
           "with_info=True as well, or leave micro_batch_size unset.")
     self._skip_nonfinite = _validate.check_bool("skip_nonfinite", skip_nonfinite)
-    self._data_axis = _sharding.check_data_axis(data_axis)
+    axis, mesh = _options.unreduced_axes(
+        "MultiSteps", data_axis, {} if mesh is None else {"mesh": mesh})
+    self._data_axis = _sharding.check_data_axis(axis)
     self._mesh = _sharding.check_mesh(mesh, self._data_axis)
     if self._data_axis is not None and self._with_info:
       raise ValueError(

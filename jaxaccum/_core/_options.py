@@ -531,3 +531,27 @@ def check_overlap(overlap: Any, axes: Any) -> bool:
         "data_axis='data' (the mesh axis the batch is sharded over), or drop "
         "overlap_grad_reduce.")
   return overlap
+
+
+def unreduced_axes(where: str, data_axis: Any, given: dict[str, Any]) -> tuple[Any, Any]:
+  """``(axis names, mesh)`` for a front end that reduces nothing across devices itself
+  (``local_value_and_grad``, ``MultiSteps``): ``data_axis`` is axis names or a
+  :class:`DataParallel` without a placement, and ``given`` may hold the deprecated
+  ``mesh=`` keyword (popped, with a :class:`DeprecationWarning`)."""
+  mesh = None
+  if "mesh" in given:
+    warnings.warn(
+        f"{where}(mesh=...) is deprecated and will be removed in the next release: use "
+        f"{DEPRECATED['mesh'].instead}.", DeprecationWarning, stacklevel=3)
+    mesh = given.pop("mesh")
+    if isinstance(data_axis, DataParallel):
+      raise TypeError(f"{where} got mesh= and data_axis=DataParallel(...) both: give the "
+                      "mesh inside DataParallel only.")
+  if isinstance(data_axis, DataParallel):
+    if dataclasses.replace(data_axis, mesh=None) != DataParallel(data_axis.axis):
+      raise TypeError(
+          f"{where} reduces nothing across devices, so it takes DataParallel(axis, "
+          f"mesh=...) only, got data_axis={data_axis!r}: drop param_gather, grad_scatter and "
+          "overlap_grad_reduce.")
+    data_axis, mesh = data_axis.axis, data_axis.mesh
+  return data_axis, mesh

@@ -15,7 +15,6 @@ gradients and sums them over the leading axis once, on the window's last call.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,7 +118,8 @@ def local_value_and_grad(
   >>> bool(jnp.allclose(value.sum(), full_value)), bool(jnp.allclose(grads.sum(0), full_grads))
   (True, True)
   """
-  data_axis, mesh, accumulate = _parallel(data_axis, accumulate)
+  accumulate = dict(accumulate)
+  data_axis, mesh = _options.unreduced_axes("local_value_and_grad", data_axis, accumulate)
   axes = _sharding.check_data_axis(data_axis)
   if axes is None:
     raise TypeError(
@@ -215,30 +215,6 @@ def _refuse_state(state: Any) -> None:
         "data shard would update its own copy of the state and nothing joins the copies. "
         "Drop state_argnums and return the state in aux (it comes back stacked, one entry "
         "per shard), or use jaxaccum.value_and_grad(..., state_argnums=..., data_axis=...).")
-
-
-def _parallel(data_axis: Any, accumulate: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-  """``(axes, mesh, other options)`` from ``data_axis`` (a :class:`jaxaccum.DataParallel` or
-  axis names) and the deprecated ``mesh=`` keyword."""
-  accumulate = dict(accumulate)
-  mesh = None
-  if "mesh" in accumulate:
-    warnings.warn(
-        "local_value_and_grad(mesh=...) is deprecated and will be removed in the next "
-        f"release: use {_options.DEPRECATED['mesh'].instead}.", DeprecationWarning, stacklevel=3)
-    mesh = accumulate.pop("mesh")
-    if isinstance(data_axis, _options.DataParallel):
-      raise TypeError("local_value_and_grad got mesh= and data_axis=DataParallel(...) both: "
-                      "give the mesh inside DataParallel only.")
-  if isinstance(data_axis, _options.DataParallel):
-    if (data_axis.param_gather, data_axis.grad_scatter,
-        data_axis.overlap_grad_reduce) != ("step", "micro_batch", False):
-      raise TypeError(
-          f"local_value_and_grad reduces nothing across devices, so it takes "
-          f"DataParallel(axis, mesh=...) only, got {data_axis!r}: drop param_gather, "
-          "grad_scatter and overlap_grad_reduce.")
-    data_axis, mesh = data_axis.axis, data_axis.mesh
-  return data_axis, mesh, accumulate
 
 
 def _reshard_rows(x: jax.Array, mesh: Any, axes: tuple[str, ...]) -> jax.Array:

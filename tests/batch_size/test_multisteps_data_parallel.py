@@ -77,9 +77,9 @@ def after_one_step(tx, params, grads):
 def run_window(mesh, params, batch, *, loss=loss_fn, reduce="mean", use_grad_mean=True,
                tx=None, pass_mesh=True, **accumulate):
   tx = tx or optax.sgd(0.1, momentum=0.9)
-  option = {"mesh": mesh} if pass_mesh else {}  # else the mesh set with jax.set_mesh
+  # without pass_mesh, the mesh set with jax.set_mesh
   opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, use_grad_mean=use_grad_mean,
-                            data_axis="data", **option)
+                            data_axis=_dp(mesh if pass_mesh else None))
   grad_fn = jaxaccum.local_value_and_grad(
       loss, data_axis=jaxaccum.DataParallel("data", mesh=mesh if pass_mesh else None),
       reduce=reduce, **accumulate)
@@ -94,6 +94,11 @@ def run_window(mesh, params, batch, *, loss=loss_fn, reduce="mean", use_grad_mea
     losses.append(value.sum())
     emitted.append(bool(opt.has_updated(state)))
   return params, state, losses, emitted
+
+
+def _dp(mesh):
+  """MultiSteps' data axis and its mesh, as one record."""
+  return jaxaccum.DataParallel("data", mesh=mesh)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
@@ -171,7 +176,7 @@ def test_token_weighted_calls():
     return token_sum(params, batch, jnp.sum(batch[2]))
 
   tx = optax.sgd(0.1)
-  opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, data_axis="data", mesh=mesh)
+  opt = jaxaccum.MultiSteps(tx, every_k_schedule=K, data_axis=_dp(mesh))
   grad_fn = jaxaccum.local_value_and_grad(token_sum, data_axis=jaxaccum.DataParallel("data",
                                           mesh=mesh), reduce="sum")
 
@@ -208,7 +213,7 @@ def test_collectives_one_float32_reduction_per_window(axis_type, dtype):
   params, batch = make_problem(dtype)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   micro = jax.device_put(jax.tree.map(lambda a: a[::K], batch), NamedSharding(mesh, P("data")))
-  opt = jaxaccum.MultiSteps(optax.adam(1e-2), every_k_schedule=K, data_axis="data", mesh=mesh)
+  opt = jaxaccum.MultiSteps(optax.adam(1e-2), every_k_schedule=K, data_axis=_dp(mesh))
   grad_fn = jaxaccum.local_value_and_grad(loss_fn, data_axis=jaxaccum.DataParallel("data",
                                           mesh=mesh))
   state = opt.init(params)
@@ -241,15 +246,16 @@ def test_collectives_one_float32_reduction_per_window(axis_type, dtype):
 def test_errors():
   mesh = mesh_of(AxisType.Explicit)
   params, batch = make_problem()
-  opt = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=K, data_axis="data", mesh=mesh)
+  opt = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=K, data_axis=_dp(mesh))
   state = opt.init(params)
   grads = jax.jit(jax.grad(loss_fn))(params, batch)  # reduced: no leading shard axis
   with pytest.raises(ValueError, match=r"leading axis of the 8 data shards.*"
                      r"\['head'\].*local_value_and_grad"):
     opt.update(grads, state, params)
   with pytest.raises(ValueError, match="with_info=True cannot be combined with data_axis"):
-    jaxaccum.MultiSteps(optax.sgd(0.1), K, with_info=True, data_axis="data", mesh=mesh)
-  with pytest.raises(ValueError, match="mesh=... was given without data_axis"):
+    jaxaccum.MultiSteps(optax.sgd(0.1), K, with_info=True, data_axis=_dp(mesh))
+  with pytest.raises(ValueError, match="mesh=... was given without data_axis"), \
+       pytest.warns(DeprecationWarning, match=r"MultiSteps\(mesh=\.\.\.\) is deprecated"):
     jaxaccum.MultiSteps(optax.sgd(0.1), K, mesh=mesh)
   with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum'.*reduce='weighted'"):
     jaxaccum.local_value_and_grad(loss_fn, data_axis="data", reduce="weighted")
@@ -267,7 +273,7 @@ def test_errors():
 
 def test_skip_nonfinite_costs_one_boolean_all_reduce_per_call():
   mesh = mesh_of(AxisType.Explicit)
-  opt = jaxaccum.MultiSteps(optax.sgd(1.0), 2, skip_nonfinite=True, data_axis="data", mesh=mesh)
+  opt = jaxaccum.MultiSteps(optax.sgd(1.0), 2, skip_nonfinite=True, data_axis=_dp(mesh))
   params = jax.device_put(jnp.zeros(3), NamedSharding(mesh, P()))
   state = opt.init(params)
 
@@ -315,8 +321,7 @@ def test_float16_pieces_without_accumulator_dtype_are_summed_in_float32():
   mesh = mesh_of(AxisType.Explicit)
   pieces = jax.random.uniform(jax.random.key(3), (D, 64), minval=60.0, maxval=70.0)
   pieces = jax.device_get(pieces.astype(jnp.float16))
-  opt = jaxaccum.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=None, data_axis="data",
-                            mesh=mesh)
+  opt = jaxaccum.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=None, data_axis=_dp(mesh))
   params = jax.device_put(jnp.zeros(64, jnp.float16), NamedSharding(mesh, P()))
   state = opt.init(params)
   assert jax.tree.leaves(state.acc_grads)[0].dtype == jnp.float16
@@ -339,7 +344,7 @@ def test_bfloat16_params_accumulate_in_float32_by_default():
   k1, k2 = jax.random.split(jax.random.key(4))
   calls = [jax.device_get(jax.random.normal(k, (D, 64)).astype(jnp.bfloat16)) for k in (k1, k2)]
   calls.append(jax.device_get((1.0 + jax.random.uniform(k2, (D, 64)) / 8).astype(jnp.bfloat16)))
-  opt = jaxaccum.MultiSteps(optax.sgd(1.0), len(calls), data_axis="data", mesh=mesh)
+  opt = jaxaccum.MultiSteps(optax.sgd(1.0), len(calls), data_axis=_dp(mesh))
   params = jax.device_put(jnp.zeros(64, jnp.bfloat16), NamedSharding(mesh, P()))
   state = opt.init(params)
   update = jax.jit(opt.update)
@@ -354,3 +359,33 @@ def test_bfloat16_params_accumulate_in_float32_by_default():
   assert updates.dtype == jnp.bfloat16
   # One rounding to bf16 of the float32 result (bf16 keeps 8 significant bits).
   chex.assert_trees_all_close(updates.astype(jnp.float32), want, rtol=2 ** -8, atol=0)
+
+
+def test_mesh_keyword_is_deprecated_and_folded_into_data_parallel():
+  # MultiSteps(data_axis="data", mesh=mesh), the old spelling, warns and runs the same window
+  # as data_axis=DataParallel("data", mesh=mesh); a DataParallel with an FSDP placement (the
+  # pieces are reduced by nothing) and a mesh given twice are refused, naming the fix.
+  mesh = mesh_of(AxisType.Explicit)
+  params, batch = make_problem()
+  grad_fn = jax.jit(jaxaccum.local_value_and_grad(loss_fn, data_axis=_dp(mesh)))
+  with pytest.warns(DeprecationWarning, match=r"MultiSteps\(mesh=\.\.\.\) is deprecated.*"
+                    r"DataParallel\(axis, mesh=mesh\)"):
+    old = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=2, data_axis="data", mesh=mesh)
+  new = jaxaccum.MultiSteps(optax.sgd(0.1), every_k_schedule=2, data_axis=_dp(mesh))
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  outs = []
+  for opt in (old, new):
+    state = opt.init(p)
+    for i in range(2):
+      micro = jax.device_put(jax.tree.map(lambda a, i=i: a[i::2], batch),
+                             NamedSharding(mesh, P("data")))
+      updates, state = jax.jit(opt.update)(grad_fn(p, micro)[1], state, p)
+    outs.append((updates, state))
+  chex.assert_trees_all_equal(outs[0], outs[1])
+  with pytest.raises(TypeError, match=r"MultiSteps reduces nothing across devices.*"
+                     r"param_gather='micro_batch'.*drop param_gather"):
+    jaxaccum.MultiSteps(optax.sgd(0.1), 2, data_axis=jaxaccum.DataParallel(
+        "data", mesh=mesh, param_gather="micro_batch"))
+  with pytest.raises(TypeError, match="MultiSteps got mesh= and data_axis=DataParallel"), \
+       pytest.warns(DeprecationWarning):
+    jaxaccum.MultiSteps(optax.sgd(0.1), 2, data_axis=_dp(mesh), mesh=mesh)
