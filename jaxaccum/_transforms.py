@@ -148,3 +148,23 @@ class Grad:
 
   def __repr__(self) -> str:
     return f"<jaxaccum.grad of {self.value_and_grad!r}>"
+
+
+class AdapterWrapper:
+  """The base of the adapters' transformed functions (:mod:`jaxaccum.nnx`,
+  :mod:`jaxaccum.eqx`): ``fun``'s metadata copied onto the object (:meth:`_wrap`, to call
+  first: it copies ``fun.__dict__``), a repr naming the adapter's function, and binding as a
+  method (the instance is ``fun``'s first argument, as for a plain function)."""
+
+  adapter = ""  # the adapter's module, "nnx" or "eqx"
+  name = ""  # the public function, in messages
+  fun: Callable[..., Any]
+
+  def _wrap(self, fun: Callable[..., Any]) -> None:
+    functools.update_wrapper(self, fun)
+
+  def __repr__(self) -> str:
+    return f"<jaxaccum.{self.adapter}.{self.name} of {self.fun!r}>"
+
+  def __get__(self, instance: Any, owner: Any = None) -> Any:
+    return self if instance is None else functools.partial(self, instance)

@@ -87,7 +87,7 @@ def filter_value_and_grad(
   return _ValueAndGradWrapper(fun, has_aux, options)
 
 
-class _Wrapper:
+class _Wrapper(_transforms.AdapterWrapper):
   """What :func:`filter_value_and_grad` and :func:`filter_evaluate` return (as equinox's
   ``_ValueAndGradWrapper``).
 
@@ -98,11 +98,11 @@ class _Wrapper:
   :class:`_EvaluateWrapper`).
   """
 
-  name = ""  # the public function, in messages
+  adapter = "eqx"
   filter_spec: Callable[[Any], bool] = staticmethod(eqx.is_inexact_array)
 
   def __init__(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]):
-    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
+    self._wrap(fun)  # first: it copies fun.__dict__ into this object
     self.fun, self.has_aux = fun, has_aux
     self.core = self._core(fun, has_aux, options)
     self.check_state = not self.core.options.state_argnums
@@ -126,12 +126,6 @@ class _Wrapper:
 
     return inner
 
-  def __repr__(self) -> str:
-    return f"<jaxaccum.eqx.{self.name} of {self.fun!r}>"
-
-  def __get__(self, instance: Any, owner: Any = None) -> Any:
-    """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
-    return self if instance is None else functools.partial(self, instance)
 
 
 class _ValueAndGradWrapper(_Wrapper):

@@ -27,7 +27,6 @@ full batch's). See "State: BatchNorm, Dropout, nnx.Rngs, nested objects" in the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -346,7 +345,7 @@ def _thread(names: list[str], args: tuple, kwargs: dict[str, Any], split: tuple[
   return _Threaded(tuple(nodes), tuple(labels), core_args, core_kwargs, all_slots)
 
 
-class _Wrapper:
+class _Wrapper(_transforms.AdapterWrapper):
   """The steps that :func:`value_and_grad` and :func:`evaluate` share.
 
   It holds ``fun``, the checked argument roles and the core transform, whose options are
@@ -358,11 +357,11 @@ class _Wrapper:
   and what a call returns (:meth:`_write_back`).
   """
 
-  name = ""  # the public function, in messages
+  adapter = "nnx"
 
   def __init__(self, fun: Callable[..., Any], wrt: Any, batch_argnums: Any, batch_argnames: Any,
                rng_argnums: Any, has_aux: bool, options: dict[str, Any]):
-    functools.update_wrapper(self, fun)  # first: it copies fun.__dict__ into this object
+    self._wrap(fun)  # first: it copies fun.__dict__ into this object
     for name, why in _RESERVED.items():
       if name in options:
         raise TypeError(f"jaxaccum.nnx.{self.name} takes no {name}= option: {why}.")
@@ -404,12 +403,6 @@ class _Wrapper:
   def _core(self, fun: Callable[..., Any], options: dict[str, Any]) -> Any:
     raise NotImplementedError
 
-  def __repr__(self) -> str:
-    return f"<jaxaccum.nnx.{self.name} of {self.fun!r}>"
-
-  def __get__(self, instance: Any, owner: Any = None) -> Any:
-    """As a method, the instance is ``fun``'s first argument (as for a plain function)."""
-    return self if instance is None else functools.partial(self, instance)
 
   def model_pred(self, path: Sequence[Any], value: Any) -> bool:
     """The ``wrt`` filter on the threaded nodes: node 0 is the model, whose root the user's
