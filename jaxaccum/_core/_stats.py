@@ -54,7 +54,7 @@ def relative_difference(actual: PyTree, expected: PyTree) -> float:
   return float(diff / size) if size > 0 else float(diff)
 
 
-def divisor(peak: jax.Array) -> jax.Array:
+def scale_divisor(peak: jax.Array) -> jax.Array:
   """What to divide entries by before squaring them: their largest absolute value ``peak``,
   or 1 where that is 0 or not finite (then the result is 0, or not finite, as it should)."""
   return jnp.where((peak > 0) & jnp.isfinite(peak), peak, 1.0)
@@ -72,16 +72,16 @@ def norm(tree: PyTree) -> jax.Array:
   if not leaves:
     return jnp.zeros((), jnp.float32)
   peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in leaves])
-  scale = divisor(peak)
+  scale = scale_divisor(peak)
   total = functools.reduce(jnp.add, [jnp.sum(jnp.square(x / scale)) for x in leaves])
   return jnp.where(jnp.isfinite(peak), scale * jnp.sqrt(total), peak)
 
 
-def combine(norms: jax.Array) -> jax.Array:
+def norm_of_norms(norms: jax.Array) -> jax.Array:
   """The L2 norm over the last axis of ``norms`` (each a norm of one part of a gradient),
   without overflow: the whole gradient's norm from its groups'."""
   peak = jnp.max(norms, axis=-1)
-  scale = divisor(peak)
+  scale = scale_divisor(peak)
   total = scale * jnp.sqrt(jnp.sum(jnp.square(norms / scale[..., None]), axis=-1))
   return jnp.where(jnp.isfinite(peak), total, peak)
 

@@ -205,13 +205,14 @@ def per_example(m: MicroCall, transform: Callable[[Any], Any]):
   transforms each example's gradient, and reduces the examples to the micro-batch's values
   as the loss kind says (mean or sum; a weighted term sums numerators and denominators) and
   each aux leaf as its reduction says. A :class:`jaxaccum._per_example._clip.ClipPerExample`
-  takes the clip path instead (:func:`clipped_sum`): norms, factors, one weighted sum. Example ``r``
-  gets ``fold_in(key, r)`` of the micro-batch's key (``kw_keys``: the keyword keys, already
-  folded per micro-batch); state is shared by the examples and must come back the same from
-  each, except that example ``r`` sees each typed key of the state folded with ``r``
-  (:func:`_fold_state_keys`: ``nnx.Rngs`` streams draw per example). ``axis`` holds each
-  batch argument's per-leaf batch axes (``batch_axis``). Returns ``(nums, dens, new_state,
-  aux, grads, norms)``, ``norms`` each example's gradient norm before clipping (the clip
+  takes the clip path instead (:func:`materialized_clipped_sum`, or the ghost norms'):
+  norms, factors, one weighted sum. Example ``r`` gets ``fold_in(key, r)`` of the
+  micro-batch's key (``kw_keys``: the keyword keys, already folded per micro-batch); state
+  is shared by the examples and must come back the same from each, except that example
+  ``r`` sees each typed key of the state folded with ``r`` (:func:`_fold_state_keys`:
+  ``nnx.Rngs`` streams draw per example). ``axis`` holds each batch argument's per-leaf
+  batch axes (``batch_axis``). Returns ``(nums, dens, new_state, aux, grads, norms)``,
+  ``norms`` each example's gradient norm before clipping (the clip
   path; else ``None``).
   """
   opts, groups, f, diff, rest, rest_pos = m.opts, m.groups, m.inner, m.diff, m.rest, m.rest_pos
@@ -510,7 +511,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
         raise
       failed = e  # "auto": materialised below, where an error of fun's own is raised again
   if ghost is None:
-    outs, grads, norms = clipped_sum(objective, tuple(diff), xs, in_axes, factors,
+    outs, grads, norms = materialized_clipped_sum(objective, tuple(diff), xs, in_axes, factors,
                                      opts.accumulator_dtype, groups)
   else:
     outs, grads, norms = ghost
@@ -524,7 +525,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
   return (nums, dens, new_state, aux), grads, norms
 
 
-def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
+def materialized_clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
                 weigh: Callable[[jax.Array], jax.Array], accumulator_dtype: Any = None,
                 groups: Sequence[int] | None = None):
   """The clipped sum with each example's gradient materialised (``method="materialize"``).
@@ -562,6 +563,6 @@ def clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axes: Any,
     return jnp.sum(_stats.scale_rows(g, ck).astype(acc), axis=0).astype(g.dtype)
 
   summed = jax.tree.unflatten(treedef, [total(g, k) for k, g in enumerate(leaves)])
-  return outs, summed, norms if groups is None else _stats.combine(norms)
+  return outs, summed, norms if groups is None else _stats.norm_of_norms(norms)
 
 

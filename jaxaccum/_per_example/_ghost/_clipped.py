@@ -123,7 +123,7 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   if groups is None:
     total = sq[:, 0]
   else:
-    total = _stats.combine(sq) if norms else jnp.sum(sq, axis=1)
+    total = _stats.norm_of_norms(sq) if norms else jnp.sum(sq, axis=1)
   return outs, jax.tree.unflatten(treedef, grads), total
 
 

@@ -43,7 +43,7 @@ _WIDE_SHIFTS = (0, -_WIDE_SHIFT, _WIDE_SHIFT)
 
 def peak(x: jax.Array) -> jax.Array:
   """``x``'s largest absolute entry, or 1 where that is 0 or not finite."""
-  return _stats.divisor(jnp.max(jnp.abs(x), initial=0.0))
+  return _stats.scale_divisor(jnp.max(jnp.abs(x), initial=0.0))
 
 
 def _pow2(k: jax.Array) -> jax.Array:
@@ -63,7 +63,7 @@ def ldexp(m: jax.Array, e: jax.Array) -> jax.Array:
   return m
 
 
-def split(*factors: jax.Array) -> tuple[jax.Array, jax.Array]:
+def frexp_split(*factors: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(m, e)`` with ``prod(factors) = m * 2^e``, ``m`` in [2^-k, 1) for ``k`` factors: the
   factors' mantissas multiplied, their exponents added (no product of them formed)."""
   m, e = jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -83,7 +83,7 @@ def wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
   ``factors``, so that it is finite). The factors' mantissas multiply ``s`` (each in
   [0.5, 1)) and their exponents add, so the scaling cannot underflow or overflow before the
   value itself does."""
-  m, e = split(*factors)
+  m, e = frexp_split(*factors)
   return wide_exp(s * m, e)
 
 

@@ -169,7 +169,7 @@ def multi_sq_norm(sites: Sequence[Site], others: Sequence[Any],
   first = _sides(sites[0])
   factors = [tuple(map(_unit, _factor(s, o, g, _sides(s) != first)))
              for s, o, g in zip(sites, others, cots, strict=True)]
-  split = [_norms.split(pa, pb) for (_, pa), (_, pb) in factors]
+  split = [_norms.frexp_split(pa, pb) for (_, pa), (_, pb) in factors]
   top = functools.reduce(jnp.maximum, [e for _, e in split])
   rel = [_norms.ldexp(m, e - top) for m, e in split]  # each site's scale over 2^top, at most 1
   weights = [r * s.view.sign for r, s in zip(rel, sites, strict=True)]
