@@ -163,6 +163,9 @@ class AdapterWrapper:
   def _wrap(self, fun: Callable[..., Any]) -> None:
     functools.update_wrapper(self, fun)
 
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError
+
   def __repr__(self) -> str:
     return f"<jaxaccum.{self.adapter}.{self.name} of {self.fun!r}>"
 
