@@ -22,7 +22,7 @@ from tests import _problems
 
 B, D, H = 16, _problems.TANH_D, _problems.TANH_H
 C = 0.5
-# tests/per_example/test_per_example.py runs every per-example option with
+# tests/per_example/test_rule.py runs every per-example option with
 # method="materialize"; here the same options run with the two others, and the DP options
 # with all three.
 METHODS = ("auto", "ghost")
