@@ -589,6 +589,17 @@ def _over_c(grad: Any, c: float | dict) -> float:
   return max(norm64(grad[k]) / c[k] for k in c)
 
 
+def _raised(out: dict[str, Any], method: str, e: Exception) -> dict[str, Any]:
+  """``out`` for a run that raised: a ``ValueError`` under ``method="ghost"`` is its
+  documented refusal; anything else is a crash (a finding)."""
+  if method == "ghost" and isinstance(e, ValueError):
+    out["status"] = "refused"
+    out["notes"].append(str(e).split("\n")[0][:300])
+  else:
+    out.update(status="fail", failed=["crash"], error=f"{type(e).__name__}: {e}"[:500])
+  return out
+
+
 def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray, ref_sum: Any,
                 scale: float, ill_conditioned: bool) -> dict:
   """One method on one case: its status, the measured errors and the failed properties."""
@@ -603,16 +614,8 @@ def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray,
       one = jax.jit(jaxaccum.grad(case.loss, num_micro_batches=1, reduce="sum",
                                   per_example_transform=clip))
       alone = [_over_c(one(case.params, _row(case.batch, j)), c) for j in range(case.rows)]
-    except ValueError as e:
-      if method == "ghost":
-        out["status"] = "refused"
-        out["notes"].append(str(e).split("\n")[0][:300])
-        return out
-      out.update(status="fail", failed=["crash"], error=f"ValueError: {e}"[:500])
-      return out
-    except Exception as e:  # noqa: BLE001 - any other exception is a finding
-      out.update(status="fail", failed=["crash"], error=f"{type(e).__name__}: {e}"[:500])
-      return out
+    except Exception as e:  # noqa: BLE001 - any exception is a finding, or ghost's refusal
+      return _raised(out, method, e)
   out["notes"] += sorted({str(w.message).split(":")[0][:200] for w in caught})
   norms = np.asarray(info.example_grad_norms, np.float64)
   with np.errstate(invalid="ignore", divide="ignore"):
@@ -805,16 +808,8 @@ def _run_fsdp(case: Case, f: Fsdp, method: str, c: float | dict, ref_sum: Any,
       grads = step(params, batch, np.ones(case.rows))
       alone = [_over_c(jax.device_get(step(params, batch, np.arange(case.rows) == j)), c)
                for j in range(case.rows)]
-    except ValueError as e:
-      if method == "ghost":
-        out["status"] = "refused"
-        out["notes"].append(str(e).split("\n")[0][:300])
-        return out
-      out.update(status="fail", failed=["crash"], error=f"ValueError: {e}"[:500])
-      return out
-    except Exception as e:  # noqa: BLE001 - any other exception is a finding
-      out.update(status="fail", failed=["crash"], error=f"{type(e).__name__}: {e}"[:500])
-      return out
+    except Exception as e:  # noqa: BLE001 - any exception is a finding, or ghost's refusal
+      return _raised(out, method, e)
   out["notes"] += sorted({str(w.message).split(":")[0][:200] for w in caught})
   out["sum_rel_err"] = _diff_norm(jax.device_get(grads), ref_sum) / scale if scale > 0 else 0.0
   ratio = np.where(np.isfinite(alone), alone, np.inf)  # a NaN contribution breaks the bound
