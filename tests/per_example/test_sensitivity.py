@@ -137,9 +137,11 @@ def test_uses_whose_result_is_not_read_add_nothing(seed):
     out = {"auto": jaxaccum.grad(loss, num_micro_batches=2, reduce="sum", batch_argnums=(1, 2, 3),
                                  per_example_transform=clip)(params, x, ids, wt)}
     for program in ("book", "second"):
-      out[program] = _ghost.clipped_sum(
+      ghost = _ghost.clipped_sum(
           lambda d, b: (loss(d[0], *b), ()), (params,), (x, ids, wt), 0, clip.factors,
-          strict=False, norms=True, program=program)[1][0]
+          strict=False, norms=True, program=program)
+      assert ghost is not None  # (auto=False)
+      out[program] = ghost[1][0]
     return grads, c, out
 
   # some examples clipped, some not
