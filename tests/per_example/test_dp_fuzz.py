@@ -10,6 +10,7 @@ each FSDP placement (``param_gather`` x ``grad_scatter``, two of them with
 ``make fuzz-dp`` runs the long fuzz (``tools/dp_fuzz.py``).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,3 +124,48 @@ def test_ghost_refusing_is_recorded_not_failed():
     jaxaccum.grad(case.loss, num_micro_batches=2,
                   per_example_transform=jaxaccum.dp.clip_per_example(1.0, "ghost"))(
                       case.params, case.batch)
+
+
+def _unresolved():
+  # act(h @ W + tanh(h) @ (-W)) at |h| near 1e-5: the gradient is (h - tanh h)-sized, about
+  # h^2 / 3 (3e-11) of its terms, far below float32's resolution of them; jax.grad on each
+  # example alone and under jax.vmap form the same products in the same order and agree.
+  def loss(p, b):
+    h = jnp.tanh(b["x"] @ p["v"])
+    h = jax.nn.gelu(h @ p["w"] + jnp.tanh(h) @ (-p["w"]))
+    return jnp.sum((h - b["y"]) ** 2) * 30.0
+
+  return _dp_fuzz.Case("unresolved", {"v": _dp_fuzz._normal(0, (4, 4)),
+                                      "w": _dp_fuzz._normal(1, (4, 4))}, loss,
+                       {"x": 2e-5 * _dp_fuzz._normal(2, (4, 2, 4)),
+                        "y": _dp_fuzz._normal(3, (4, 2, 4))}, 2)
+
+
+def _unresolved_norms_float64(case):
+  """The per-example norms of :func:`_unresolved`'s gradient in float64, by hand (gelu' is
+  1/2 and gelu(z) is z / 2 to 1e-15 at |z| near 1e-15)."""
+  v, w = (np.asarray(case.params[k], np.float64) for k in ("v", "w"))
+  out = []
+  for x, y in zip(*(np.asarray(case.batch[k], np.float64) for k in ("x", "y")), strict=True):
+    h = np.tanh(x @ v)
+    dz = 30.0 * (((h - np.tanh(h)) @ w) / 2 - y)  # dL/dz = 30 * 2 (gelu(z) - y) * gelu'(z)
+    gw = (h - np.tanh(h)).T @ dz
+    gv = x.T @ ((dz @ w.T) * np.tanh(h) ** 2 * (1 - h ** 2))
+    out.append(np.sqrt(np.sum(gw ** 2) + np.sum(gv ** 2)))
+  return np.array(out)
+
+
+def test_the_reference_flags_a_gradient_float32_does_not_resolve():
+  # The float32 reference is itself wrong there (its norms read 0 or several times the
+  # float64 ones), and forward mode reads other norms than jax.grad: the case is checked on
+  # the bound only, which still holds for every method.
+  case = _unresolved()
+  _, norms, _, _ = _dp_fuzz.reference(case)
+  truth = _unresolved_norms_float64(case)
+  assert np.max(np.abs(norms - truth) / truth) > 0.5, (norms, truth)
+  report = _dp_fuzz.check(case)
+  assert report["ill_conditioned"] and report["reference_forward"] > 0.01, report
+  assert not _dp_fuzz.failures(report), _dp_fuzz.describe(report)
+  # ... and a case float32 resolves is not flagged
+  assert not _dp_fuzz.check(_dp_fuzz.REGRESSIONS["negation"](), ("materialize",))[
+      "ill_conditioned"]

@@ -50,6 +50,110 @@ def test_wide_norms_keep_nan_and_inf():
   assert np.isnan(nan) and np.isposinf(inf)
 
 
+def test_wide_forms_of_constant_zeros_read_zero():
+  # Zeros known when compiling (the cotangent of a result the loss does not read): XLA
+  # gathers the wide forms' constant scales into one that overflows (0 * 2^128), which read
+  # NaN; every form reads 0, its norm 0, and a NaN entry still reads NaN.
+  zero = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+  forms = {"sum_sq": lambda: _norms.wide_sum_sq(zero(4, 4)),
+           "wide": lambda: _norms.wide(jnp.float32(0), *[jnp.float32(1)] * 4),
+           "gram": lambda: _norms.sq_outer(zero(1, 3, 8), zero(1, 3, 8)),
+           "direct": lambda: _norms.sq_outer(zero(1, 5, 2), zero(1, 5, 2)),
+           "one_position": lambda: _norms.sq_outer(zero(1, 1, 4), zero(1, 1, 4))}
+  got = jax.jit(lambda: {k: f() for k, f in forms.items()})()
+  for k, w in got.items():
+    np.testing.assert_array_equal(np.asarray(w), 0.0, err_msg=k)
+    assert float(_norms.wide_norm(w)) == 0.0, k
+  nan = jax.jit(lambda: _norms.wide_sum_sq(zero(4).at[1].set(jnp.nan)))()
+  assert np.all(np.isnan(np.asarray(nan)))
+
+
+# --- uses whose result the objective does not read -------------------------------------------
+
+# A use of a leaf whose result the loss drops (or reads only through stop_gradient): its
+# site's output cotangent is a zero that JAX instantiates as a constant, which XLA then
+# folds with the wide forms' scales (``(0 * 2^64)^2`` read as ``0 * 2^128 = NaN``).
+_D = 4
+_CONST = np.random.default_rng(7).normal(size=(_D, _D)).astype(np.float32)
+_UNREAD_USES = {
+    "add": lambda w, x, ids: w + _CONST,  # param_gather="micro_batch"'s form
+    "dot": lambda w, x, ids: x @ w,
+    "dot_const": lambda w, x, ids: _CONST @ w,  # both operands example-independent
+    "gather": lambda w, x, ids: jnp.take(w, ids, axis=0),
+    "slice": lambda w, x, ids: w[1:3] * 2.0,
+    "mul": lambda w, x, ids: w * x[..., :1, :],
+    "sin": lambda w, x, ids: jnp.sin(w),  # no rule: materialised by "auto"
+}
+
+
+def _unread_case(seed):
+  """A generated loss ``(p, x, ids, wt)`` with uses whose result it does not read, some of
+  its leaves passed through ``p + const`` first (read), and its parameters."""
+  rng = np.random.default_rng(seed)
+  names = ("w", "b", "emb", "head", "unused")
+  unread = [(str(rng.choice(names)), str(rng.choice(list(_UNREAD_USES))),
+             bool(rng.random() < 0.3)) for _ in range(int(rng.integers(1, 4)))]
+  added = {k: rng.normal(size=s).astype(np.float32)
+           for k, s in (("w", (_D, _D)), ("b", (_D,)), ("head", (_D,))) if rng.random() < 0.5}
+
+  def loss(p, x, ids, wt):  # one example: x (1, T, D), ids (1, T), wt (1,)
+    for k, use, stop in unread:
+      w = p[k] if p[k].ndim == 2 else jnp.broadcast_to(p[k], (_D, _D))
+      y = _UNREAD_USES[use](w, x, ids)
+      if stop:  # read, but not differentiated
+        wt = wt + 0.0 * jnp.sum(jax.lax.stop_gradient(y))
+    p = {k: v + added[k] if k in added else v for k, v in p.items()}
+    h = jnp.tanh(x @ p["w"] + p["b"]) + jnp.take(p["emb"], ids, axis=0)
+    return jnp.sum(jnp.sum(h @ p["head"], axis=-1) * wt)
+
+  k = jax.random.split(jax.random.key(seed), 5)
+  params = {"w": jax.random.normal(k[0], (_D, _D)), "b": jax.random.normal(k[1], (_D,)),
+            "emb": jax.random.normal(k[2], (_D, _D)), "head": jax.random.normal(k[3], (_D,)),
+            "unused": jax.random.normal(k[4], (_D, _D))}
+  return loss, params, unread, added
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_uses_whose_result_is_not_read_add_nothing(seed):
+  # Generated losses with uses whose results are dropped or read through stop_gradient
+  # (adds of a constant, products, gathers, slices, scales, a use without a rule), of
+  # leaves used otherwise or not at all, leaves read through p + const, and examples of
+  # weight 0 (a zero gradient): method="auto" and both ghost programs against per-example
+  # jax.grad (jax.vmap) clipped by hand, min(1, C / |g_e|), summed in float64.
+  loss, params, _, _ = _unread_case(seed)
+  rng = np.random.default_rng(seed)
+  n, t = 6, 3
+  x = rng.normal(size=(n, 1, t, _D)).astype(np.float32)
+  ids = rng.integers(0, _D, size=(n, 1, t)).astype(np.int32)
+  wt = (rng.random(size=(n, 1)) < 0.5).astype(np.float32) * rng.uniform(0.5, 2, size=(n, 1))
+  wt[0] = 1.0  # one live example at least
+  wt = wt.astype(np.float32)
+  @jax.jit
+  def run(params, x, ids, wt, frac):
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0, 0))(params, x, ids, wt)
+    c = frac * jnp.max(jnp.sqrt(sum(jnp.sum(jnp.square(g.reshape(n, -1)), axis=1)
+                                    for g in jax.tree.leaves(grads))))
+    clip = jaxaccum.dp.clip_per_example(c, "auto")
+    out = {"auto": jaxaccum.grad(loss, num_micro_batches=2, reduce="sum", batch_argnums=(1, 2, 3),
+                                 per_example_transform=clip)(params, x, ids, wt)}
+    for program in ("book", "second"):
+      ghost = _ghost.clipped_sum(
+          lambda d, b: (loss(d[0], *b), ()), (params,), (x, ids, wt), 0, clip.factors,
+          strict=False, norms=True, program=program)
+      assert ghost is not None  # (auto=False)
+      out[program] = ghost[1][0]
+    return grads, c, out
+
+  # some examples clipped, some not
+  grads, c, got = run(params, x, ids, wt, jnp.float32(rng.uniform(0.3, 1.0)))
+  grads, c = jax.tree.map(lambda g: np.asarray(g, np.float64), grads), float(c)
+  norms = np.sqrt(sum(np.sum(g.reshape(n, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+  f = np.where(norms > c, c / np.where(norms > 0, norms, 1.0), 1.0)
+  want = jax.tree.map(lambda g: np.einsum("e,e...->...", f, g), grads)
+  for name, g in got.items():
+    chex.assert_trees_all_close(g, want, rtol=2e-5, atol=2e-5 * c, custom_message=name)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_chunked_direct_form_against_float64(seed):
   # sum_h |sum_j X_jh^T Y_jh|^2 over chunks of X's columns, dense and one-hot sides, any

@@ -35,6 +35,14 @@ def f32(x: jax.Array) -> jax.Array:
 # and the first keeps full precision between. Wide values add; :func:`wide_norm` reads the
 # norm back: no second pass and no branch, which would hold the forward pass's residuals in
 # buffers of their own.
+#
+# An exact zero is read as zero in every part, whatever order XLA multiplies constants in:
+# where an operand is a compile-time constant (the cotangent of a site whose output the
+# objective does not use, which JAX instantiates as zeros), XLA's simplifier gathers the
+# constant factors into one (``(0 * 2^64)^2`` as ``0 * 2^128``, ``0 * 2^120 * 2^12`` as
+# ``0 * 2^132``), which overflows to ``inf``, and the part reads ``0 * inf = NaN``
+# (an ``optimization_barrier`` on the scale does not survive XLA's pipeline). So
+# :func:`wide_exp` and :func:`wide_sum_sq` select zero where the value is zero.
 _WIDE_SHIFT = 128
 WIDE_PARTS = 3
 # The parts' shifts, as powers of two: q = part_k * 2^-shift_k.
@@ -74,8 +82,9 @@ def frexp_split(*factors: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def wide_exp(s: jax.Array, e: jax.Array) -> jax.Array:
-  """The wide value of ``s * 2^e`` (``e``: an int32 exponent)."""
-  return jnp.stack([ldexp(s, e + k) for k in _WIDE_SHIFTS])
+  """The wide value of ``s * 2^e`` (``e``: an int32 exponent); zeros where ``s`` is 0."""
+  return jnp.where(s == 0, jnp.zeros((), jnp.float32),
+                   jnp.stack([ldexp(s, e + k) for k in _WIDE_SHIFTS]))
 
 
 def wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
@@ -88,14 +97,16 @@ def wide(s: jax.Array, *factors: jax.Array) -> jax.Array:
 
 
 def wide_sum_sq(x: jax.Array) -> jax.Array:
-  """The wide squared norm of ``x``'s entries: three sums of squares (one pass, no peak)."""
+  """The wide squared norm of ``x``'s entries: three sums of squares (one pass, no peak);
+  zeros where every entry is 0."""
   x = _stats.magnitude(x)  # a complex entry adds |x|^2 = re^2 + im^2
   parts = []
   for k in _WIDE_SHIFTS:
     # behind a barrier: XLA would otherwise form the scaled copies broadcast, in memory
     scale = jax.lax.optimization_barrier(jnp.float32(2.0 ** (k // 2)))
     parts.append(jnp.sum(jnp.square(x * scale)) if k else jnp.sum(jnp.square(x)))
-  return jnp.stack(parts)
+  # a NaN entry is not 0: it stays NaN in every part
+  return jnp.where(jnp.any(x != 0), jnp.stack(parts), jnp.zeros((), jnp.float32))
 
 
 def wide_norm(w: jax.Array) -> jax.Array:
