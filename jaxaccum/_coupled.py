@@ -451,16 +451,17 @@ def _placed(tree: PyTree, opts: Options, *, sharded: bool) -> PyTree:
   axes: a local slice of the replicated cotangent); with ``Auto`` axes the cotangent stays
   replicated, so that the compiler runs ``loss``'s backward pass whole, and pass (c) takes
   its rows."""
-  if opts.parallel is None:
+  dp = opts.parallel
+  if dp is None:
     return tree
-  axes = opts.parallel.axis
+  axes = dp.axis
 
   def one(x):
     typed = jax.typeof(x).sharding.mesh
     if not typed.empty and typed.explicit_axes:  # the type names the mesh
       spec = PartitionSpec(axes) if sharded else PartitionSpec()
       return jax.sharding.reshard(x, NamedSharding(typed, spec))
-    mesh = opts.parallel.mesh
+    mesh = dp.mesh
     if mesh is None and isinstance(getattr(x, "sharding", None), NamedSharding):
       mesh = x.sharding.mesh  # placed, outside jit (data_axis="auto")
     if isinstance(mesh, jax.sharding.Mesh):

@@ -116,7 +116,8 @@ def test_options_is_a_record_of_at_most_twelve_fields_without_lambdas():
 
 
 def test_the_fsdp_default_placement_is_written_in_one_place():
-  assert architecture.placement_defaults(MODS) == ["jaxaccum._core._sharding:207"]
+  places = architecture.placement_defaults(MODS)  # _sharding.PLACEMENTS, default first
+  assert len(places) == 1 and places[0].startswith("jaxaccum._core._sharding:"), places
 
 
 # --- the measures themselves, on a planted package ------------------------------------------

@@ -217,30 +217,32 @@ def placement_defaults(mods: dict[str, Module]) -> list[str]:
   under one of those keys holding a constant, or a comparison with a tuple of constants
   (``(param_gather, grad_scatter) != ("step", "micro_batch")``). A comparison of one field
   with one constant (``grad_scatter == "step"``) chooses a behaviour and is not counted."""
-  found = set()
-  for name, mod in mods.items():
-    for node in ast.walk(mod.tree):
-      hit = False
-      if isinstance(node, ast.AnnAssign | ast.Assign):
-        targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
-        hit = any(isinstance(t, ast.Name) and t.id in PLACEMENT_FIELDS for t in targets) \
-            and isinstance(node.value, ast.Constant) and _is_placement(node.value)
-      elif isinstance(node, ast.arguments):
-        named = [*node.posonlyargs, *node.args]
-        pairs = [*zip(named[len(named) - len(node.defaults):], node.defaults, strict=True),
-                 *zip(node.kwonlyargs, node.kw_defaults, strict=True)]
-        for a, d in pairs:
-          if a.arg in PLACEMENT_FIELDS and isinstance(d, ast.Constant) and _is_placement(d):
-            found.add(f"{name}:{d.lineno}")
-      elif isinstance(node, ast.Dict):
-        hit = any(isinstance(k, ast.Constant) and k.value in PLACEMENT_FIELDS and _is_placement(v)
-                  for k, v in zip(node.keys, node.values, strict=True))
-      elif isinstance(node, ast.Compare):
-        hit = any(isinstance(o, ast.Tuple | ast.List) and _is_placement(o)
-                  for o in (node.left, *node.comparators))
-      if hit:
-        found.add(f"{name}:{node.lineno}")
-  return sorted(found)
+  return sorted({f"{name}:{line}" for name, mod in mods.items()
+                 for node in ast.walk(mod.tree) for line in _placement_lines(node)})
+
+
+def _placement_lines(node: ast.AST) -> list[int]:
+  """The lines at which ``node`` writes a placement default (:func:`placement_defaults`)."""
+  if isinstance(node, ast.AnnAssign | ast.Assign):
+    targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+    named = any(isinstance(t, ast.Name) and t.id in PLACEMENT_FIELDS for t in targets)
+    return [node.lineno] if named and isinstance(node.value, ast.Constant) and _is_placement(
+        node.value) else []
+  if isinstance(node, ast.arguments):
+    named = [*node.posonlyargs, *node.args]
+    pairs = [*zip(named[len(named) - len(node.defaults):], node.defaults, strict=True),
+             *zip(node.kwonlyargs, node.kw_defaults, strict=True)]
+    return [d.lineno for a, d in pairs
+            if a.arg in PLACEMENT_FIELDS and isinstance(d, ast.Constant) and _is_placement(d)]
+  if isinstance(node, ast.Dict):
+    hit = any(isinstance(k, ast.Constant) and k.value in PLACEMENT_FIELDS and _is_placement(v)
+              for k, v in zip(node.keys, node.values, strict=True))
+    return [node.lineno] if hit else []
+  if isinstance(node, ast.Compare):
+    hit = any(isinstance(o, ast.Tuple | ast.List) and _is_placement(o)
+              for o in (node.left, *node.comparators))
+    return [node.lineno] if hit else []
+  return []
 
 
 def report() -> str:

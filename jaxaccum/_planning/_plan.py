@@ -646,8 +646,8 @@ def plan(
     else:
       mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
       if axes is not None:
-        opts = dataclasses.replace(opts, parallel=dataclasses.replace(opts.parallel,
-                                                                      mesh=mesh))
+        opts = dataclasses.replace(opts, parallel=dataclasses.replace(
+            cast(_options.DataParallel, opts.parallel), mesh=mesh))
   # The batch positions, resolved as the transform resolves them for this call.
   batch = opts.roles.resolve(len(args), {}).batch
   if gpu is not None:
@@ -661,8 +661,8 @@ def plan(
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     parallel = opts.parallel
     if placement is not None:
-      parallel = dataclasses.replace(parallel, param_gather=placement[0],
-                                     grad_scatter=placement[1])
+      parallel = dataclasses.replace(cast(_options.DataParallel, parallel),
+                                     param_gather=placement[0], grad_scatter=placement[1])
     return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(
         opts, split=dataclasses.replace(opts.split, count=n, size=None), parallel=parallel)))
 
