@@ -171,9 +171,7 @@ def cached_value_and_grad(
 def _check_replicated(data_axis: Any) -> None:
   """The FSDP placements are refused: the loss pass runs outside the data-parallel driver,
   on replicated parameters."""
-  if isinstance(data_axis, DataParallel) and (
-      data_axis.param_gather, data_axis.grad_scatter, data_axis.overlap_grad_reduce) != (
-          "step", "micro_batch", False):
+  if isinstance(data_axis, DataParallel) and not data_axis.reduces_only:
     raise ValueError(
         f"{_WHERE} takes data_axis=DataParallel(axis, mesh=...) with replicated "
         f"parameters only, got {data_axis!r}: param_gather, grad_scatter and "
@@ -231,7 +229,7 @@ class CachedValueAndGrad:
 
   def roles(self, args: tuple, kwargs: dict) -> _options.Roles:
     """The call's argument roles (differentiated, batch, keys), resolved and checked."""
-    return self.backward.roles(len(args), {**kwargs, _COTANGENT: None})
+    return self.backward.roles.resolve(len(args), {**kwargs, _COTANGENT: None})
 
   # --- One call --------------------------------------------------------------------------
 
@@ -244,26 +242,27 @@ class CachedValueAndGrad:
       value, aux, loss_grads, cotangent = self._loss_pass(args, kwargs, roles.diff, reps)
       cotangent = _placed(cotangent, forward, sharded=True)
       params = [args[j] for j in roles.diff]
-      backward = dataclasses.replace(backward, grads_dtype=_summed_dtype(
-          params, backward.accumulator_dtype))
+      backward = dataclasses.replace(backward, numerics=dataclasses.replace(
+          backward.numerics, grads_dtype=_summed_dtype(params,
+                                                       backward.numerics.accumulator_dtype)))
       _, _, encoder_grads, _ = _transforms.ValueAndGrad(backward).run(
           args, {**kwargs, _COTANGENT: cotangent}, None)
       grads = jax.tree.map(
-          lambda e, g, p: (e + g.astype(e.dtype)).astype(self.backward.grads_dtype or p.dtype),
+          lambda e, g, p: (e + g.astype(e.dtype)).astype(
+              self.backward.numerics.grads_dtype or p.dtype),
           encoder_grads, tuple(loss_grads), tuple(params))
-    grads = grads[0] if self.backward.argnums_is_int else grads
+    grads = grads[0] if self.backward.roles.argnums_is_int else grads
     return _outputs.pack(value, aux, grads, None, has_extra=self.has_aux, with_info=False)
 
   def _resolved(self, args: tuple, roles: _options.Roles) -> tuple[Options, Options]:
     """Both passes' options with ``data_axis="auto"`` resolved from the batch, once: pass
     (c) has the reps' cotangent as a batch argument too, replicated for the loss."""
-    if self.forward.data_axis != _sharding.AUTO:
+    if self.forward.parallel is None or self.forward.parallel.axis != _sharding.AUTO:
       return self.forward, self.backward
     batches = {self.forward.label(j): args[j] for j in roles.batch}
     forward = _data_parallel.resolve_auto(self.forward, batches,
-                                          _split.batch_axes(batches, self.forward.batch_axis))
-    return forward, dataclasses.replace(self.backward, data_axis=forward.data_axis,
-                                        mesh=forward.mesh)
+                                          _split.batch_axes(batches, self.forward.split.batch_axis))
+    return forward, dataclasses.replace(self.backward, parallel=forward.parallel)
 
   def _loss_pass(self, args: tuple, kwargs: dict, diff: tuple[int, ...], reps: PyTree):
     """Pass (b): ``loss``'s value, aux, gradient with respect to the differentiated
@@ -324,17 +323,17 @@ class CachedValueAndGrad:
     ...
     ValueError: check_encode: encode's reps computed from each example alone differ ...
     """
-    if self.forward.rng_argnums:
+    if self.forward.roles.rng_argnums:
       raise ValueError(
-          f"check_encode: this transform has rng_argnums={self.forward.rng_argnums!r}, but "
+          f"check_encode: this transform has rng_argnums={self.forward.roles.rng_argnums!r}, but "
           "the batch and each row alone draw different random numbers, so their reps differ "
           "for that reason alone. Check a deterministic version of encode (dropout off): "
           "build the check's transform without rng_argnums.")
     if not (_validate.is_real(rtol) and rtol > 0):
       raise ValueError(f"check_encode: rtol must be a positive number, got rtol={rtol!r}.")
-    alone = dict(count=None, size=1, data_axis=None, mesh=None)
-    forward = dataclasses.replace(self.forward, **alone)
-    backward = dataclasses.replace(self.backward, **alone)
+    forward, backward = (
+        dataclasses.replace(o, split=dataclasses.replace(o.split, count=None, size=1),
+                            parallel=None) for o in (self.forward, self.backward))
     roles = self.roles(args, kwargs)
     params = [args[j] for j in roles.diff]
     whole, vjp = jax.vjp(lambda ps: self.encode(*_with(args, roles.diff, ps), **kwargs),
@@ -452,16 +451,17 @@ def _placed(tree: PyTree, opts: Options, *, sharded: bool) -> PyTree:
   axes: a local slice of the replicated cotangent); with ``Auto`` axes the cotangent stays
   replicated, so that the compiler runs ``loss``'s backward pass whole, and pass (c) takes
   its rows."""
-  if opts.data_axis is None:
+  dp = opts.parallel
+  if dp is None:
     return tree
-  axes = opts.data_axis
+  axes = dp.axis
 
   def one(x):
     typed = jax.typeof(x).sharding.mesh
     if not typed.empty and typed.explicit_axes:  # the type names the mesh
       spec = PartitionSpec(axes) if sharded else PartitionSpec()
       return jax.sharding.reshard(x, NamedSharding(typed, spec))
-    mesh = opts.mesh
+    mesh = dp.mesh
     if mesh is None and isinstance(getattr(x, "sharding", None), NamedSharding):
       mesh = x.sharding.mesh  # placed, outside jit (data_axis="auto")
     if isinstance(mesh, jax.sharding.Mesh):

@@ -86,7 +86,7 @@ class _Transform:
     """The core (or, under ``data_axis``, the data-parallel driver) on one call:
     ``(value, extra, grads, info)``."""
     opts = self.options
-    run = _transform.accumulate if opts.data_axis is None else _data_parallel.data_parallel
+    run = _transform.accumulate if opts.parallel is None else _data_parallel.data_parallel
     with jax.named_scope(_transform.call_scope(self.name)):
       return run(opts, args, kwargs, active)
 
@@ -127,7 +127,7 @@ class ValueAndGrad(_Transform):
   def __call__(self, *args: Any, active_micro_batches: Any = None, **kwargs: Any) -> Any:
     opts = self.options
     value, extra, grads, info = self.run(args, kwargs, active_micro_batches)
-    grads = grads[0] if opts.argnums_is_int else grads
+    grads = grads[0] if opts.roles.argnums_is_int else grads
     return pack(value, extra, grads, info, has_extra=opts.has_extra, with_info=opts.with_info)
 
 

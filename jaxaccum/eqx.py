@@ -105,7 +105,7 @@ class _Wrapper(_transforms.AdapterWrapper):
     self._wrap(fun)  # first: it copies fun.__dict__ into this object
     self.fun, self.has_aux = fun, has_aux
     self.core = self._core(fun, has_aux, options)
-    self.check_state = not self.core.options.state_argnums
+    self.check_state = not self.core.options.roles.state_argnums
 
   def _core(self, fun: Callable[..., Any], has_aux: bool, options: dict[str, Any]) -> Any:
     raise NotImplementedError

@@ -296,13 +296,13 @@ def make_train_step(
         f"axis_name={axis_name!r} combines replicas for reduce='mean', 'sum' or 'weighted', "
         f"got reduce={opts.reduce!r}. Combine the results yourself with jax.lax.pmean/psum, "
         "or use one of those reductions.")
-  if axis_name is not None and opts.data_axis is not None:
+  if axis_name is not None and opts.parallel is not None:
     raise ValueError(
-        f"axis_name={axis_name!r} and data_axis={opts.data_axis!r} were both given: "
+        f"axis_name={axis_name!r} and data_axis={opts.parallel.axis!r} were both given: "
         "axis_name combines the replicas of an enclosing jax.pmap or jax.shard_map, "
         "data_axis maps over the mesh itself. Pass one of them.")
-  for name, given in (("batch_argnames", opts.batch_argnames),
-                      ("rng_argnames", opts.rng_argnames)):
+  for name, given in (("batch_argnames", opts.roles.batch_argnames),
+                      ("rng_argnames", opts.roles.rng_argnames)):
     if given:
       raise TypeError(
           f"jaxaccum.linen.make_train_step takes no {name}= option: train_step(state, batch, "
@@ -344,7 +344,7 @@ def _across_replicas(opts: _options.Options, axes: tuple[str, ...]) -> Callable[
 
   def run(params, batch, model_state, rngs):
     args = (params, batch, model_state, rngs)
-    out = _data_parallel.on_replicas(opts, opts.roles(len(args), {}), args, {}, axes=axes)
+    out = _data_parallel.on_replicas(opts, opts.roles.resolve(len(args), {}), args, {}, axes=axes)
     (grads,) = out.grads  # argnums=0: the parameters' gradients
     return _outputs.pack(out.value, out.extra, grads, out.info, has_extra=True,
                      with_info=opts.with_info)

@@ -379,7 +379,8 @@ class _Wrapper(_transforms.AdapterWrapper):
     core = self._core(fun, dict(
         options, has_aux=has_aux, batch_argnames=batch_argnames, rng_argnums=rng_argnums,
         batch_argnums=_options.BATCH_ARGNUMS if self.default_batch else batch_argnums))
-    self.options = dataclasses.replace(core.options, argnums=())
+    self.options = dataclasses.replace(
+        core.options, roles=dataclasses.replace(core.options.roles, argnums=()))
     self.core = type(core)(core.options.with_appended_state())
     self._check_signature()
     self.signature = _inner_signature(fun, self.names)
@@ -387,7 +388,8 @@ class _Wrapper(_transforms.AdapterWrapper):
   def _check_signature(self) -> None:
     """``fun`` takes the model and the positional batch and key arguments."""
     opts = self.options
-    positions = (() if opts.batch_optional else opts.batch_argnums) + opts.rng_argnums
+    roles = opts.roles
+    positions = (() if roles.batch_optional else roles.batch_argnums) + roles.rng_argnums
     needed = 1 + max((j for j in positions if j >= 0), default=0)
     found = _split.short_signature(self.fun, needed)
     if found:
@@ -434,7 +436,7 @@ class _Wrapper(_transforms.AdapterWrapper):
           f"the first argument ({_arg_label(self.names, 0)}) must be an NNX object such as "
           f"an nnx.Module, got {_split.describe(args[0])}. For plain pytrees of parameters "
           f"use jaxaccum.{self.name}.")
-    roles = self.options.roles(len(args), kwargs)  # the core's resolver, in fun's positions
+    roles = self.options.roles.resolve(len(args), kwargs)  # the core's resolver, in fun's positions
     _check_not_model("batch_argnums", roles.batch, self.names)
     _check_not_model("rng_argnums", roles.rng, self.names)
     batch_pos, rng_pos = roles.batch, roles.rng

@@ -28,6 +28,8 @@ MAX_PRIVATE_USES = 5
 MAX_FLOORS = 12
 MAX_MODULE_LINES = 1000
 MAX_GHOST_MODULE_LINES = 600
+MAX_OPTIONS_FIELDS = 12
+OPTIONS = "jaxaccum._core._options"
 CORE = "jaxaccum._core"
 PER_EXAMPLE = "jaxaccum._per_example"
 API = "jaxaccum._api"
@@ -107,6 +109,17 @@ def test_no_wing_imports_the_api():
   assert importers <= {"jaxaccum"}, sorted(importers - {"jaxaccum"})
 
 
+def test_options_is_a_record_of_at_most_twelve_fields_without_lambdas():
+  fields = architecture.dataclass_fields(MODS, OPTIONS, "Options")
+  assert "split" in fields and len(fields) <= MAX_OPTIONS_FIELDS, fields
+  assert architecture.lambdas(MODS, OPTIONS, "Options") == 0
+
+
+def test_the_fsdp_default_placement_is_written_in_one_place():
+  places = architecture.placement_defaults(MODS)  # _sharding.PLACEMENTS, default first
+  assert len(places) == 1 and places[0].startswith("jaxaccum._core._sharding:"), places
+
+
 # --- the measures themselves, on a planted package ------------------------------------------
 
 
@@ -179,3 +192,34 @@ def test_an_import_circle_is_found(planted):
   (planted / "_sub" / "_c.py").write_text("from pkg import _a\n")
   with pytest.raises(ValueError, match="import circle"):
     architecture.floors(architecture.modules(planted))
+
+
+def test_the_record_measures_on_a_planted_module(tmp_path):
+  pkg = tmp_path / "pkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "_o.py").write_text(textwrap.dedent("""
+      import dataclasses
+      from typing import ClassVar
+
+      PLACEMENTS = {"param_gather": ("step", "micro_batch")}
+
+      @dataclasses.dataclass(frozen=True)
+      class Options:
+        a: int
+        b: int = dataclasses.field(metadata={"check": lambda raw: raw})
+        c: ClassVar[int] = 0
+        param_gather: str = "step"
+
+        def f(self, param_gather="micro_batch"):
+          return sorted([1], key=lambda x: x)
+
+      def g(dp):
+        ok = dp.grad_scatter == "step"  # a behaviour, not the default
+        return ok or (dp.param_gather, dp.grad_scatter) != ("step", "micro_batch")
+      """))
+  mods = architecture.modules(pkg)
+  assert architecture.dataclass_fields(mods, "pkg._o", "Options") == ["a", "b", "param_gather"]
+  assert architecture.lambdas(mods, "pkg._o", "Options") == 2
+  assert architecture.placement_defaults(mods) == [
+      "pkg._o:12", "pkg._o:14", "pkg._o:19", "pkg._o:5"]

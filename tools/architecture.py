@@ -182,6 +182,69 @@ def importers(mods: dict[str, Module], target: str) -> set[str]:
           and not (name == target or name.startswith(target + "."))}
 
 
+def _class(mods: dict[str, Module], module: str, name: str) -> ast.ClassDef:
+  for node in mods[module].tree.body:
+    if isinstance(node, ast.ClassDef) and node.name == name:
+      return node
+  raise LookupError(f"{module}.{name}")
+
+
+def dataclass_fields(mods: dict[str, Module], module: str, cls: str) -> list[str]:
+  """The fields a dataclass ``cls`` declares (its annotated names, ``ClassVar`` aside)."""
+  return [n.target.id for n in _class(mods, module, cls).body
+          if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+          and "ClassVar" not in ast.unparse(n.annotation)]
+
+
+def lambdas(mods: dict[str, Module], module: str, cls: str) -> int:
+  """How many lambdas the body of class ``cls`` holds, in its methods included."""
+  return sum(isinstance(n, ast.Lambda) for n in ast.walk(_class(mods, module, cls)))
+
+
+PLACEMENT_FIELDS = frozenset({"param_gather", "grad_scatter"})
+PLACEMENT_VALUES = frozenset({"step", "micro_batch"})
+
+
+def _is_placement(node: ast.AST | None) -> bool:
+  """Whether ``node`` is (or holds) a placement written as a string constant."""
+  return node is not None and any(isinstance(c, ast.Constant) and c.value in PLACEMENT_VALUES
+                                  for c in ast.walk(node))
+
+
+def placement_defaults(mods: dict[str, Module]) -> list[str]:
+  """Where the FSDP placement's default is written as constants (``module:line``): a field
+  or a parameter ``param_gather``/``grad_scatter`` with a constant default, a dict entry
+  under one of those keys holding a constant, or a comparison with a tuple of constants
+  (``(param_gather, grad_scatter) != ("step", "micro_batch")``). A comparison of one field
+  with one constant (``grad_scatter == "step"``) chooses a behaviour and is not counted."""
+  return sorted({f"{name}:{line}" for name, mod in mods.items()
+                 for node in ast.walk(mod.tree) for line in _placement_lines(node)})
+
+
+def _placement_lines(node: ast.AST) -> list[int]:
+  """The lines at which ``node`` writes a placement default (:func:`placement_defaults`)."""
+  if isinstance(node, ast.AnnAssign | ast.Assign):
+    targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+    named = any(isinstance(t, ast.Name) and t.id in PLACEMENT_FIELDS for t in targets)
+    return [node.lineno] if named and isinstance(node.value, ast.Constant) and _is_placement(
+        node.value) else []
+  if isinstance(node, ast.arguments):
+    named = [*node.posonlyargs, *node.args]
+    pairs = [*zip(named[len(named) - len(node.defaults):], node.defaults, strict=True),
+             *zip(node.kwonlyargs, node.kw_defaults, strict=True)]
+    return [d.lineno for a, d in pairs
+            if a.arg in PLACEMENT_FIELDS and isinstance(d, ast.Constant) and _is_placement(d)]
+  if isinstance(node, ast.Dict):
+    hit = any(isinstance(k, ast.Constant) and k.value in PLACEMENT_FIELDS and _is_placement(v)
+              for k, v in zip(node.keys, node.values, strict=True))
+    return [node.lineno] if hit else []
+  if isinstance(node, ast.Compare):
+    hit = any(isinstance(o, ast.Tuple | ast.List) and _is_placement(o)
+              for o in (node.left, *node.comparators))
+    return [node.lineno] if hit else []
+  return []
+
+
 def report() -> str:
   mods = modules()
   api = next(n for n in mods if n.endswith("._api") or n == "jaxaccum._api")
@@ -194,6 +257,7 @@ def report() -> str:
   lines += [f"  {u}" for u in uses]
   fl = floors(mods)
   lines.append(f"modules: {len(mods)}; import floors: {max(fl.values()) + 1}")
+  lines.append(f"places of the FSDP default placement: {placement_defaults(mods)}")
   ghost = [n for n in mods if n.rsplit(".", 1)[-1] == "_ghost"]
   for g in ghost:
     lines.append(f"importers of {g}: {sorted(importers(mods, g))}")

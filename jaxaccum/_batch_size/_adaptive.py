@@ -392,19 +392,19 @@ class AdaptiveBatch:
       raise ValueError(
           "AdaptiveBatch needs the step's statistics: build the transform with "
           "with_info=True, which returns the AccumInfo to pass to AdaptiveBatch.update.")
-    count, how = opts.count, ""
+    count, how = opts.split.count, ""
     if count is None:  # built with micro_batch_size=: N follows from the batch
-      assert opts.size is not None  # one of the two is set (make_options)
+      assert opts.split.size is not None  # one of the two is set (make_options)
       if batch_size is None:
         raise ValueError(
             f"AdaptiveBatch.check: the transform splits each batch into micro-batches of "
-            f"micro_batch_size={opts.size} rows, so its num_micro_batches depends on the "
+            f"micro_batch_size={opts.split.size} rows, so its num_micro_batches depends on the "
             f"batch; pass the rows of a step, check(transform, batch_size=...), so that "
             f"max_micro_batches={self.max_micro_batches} can be checked against it.")
       size = _check_int("batch_size", batch_size, low=1, what="the rows of each step's batch",
-                        example=str(opts.size * self.max_micro_batches))
-      count = _split.resolve_count(size, None, opts.size)
-      how = f" (batch_size={size} / micro_batch_size={opts.size})"
+                        example=str(opts.split.size * self.max_micro_batches))
+      count = _split.resolve_count(size, None, opts.split.size)
+      how = f" (batch_size={size} / micro_batch_size={opts.split.size})"
     if count < self.max_micro_batches:
       raise ValueError(
           f"AdaptiveBatch(max_micro_batches={self.max_micro_batches}) exceeds the "

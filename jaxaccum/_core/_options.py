@@ -4,14 +4,23 @@ The schema is data: :data:`DEFAULTS` lists the keyword options of
 :func:`jaxaccum.value_and_grad` with their defaults, :data:`GRADIENT_OPTIONS` those that
 :func:`jaxaccum.evaluate` does not take, and :data:`DEPRECATED` the keywords folded into a
 record (:class:`DataParallel`, :class:`Terms`, a policy ``remat``, or
-:func:`jaxaccum.dp.per_example_value_and_grad`). :func:`make_options` expands the records into
-the core's flat options and validates each :class:`Options` field with its validator.
+:func:`jaxaccum.dp.per_example_value_and_grad`).
 
-:class:`Options` is a frozen dataclass; code that needs a variant (the data-parallel mode
-runs the same steps on each shard with a resolved count) uses :func:`dataclasses.replace`.
-Adding an option touches three places: its :class:`Options` field with its validator
-(:func:`option`), its entry in :data:`DEFAULTS`, and its line in the signature of
-:func:`jaxaccum.value_and_grad` (a test checks that the signature and the table agree).
+:class:`Options` is a record of records, each a frozen dataclass that validates (and
+normalises) its own fields in ``__post_init__``: :class:`Split` (the micro-batch count or
+size and the batch axis), :class:`RoleSpec` (which arguments are differentiated, batch,
+keys or state, resolved per call by :meth:`RoleSpec.resolve`), :class:`Numerics` (dtypes,
+remat, unroll) and :class:`DataParallel` (the data-parallel mode, ``None`` without it);
+``Options.__post_init__`` checks what joins two of them. :func:`make_options` folds the
+deprecated keywords into their records and builds them. Code that needs a variant (the
+data-parallel mode runs the same steps on each shard with a resolved count) uses
+:func:`dataclasses.replace` on the record and on ``Options``.
+
+Adding an option touches its record (a field and its check in ``__post_init__``), its entry
+in :data:`DEFAULTS`, and its line in the signature and docstring of
+:func:`jaxaccum.value_and_grad` (a test checks that the signature and the table agree); an
+option of a new kind gets its own :class:`Options` field, of which there are at most 12
+(``tests/test_architecture.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum._core import _reduce, _sharding, _split
+from jaxaccum._core import _reduce, _sharding, _split, _validate
 from jaxaccum._core._types import AxisName
 
 
@@ -44,14 +53,6 @@ def _check_fun(fun: Any) -> Any:
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {fun!r} of type {type(fun).__name__}.")
   return fun
-
-
-def _check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, bool):
-    hint = (" or a jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable"
-            if name == "remat" else "")
-    raise TypeError(f"{name} must be a bool{hint}, got {name}={value!r}.")
-  return value
 
 
 def _check_batch_argnums(batch_argnums: Any, names: tuple[str, ...]) -> tuple[int, ...]:
@@ -84,18 +85,6 @@ def _check_rng_argnames(rng_argnames: Any, batch_names: tuple[str, ...]) -> tupl
   return rng_names
 
 
-def _check_roles(done: dict[str, Any], state: tuple[int, ...]) -> tuple[int, ...]:
-  """Raises when two roles name one argument by positions of the same sign (``1`` twice,
-  or ``-1`` twice), which needs no call; ``-1`` against ``1`` is checked at the call
-  (:meth:`Options.roles`), which knows how many arguments there are. Returns ``state``."""
-  roles = {"argnums": done["argnums"], "batch_argnums": done["batch_argnums"],
-           "rng_argnums": done["rng_argnums"], "state_argnums": state}
-  if done["batch_optional"]:  # the default argument 1 is a batch only where it is free
-    del roles["batch_argnums"]
-  _split.check_disjoint(roles)
-  return state
-
-
 def _check_policy(name: str, policy: Any) -> Callable[..., bool] | None:
   if policy is not None and not callable(policy):
     raise TypeError(
@@ -115,103 +104,94 @@ def _check_unroll(name: str, unroll: Any) -> int | bool:
   return unroll if isinstance(unroll, bool) else int(unroll)
 
 
-Raw = dict[str, Any]  # the keyword options as given (and ``fun``, ``evaluate``)
+def _is_policy(remat: Any) -> bool:
+  """Whether ``remat`` is a :func:`jax.checkpoint` policy (any callable but a bool)."""
+  return callable(remat) and not isinstance(remat, bool)
 
 
-def option(check: Callable[[Raw, dict[str, Any]], Any]) -> Any:
-  """An :class:`Options` field and its validator: ``check(raw, done)`` reads the options as
-  given (``raw``) and the fields validated before it (``done``), raises a clear error for a
-  bad value, and returns the field's value."""
-  return dataclasses.field(metadata={"check": check})
+def _set(record: Any, **values: Any) -> None:
+  """Stores a frozen record's normalised fields (from its ``__post_init__``)."""
+  for name, value in values.items():
+    object.__setattr__(record, name, value)
 
 
-def _given(name: str, check: Callable[[str, Any], Any] | None = None) -> Any:
-  """A field that holds option ``name`` as given, checked by ``check(name, value)``."""
-  return option(lambda raw, done: raw[name] if check is None else check(name, raw[name]))
+class _DefaultArgnum(int):
+  """The default ``batch_argnums=1`` (it prints as ``1``), told apart from a given ``1``.
+
+  With ``batch_argnames`` the default applies only where argument 1 exists and has no
+  other role; a ``batch_argnums=1`` that the caller gave always applies.
+  """
+
+
+BATCH_ARGNUMS = _DefaultArgnum(1)
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """Everything fixed when the transform is built, each field with its validator.
+class Split:
+  """How the batch is split: into ``count`` micro-batches or ones of ``size`` rows (exactly
+  one is given: ``num_micro_batches`` and ``micro_batch_size``), along ``batch_axis`` (one
+  int, or one entry per batch argument, :func:`jaxaccum._core._split.batch_axes`)."""
 
-  The fields are validated in order by :func:`make_options`: a field's validator may read
-  the fields above it.
+  count: int | None = None
+  size: int | None = None
+  batch_axis: int | tuple = 0
+
+  def __post_init__(self):
+    count, size = _split.check_counts(self.count, self.size)
+    _set(self, count=count, size=size, batch_axis=_split.check_batch_axis(self.batch_axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+  """Which arguments play which role, as the options name them (resolved against each
+  call's arguments by :meth:`resolve`).
+
+  ``argnums``, ``batch_argnums``, ``rng_argnums`` and ``state_argnums`` are normalised to
+  tuples, the names to tuples of strings. ``argnums_is_int`` (the gradients of one argument,
+  not a tuple), ``batch_optional`` (the default ``batch_argnums=1`` with ``batch_argnames``:
+  argument 1 is a batch only where it exists) and ``state_is_tuple`` are derived from the
+  values as given when left ``None``. ``argnums=()`` (nothing differentiated) is
+  :func:`jaxaccum.evaluate`'s; :func:`make_options` refuses it elsewhere.
   """
 
-  fun: Callable[..., Any] = option(lambda raw, done: _check_fun(raw["fun"]))
-  count: int | None = option(lambda raw, done: _split.check_counts(
-      raw["num_micro_batches"], raw["micro_batch_size"])[0])
-  size: int | None = option(lambda raw, done: _split.check_counts(
-      raw["num_micro_batches"], raw["micro_batch_size"])[1])
-  argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
-      "argnums", raw["argnums"], allow_empty=raw["evaluate"]))
-  argnums_is_int: bool = option(lambda raw, done: not isinstance(raw["argnums"], (tuple, list)))
-  batch_argnames: tuple[str, ...] = _given("batch_argnames", _split.normalize_argnames)
-  batch_argnums: tuple[int, ...] = option(lambda raw, done: _check_batch_argnums(
-      raw["batch_argnums"], done["batch_argnames"]))
-  # The default batch_argnums=1 with batch_argnames: only where argument 1 exists.
-  batch_optional: bool = option(lambda raw, done: raw["batch_argnums"] is BATCH_ARGNUMS
-                                and bool(done["batch_argnames"]))
-  # One int, or one entry per batch argument (_split.batch_axes).
-  batch_axis: int | tuple = option(lambda raw, done: _check_batch_axis(
-      raw["batch_axis"], done["batch_argnums"], done["batch_argnames"], done["batch_optional"]))
-  has_aux: bool = _given("has_aux", _check_bool)
-  reduce: Any = option(lambda raw, done: _reduce.check_reduce(raw["reduce"]))
-  terms: tuple[_reduce.Term, ...] = option(lambda raw, done: _per_example_terms(
-      _reduce.make_terms(done["reduce"], raw["loss_weights"]), raw["per_example_transform"]))
-  aux_reduce: Any = option(lambda raw, done: _check_aux_reduce(raw["aux_reduce"],
-                                                               done["has_aux"]))
-  rng_argnums: tuple[int, ...] = option(lambda raw, done: _split.normalize_argnums(
-      "rng_argnums", raw["rng_argnums"], allow_empty=True))
-  rng_argnames: tuple[str, ...] = option(lambda raw, done: _check_rng_argnames(
-      raw["rng_argnames"], done["batch_argnames"]))
-  state_argnums: tuple[int, ...] = option(lambda raw, done: _check_roles(
-      done, _split.normalize_argnums("state_argnums", raw["state_argnums"], allow_empty=True)))
-  state_is_tuple: bool = option(lambda raw, done: isinstance(raw["state_argnums"],
-                                                             (tuple, list)))
-  accumulator_dtype: np.dtype | None = _given("accumulator_dtype", _reduce.check_dtype)
-  grads_dtype: np.dtype | None = _given("grads_dtype", _reduce.check_dtype)
-  remat_policy: Callable[..., bool] | None = _given("remat_policy", _check_policy)
-  remat: bool = option(lambda raw, done: _check_bool("remat", raw["remat"])
-                       or done["remat_policy"] is not None)
-  unroll: int | bool = _given("unroll", _check_unroll)
-  # A tuple of axes, "auto" or None.
-  data_axis: tuple[AxisName, ...] | str | None = option(
-      lambda raw, done: _sharding.check_data_axis_option(raw["data_axis"]))
-  mesh: Any = option(lambda raw, done: _sharding.check_mesh(raw["mesh"], done["data_axis"]))
-  with_info: bool = _given("with_info", _check_bool)
-  skip_nonfinite: bool = _given("skip_nonfinite", _check_bool)
-  # The per-example wing's micro-batch rule (jaxaccum._per_example._rule.PerExampleRule).
-  per_example_transform: Callable[[Any], Any] | None = option(
-      lambda raw, done: None if raw["per_example_transform"] is None else
-      raw["per_example_transform"].rule(done["reduce"], done["terms"], done["batch_argnames"]))
-  # The last micro-batch runs after the scan (data_axis).
-  overlap_grad_reduce: bool = option(
-      lambda raw, done: check_overlap(raw["overlap_grad_reduce"], done["data_axis"]))
-  param_gather: str = option(lambda raw, done: _sharding.check_placement(
-      "param_gather", raw["param_gather"], done["data_axis"]))
-  grad_scatter: str = option(lambda raw, done: _sharding.check_placement(
-      "grad_scatter", raw["grad_scatter"], done["data_axis"]))
+  argnums: Any = 0
+  batch_argnums: Any = BATCH_ARGNUMS
+  batch_argnames: Any = None
+  rng_argnums: Any = None
+  rng_argnames: Any = None
+  state_argnums: Any = None
+  argnums_is_int: bool | None = None
+  batch_optional: bool | None = None
+  state_is_tuple: bool | None = None
 
-  @property
-  def has_extra(self) -> bool:
-    """Whether ``fun`` returns ``(value, extra)`` (aux and/or new state)."""
-    return self.has_aux or bool(self.state_argnums)
+  def __post_init__(self):
+    names = _split.normalize_argnames("batch_argnames", self.batch_argnames)
+    optional = self.batch_optional
+    if optional is None:
+      optional = self.batch_argnums is BATCH_ARGNUMS and bool(names)
+    _set(self,
+         argnums=_split.normalize_argnums("argnums", self.argnums, allow_empty=True),
+         argnums_is_int=(not isinstance(self.argnums, (tuple, list))
+                         if self.argnums_is_int is None else self.argnums_is_int),
+         batch_argnames=names,
+         batch_argnums=_check_batch_argnums(self.batch_argnums, names),
+         batch_optional=optional,
+         rng_argnums=_split.normalize_argnums("rng_argnums", self.rng_argnums,
+                                              allow_empty=True),
+         rng_argnames=_check_rng_argnames(self.rng_argnames, names),
+         state_is_tuple=(isinstance(self.state_argnums, (tuple, list))
+                         if self.state_is_tuple is None else self.state_is_tuple),
+         state_argnums=_split.normalize_argnums("state_argnums", self.state_argnums,
+                                                allow_empty=True))
+    # Two roles naming one argument by positions of the same sign (``1`` twice, or ``-1``
+    # twice) need no call; ``-1`` against ``1`` is checked at the call (:meth:`resolve`).
+    roles = {"argnums": self.argnums, "batch_argnums": self.batch_argnums,
+             "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
+    if self.batch_optional:  # the default argument 1 is a batch only where it is free
+      del roles["batch_argnums"]
+    _split.check_disjoint(roles)
 
-  @property
-  def evaluating(self) -> bool:
-    """Evaluation (:func:`jaxaccum.evaluate`): no argument is differentiated."""
-    return not self.argnums
-
-  @property
-  def single_term(self) -> bool:
-    return isinstance(self.reduce, str)
-
-  def label(self, j: int) -> str:
-    """``argument j ('name')``: an argument named as ``fun``'s signature names it."""
-    return arg_label(self.fun, j)
-
-  def roles(self, nargs: int, kwargs: dict[str, Any]) -> Roles:
+  def resolve(self, nargs: int, kwargs: dict[str, Any]) -> Roles:
     """Resolves the role argnums against one call's arguments and checks them."""
     def res(name, argnums):
       return _split.resolve_argnums(name, argnums, nargs, kwargs)
@@ -235,20 +215,114 @@ class Options:
             f"e.g. {example.format(k=missing[0])}, or name it by position with {positional}.")
     return roles
 
-  def with_appended_state(self) -> Options:
-    """These options for a call given one more positional argument, the state, last.
-
-    An adapter (:mod:`jaxaccum.nnx`) validates the options in its caller's positions and
-    resolves each call's roles with :meth:`roles` there; the core it runs is passed the
-    caller's arguments and the threaded state after them, so the caller's negative positions
-    move one further from the end and ``state_argnums`` is ``-1``. Both resolve a call to
-    the same roles (``tests/adapters/test_roles.py``).
-    """
+  def with_appended_state(self) -> RoleSpec:
+    """These roles for a call given one more positional argument, the state, last: the
+    negative positions move one further from the end and ``state_argnums`` is ``-1``."""
     def shift(argnums: tuple[int, ...]) -> tuple[int, ...]:
       return tuple(j - 1 if j < 0 else j for j in argnums)
     return dataclasses.replace(
         self, argnums=shift(self.argnums), batch_argnums=shift(self.batch_argnums),
         rng_argnums=shift(self.rng_argnums), state_argnums=(-1,), state_is_tuple=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """How the loop computes: the accumulator's and the gradients' dtypes, rematerialisation
+  of each micro-batch (``remat``: a bool, or a :func:`jax.checkpoint` policy, stored as
+  ``remat=True`` and ``remat_policy``) and the scan's ``unroll``.
+
+  Adding a numerics option touches this record, the signature of
+  :func:`jaxaccum.value_and_grad` and its docstring (and :data:`DEFAULTS`, which a test
+  checks against the signature).
+  """
+
+  accumulator_dtype: np.dtype | None = None
+  grads_dtype: np.dtype | None = None
+  remat: Any = False
+  remat_policy: Callable[..., bool] | None = None
+  unroll: int | bool = 1
+
+  def __post_init__(self):
+    remat, policy = self.remat, self.remat_policy
+    if _is_policy(remat):
+      if policy is not None:
+        raise TypeError(
+            f"remat={remat!r} is a policy and remat_policy={policy!r} is given too: give the "
+            "policy as remat only (remat_policy is deprecated).")
+      remat, policy = True, remat
+    policy = _check_policy("remat_policy", policy)
+    hint = " or a jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable"
+    _set(self,
+         accumulator_dtype=_reduce.check_dtype("accumulator_dtype", self.accumulator_dtype),
+         grads_dtype=_reduce.check_dtype("grads_dtype", self.grads_dtype),
+         remat_policy=policy,
+         remat=_validate.check_bool("remat", remat, what=f"a bool{hint}") or policy is not None,
+         unroll=_check_unroll("unroll", self.unroll))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything fixed when the transform is built, in records that validate themselves.
+
+  :func:`make_options` builds it from the public keyword options; ``__post_init__`` checks
+  what joins two records (``batch_axis`` against the batch arguments, ``aux_reduce``
+  against ``has_aux``). ``terms`` are ``reduce``'s loss terms with their weights (as a
+  per-example transform changes them), ``parallel`` the data-parallel mode (``None``:
+  none) and ``per_example`` the per-example wing's micro-batch rule
+  (:class:`jaxaccum._per_example._rule.PerExampleRule`) or ``None``.
+  """
+
+  fun: Callable[..., Any]
+  split: Split
+  roles: RoleSpec
+  reduce: Any = "mean"
+  terms: tuple[_reduce.Term, ...] = ()
+  aux_reduce: Any = None
+  numerics: Numerics = Numerics()
+  has_aux: bool = False
+  with_info: bool = False
+  skip_nonfinite: bool = False
+  parallel: DataParallel | None = None
+  per_example: Any = None
+
+  def __post_init__(self):
+    _check_fun(self.fun)
+    _set(self, has_aux=_validate.check_bool("has_aux", self.has_aux),
+         with_info=_validate.check_bool("with_info", self.with_info),
+         skip_nonfinite=_validate.check_bool("skip_nonfinite", self.skip_nonfinite))
+    roles = self.roles
+    _check_batch_axis(self.split.batch_axis, roles.batch_argnums, roles.batch_argnames,
+                      bool(roles.batch_optional))
+    _check_aux_reduce(self.aux_reduce, self.has_aux)
+
+  @property
+  def has_extra(self) -> bool:
+    """Whether ``fun`` returns ``(value, extra)`` (aux and/or new state)."""
+    return self.has_aux or bool(self.roles.state_argnums)
+
+  @property
+  def evaluating(self) -> bool:
+    """Evaluation (:func:`jaxaccum.evaluate`): no argument is differentiated."""
+    return not self.roles.argnums
+
+  @property
+  def single_term(self) -> bool:
+    return isinstance(self.reduce, str)
+
+  def label(self, j: int) -> str:
+    """``argument j ('name')``: an argument named as ``fun``'s signature names it."""
+    return arg_label(self.fun, j)
+
+  def with_appended_state(self) -> Options:
+    """These options for a call given one more positional argument, the state, last.
+
+    An adapter (:mod:`jaxaccum.nnx`) validates the options in its caller's positions and
+    resolves each call's roles with :meth:`RoleSpec.resolve` there; the core it runs is
+    passed the caller's arguments and the threaded state after them, so the caller's
+    negative positions move one further from the end and ``state_argnums`` is ``-1``. Both
+    resolve a call to the same roles (``tests/adapters/test_roles.py``).
+    """
+    return dataclasses.replace(self, roles=self.roles.with_appended_state())
 
 
 def arg_label(fun: Any, j: int) -> str:
@@ -261,17 +335,6 @@ def arg_label(fun: Any, j: int) -> str:
   if 0 <= j < len(params):
     return f"argument {j} ({params[j].name!r})"
   return f"argument {j}"
-
-
-class _DefaultArgnum(int):
-  """The default ``batch_argnums=1`` (it prints as ``1``), told apart from a given ``1``.
-
-  With ``batch_argnames`` the default applies only where argument 1 exists and has no
-  other role; a ``batch_argnums=1`` that the caller gave always applies.
-  """
-
-
-BATCH_ARGNUMS = _DefaultArgnum(1)
 
 
 def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str, ...],
@@ -314,8 +377,9 @@ class Folded(NamedTuple):
 # replacement names.
 DEPRECATED: dict[str, Folded] = {
     "mesh": Folded(None, "data_axis=jaxaccum.DataParallel(axis, mesh=mesh)", gradient=False),
-    "param_gather": Folded("step", "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
-    "grad_scatter": Folded("micro_batch",
+    "param_gather": Folded(_sharding.PLACEMENTS["param_gather"][0],
+                           "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
+    "grad_scatter": Folded(_sharding.PLACEMENTS["grad_scatter"][0],
                            "data_axis=jaxaccum.DataParallel(axis, grad_scatter=...)"),
     "overlap_grad_reduce": Folded(
         False, "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
@@ -372,8 +436,9 @@ class DataParallel:
 
   axis: tuple[AxisName, ...] | str
   mesh: Any = None
-  param_gather: str = "step"
-  grad_scatter: str = "micro_batch"
+  # The default placement is the first of each field's choices (_sharding.PLACEMENTS).
+  param_gather: str = _sharding.PLACEMENTS["param_gather"][0]
+  grad_scatter: str = _sharding.PLACEMENTS["grad_scatter"][0]
   overlap_grad_reduce: bool = False
 
   def __post_init__(self):
@@ -387,6 +452,19 @@ class DataParallel:
     _sharding.check_placement("param_gather", self.param_gather, axis)
     _sharding.check_placement("grad_scatter", self.grad_scatter, axis)
     check_overlap(self.overlap_grad_reduce, axis)
+
+  @property
+  def default_placement(self) -> bool:
+    """Whether ``param_gather`` and ``grad_scatter`` are the defaults (gather once per step,
+    reduce-scatter every micro-batch): what a replicated run does."""
+    return all(getattr(self, name) == choices[0]
+               for name, choices in _sharding.PLACEMENTS.items())
+
+  @property
+  def reduces_only(self) -> bool:
+    """Whether only the axes and the mesh are given: the default placement and no
+    ``overlap_grad_reduce``, what a front end that places no collectives takes."""
+    return self.default_placement and not self.overlap_grad_reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,40 +503,63 @@ class Terms:
   __hash__ = None  # type: ignore[assignment]  # holds dicts
 
 
-def _expand(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, Any]:
-  """The core's flat options from the public ones: a :class:`DataParallel` ``data_axis``, a
-  :class:`Terms` ``reduce`` and a policy ``remat`` spread into the fields they stand for;
-  ``old`` holds the deprecated keywords given, which fill the same fields."""
-  raw = {**DEFAULTS, **{k: f.default for k, f in DEPRECATED.items()}, **given}
+def _fold(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, Any]:
+  """The public options with the deprecated keywords given (``old``) folded into the
+  records they now belong to: ``mesh``, the placements and ``overlap_grad_reduce`` into
+  ``data_axis``, ``loss_weights`` into ``reduce`` and ``remat_policy`` into ``remat``. A
+  keyword given beside its record is a ``TypeError``."""
+  options = {**DEFAULTS, **given}
 
   def clash(record: str, name: str) -> None:
     raise TypeError(
         f"{where} got {name}= and {record} both: give {name} inside {record} only "
         f"({DEPRECATED[name].instead}).")
 
-  dp = raw["data_axis"]
-  if isinstance(dp, DataParallel):
-    for name in ("mesh", "param_gather", "grad_scatter", "overlap_grad_reduce"):
-      if name in old:
-        clash("data_axis=DataParallel(...)", name)
-    raw.update(data_axis=dp.axis, mesh=dp.mesh, param_gather=dp.param_gather,
-               grad_scatter=dp.grad_scatter, overlap_grad_reduce=dp.overlap_grad_reduce)
-  if isinstance(raw["reduce"], Terms):
-    if "loss_weights" in old:
+  dp_old = {k: old[k] for k in ("mesh", "param_gather", "grad_scatter", "overlap_grad_reduce")
+            if k in old}
+  if isinstance(options["data_axis"], DataParallel):
+    for name in dp_old:
+      clash("data_axis=DataParallel(...)", name)
+  else:
+    axis = _sharding.check_data_axis_option(options["data_axis"])
+    if axis is not None:
+      options["data_axis"] = DataParallel(axis, **dp_old)
+    else:  # each deprecated keyword's own error (it needs data_axis), or its default
+      _sharding.check_mesh(dp_old.get("mesh"), None)
+      for name in ("param_gather", "grad_scatter"):
+        if name in dp_old:
+          _sharding.check_placement(name, dp_old[name], None)
+      check_overlap(dp_old.get("overlap_grad_reduce", False), None)
+  if "loss_weights" in old:
+    if isinstance(options["reduce"], Terms):
       clash("reduce=Terms(...)", "loss_weights")
-    raw.update(reduce=raw["reduce"].kinds, loss_weights=raw["reduce"].weights)
-  remat = raw["remat"]
-  if callable(remat) and not isinstance(remat, bool):
-    if "remat_policy" in old:
+    options["reduce"] = _Weighted(options["reduce"], old["loss_weights"])
+  if "remat_policy" in old:
+    if _is_policy(options["remat"]):
       clash("a policy remat", "remat_policy")
-    raw.update(remat=True, remat_policy=remat)
-  return {**raw, **old}
+    options["remat_policy"] = old["remat_policy"]
+  return options
 
 
-def _per_example_terms(terms: tuple[_reduce.Term, ...], request: Any
-                       ) -> tuple[_reduce.Term, ...]:
-  """The loss terms as a per-example request changes them (a clip's ``example_mask``)."""
-  return terms if request is None else request.masked_terms(terms)
+class _Weighted(NamedTuple):
+  """A ``reduce`` given with the deprecated ``loss_weights``."""
+
+  kinds: Any
+  weights: Any
+
+
+def _terms(reduce: Any) -> tuple[Any, tuple[_reduce.Term, ...]]:
+  """``(reduce, terms)``: the checked reduction (a kind or a dict of them) and its terms."""
+  kinds, weights = (reduce.kinds, reduce.weights) if isinstance(reduce, (Terms, _Weighted)) \
+      else (reduce, None)
+  kinds = _reduce.check_reduce(kinds)
+  return kinds, _reduce.make_terms(kinds, weights)
+
+
+def _record(cls: type, options: dict[str, Any]) -> Any:
+  """A record of the options named as its fields (a field that no option names, as the
+  derived ones of :class:`RoleSpec`, keeps its default)."""
+  return cls(**{f.name: options[f.name] for f in dataclasses.fields(cls) if f.name in options})
 
 
 def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] | None = None,
@@ -468,8 +569,8 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
 
   ``given`` holds keyword options of :func:`jaxaccum.value_and_grad` (:data:`DEFAULTS`
   fills the others), ``deprecated`` the other keywords a caller received: each known one
-  (:data:`DEPRECATED`) warns and fills its field, an unknown one is a ``TypeError``. Each
-  :class:`Options` field validates its own (:func:`option`). ``evaluate=True`` is
+  (:data:`DEPRECATED`) warns and is folded into its record, an unknown one is a
+  ``TypeError``. Each record validates its own fields. ``evaluate=True`` is
   :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is differentiated) is allowed
   only there, and the options about gradients are refused. ``transform`` is
   :func:`jaxaccum.dp.per_example_value_and_grad`'s per-example transform.
@@ -485,8 +586,7 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
         f"{DEPRECATED[name].instead}.", DeprecationWarning, stacklevel=stacklevel)
   if evaluate:
     dp, reduce = given.get("data_axis"), given.get("reduce")
-    if isinstance(dp, DataParallel) and (dp.param_gather, dp.grad_scatter,
-                                         dp.overlap_grad_reduce) != ("step", "micro_batch", False):
+    if isinstance(dp, DataParallel) and not dp.reduces_only:
       raise TypeError(
           f"{where} takes DataParallel(axis, mesh=...) only, got {dp!r}: param_gather, "
           "grad_scatter and overlap_grad_reduce are about gradients, and evaluate "
@@ -496,13 +596,25 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
           f"{where} returns each term of a Terms reduce normalised on its own (no weighted "
           f"total), so it takes no weights: got {reduce!r}. Pass Terms(kinds) or the dict.")
     given = {**given, "argnums": ()}
-  raw = {"fun": fun, "evaluate": evaluate, **_expand(given, old, where)}
-  if transform is not None:
-    raw["per_example_transform"] = transform
-  done: dict[str, Any] = {}
-  for field in dataclasses.fields(Options):
-    done[field.name] = field.metadata["check"](raw, done)
-  return Options(**done)
+  _check_fun(fun)
+  given = _fold(given, old, where)
+  if transform is None:  # the deprecated keyword, as its request (jaxaccum._api.requests)
+    transform = old.get("per_example_transform")
+  split = Split(given["num_micro_batches"], given["micro_batch_size"], given["batch_axis"])
+  if not evaluate:  # only evaluate differentiates nothing
+    _split.normalize_argnums("argnums", given["argnums"], allow_empty=False)
+  roles = _record(RoleSpec, given)
+  reduce, terms = _terms(given["reduce"])
+  if transform is not None:  # a clip's example_mask changes the loss terms
+    terms = transform.masked_terms(terms)
+  dp = given["data_axis"]
+  opts = Options(fun, split, roles, reduce, terms, given["aux_reduce"], _record(Numerics, given),
+                 given["has_aux"], given["with_info"], given["skip_nonfinite"],
+                 dp if isinstance(dp, DataParallel) else None)
+  if transform is None:
+    return opts
+  return dataclasses.replace(opts, per_example=transform.rule(reduce, terms,
+                                                              roles.batch_argnames))
 
 
 def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
@@ -548,7 +660,7 @@ def unreduced_axes(where: str, data_axis: Any, given: dict[str, Any]) -> tuple[A
       raise TypeError(f"{where} got mesh= and data_axis=DataParallel(...) both: give the "
                       "mesh inside DataParallel only.")
   if isinstance(data_axis, DataParallel):
-    if dataclasses.replace(data_axis, mesh=None) != DataParallel(data_axis.axis):
+    if not data_axis.reduces_only:
       raise TypeError(
           f"{where} reduces nothing across devices, so it takes DataParallel(axis, "
           f"mesh=...) only, got data_axis={data_axis!r}: drop param_gather, grad_scatter and "

@@ -95,7 +95,7 @@ def unpack(opts: Options, out: Any):
   """Splits fun's output into (term numerators, term denominators, new_state, aux)."""
   if opts.has_extra:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      wants = ("(value, aux)" if opts.has_aux and not opts.state_argnums else
+      wants = ("(value, aux)" if opts.has_aux and not opts.roles.state_argnums else
                "(value, new_state)" if not opts.has_aux else "(value, (new_state, aux))")
       raise TypeError(
           f"fun must return {wants} because "
@@ -121,7 +121,7 @@ def unpack(opts: Options, out: Any):
       pairs.append(_term_value(opts, term, v))
     _check_unnamed_terms(opts.reduce, value)
   nums, dens = zip(*pairs, strict=True)
-  if opts.state_argnums:
+  if opts.roles.state_argnums:
     if opts.has_aux:
       if not (isinstance(extra, (tuple, list)) and len(extra) == 2):
         got = _describe(extra) if hasattr(extra, "shape") else type(extra).__name__
@@ -148,12 +148,12 @@ def unpack(opts: Options, out: Any):
 def check_state(opts: Options, positions: tuple[int, ...], state_in: tuple,
                  new_state: Any) -> tuple:
   """Checks that fun returned state shaped like its state arguments; returns it as a tuple."""
-  if opts.state_is_tuple and (not isinstance(new_state, (tuple, list))
+  if opts.roles.state_is_tuple and (not isinstance(new_state, (tuple, list))
                               or len(new_state) != len(state_in)):
     raise TypeError(
-        f"state_argnums={opts.state_argnums} is a tuple, so fun must return the new states "
+        f"state_argnums={opts.roles.state_argnums} is a tuple, so fun must return the new states "
         f"as a tuple of {len(state_in)}, got {_describe(new_state)}.")
-  got = tuple(new_state) if opts.state_is_tuple else (new_state,)
+  got = tuple(new_state) if opts.roles.state_is_tuple else (new_state,)
   out = []
   for j, old, new in zip(positions, state_in, got, strict=True):
     s_old, s_new = jax.tree.structure(old), jax.tree.structure(new)

@@ -165,7 +165,7 @@ class MicroCall(NamedTuple):
 class MicroRule(Protocol):
   """How one micro-batch contributes: forward only (:data:`FORWARD`, ``evaluate``), one
   VJP per gradient group (:data:`VJP`), or a wing's rule such as the per-example one
-  (:class:`jaxaccum._per_example._rule.PerExampleRule`, held by ``Options.per_example_transform``).
+  (:class:`jaxaccum._per_example._rule.PerExampleRule`, held by ``Options.per_example``).
   """
 
   @property
@@ -234,9 +234,9 @@ VJP: MicroRule = _CoreRule(differentiates=True)
 
 def micro_rule(opts: Options) -> MicroRule:
   """The rule by which a micro-batch contributes under ``opts``."""
-  if opts.per_example_transform is not None:
+  if opts.per_example is not None:
     # The wing's rule that check_per_example made of the user's transform.
-    return cast(MicroRule, opts.per_example_transform)
+    return cast(MicroRule, opts.per_example)
   return FORWARD if opts.evaluating else VJP
 
 
@@ -259,17 +259,18 @@ class Problem(NamedTuple):
 
 def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> Problem:
   """Resolves the roles, splits the batch and builds the per-micro-batch function."""
-  roles = opts.roles(len(args), kwargs)
+  roles = opts.roles.resolve(len(args), kwargs)
   rule = micro_rule(opts)
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   hint = (" The batch is argument 1 by default (batch_argnums=1) when it is passed: pass "
-          "batch_argnums=() if only batch_argnames name the batch." if opts.batch_optional
+          "batch_argnums=() if only batch_argnames name the batch." if opts.roles.batch_optional
           else "")
-  axes = _split.batch_axes(batches, opts.batch_axis)
+  axes = _split.batch_axes(batches, opts.split.batch_axis)
   size = _split.batch_size(batches, hint, axes)
   if n is None:
-    n = _split.resolve_count(size, opts.count, opts.size, of=_split.size_note(batches, axes))
+    n = _split.resolve_count(size, opts.split.count, opts.split.size,
+                             of=_split.size_note(batches, axes))
   _check_roles(opts, roles, args, kwargs, size)
   _sharding.check_split_sharding(batches, n, axes)
   axis = dict(zip((*roles.batch, *roles.batch_names), axes.values(), strict=True))
@@ -303,10 +304,10 @@ def prepare(opts: Options, args: tuple, kwargs: dict, n: int | None = None) -> P
       objectives.append(total)
     return tuple(objectives), (nums, dens, new_state, aux)
 
-  if opts.remat:
+  if opts.numerics.remat:
     # prevent_cse=True: the recomputation sits in the same scan iteration as the forward
     # pass it repeats, and without the barrier XLA merges the two, saving nothing.
-    inner = jax.checkpoint(inner, policy=opts.remat_policy, prevent_cse=True)
+    inner = jax.checkpoint(inner, policy=opts.numerics.remat_policy, prevent_cse=True)
 
   def micro(i, state, count):
     call_args = list(args)
@@ -429,7 +430,7 @@ class Scan(NamedTuple):
   keep_like: list
 
   def acc_dtype(self, dtype: Any) -> Any:
-    return _reduce.accumulator_dtype_for(dtype, self.opts.accumulator_dtype)
+    return _reduce.accumulator_dtype_for(dtype, self.opts.numerics.accumulator_dtype)
 
 
 class Update(NamedTuple):
@@ -505,7 +506,7 @@ def _combine_grads(c: tuple, a: Across) -> tuple:
 def _aux0(s: Scan) -> PyTree:
   def leaf(red, x):
     # Per-micro-batch reductions (stack, concat) keep no carry: the scan emits the leaf.
-    init = None if red.per_micro_batch else red.init(x, s.opts.accumulator_dtype)
+    init = None if red.per_micro_batch else red.init(x, s.opts.numerics.accumulator_dtype)
     if init is None:
       return None
     # A user reduction's carry may be a pytree of any shapes: it varies as the leaf does.
@@ -574,7 +575,7 @@ def _final_grads(c: tuple, f: Final) -> PyTree:
   if not f.problem.groups:  # nothing differentiated (evaluate): no gradients
     return ()
   grads = _reduce.divide_groups(f.problem.groups, c, f.kept, f.carry.den)
-  dtype = f.opts.grads_dtype
+  dtype = f.opts.numerics.grads_dtype
   grads = jax.tree.map(lambda a, x: a.astype(dtype if dtype is not None else x.dtype),
                        grads, f.shapes.grads[0])
   return _sharding.align(grads, f.problem.params)
@@ -635,7 +636,7 @@ CARRY: dict[str, CarryEntry] = {
         lambda s: jax.tree.map(_sharding.conform, s.problem.state0, s.shapes.state),
         lambda c, u, s: u.select(u.out.state, c),
         lambda c, a: jax.tree.map(lambda x: _reduce.combine_state(x, a.axes), c),
-        lambda c, f: c if f.opts.state_is_tuple or not c else c[0]),
+        lambda c, f: c if f.opts.roles.state_is_tuple or not c else c[0]),
     "stats": CarryEntry(_stats0, _stats_update, lambda c, a: lax.psum(c, a.axes), _final_info),
 }
 
@@ -686,7 +687,7 @@ def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
       jnp.int32(0), problem.state0, count)
   warn_whole_batch(opts, problem, traced.consts, shards)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes.aux, problem.rows,
-                                     _split.common_axis(opts.batch_axis))
+                                     _split.common_axis(opts.split.batch_axis))
   keep_like = (jax.tree.leaves((shapes.nums, shapes.dens, shapes.grads))
                if opts.skip_nonfinite else [])
   s = Scan(opts, problem, shapes, kinds, keep_like)
@@ -703,8 +704,9 @@ def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
     return new, jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
 
   per_mb = jax.tree.map(lambda k, x: x if k.per_micro_batch else None, kinds, shapes.aux)
-  carry, stacked = schedule(run, carry0, problem.n, active, per_mb,
-                            peel=opts.overlap_grad_reduce, unroll=opts.unroll)
+  peel = opts.parallel is not None and opts.parallel.overlap_grad_reduce
+  carry, stacked = schedule(run, carry0, problem.n, active, per_mb, peel=peel,
+                            unroll=opts.numerics.unroll)
   return carry, stacked, shapes, kinds
 
 

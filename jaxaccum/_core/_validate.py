@@ -43,10 +43,11 @@ def is_real(x: Any) -> TypeGuard[float | np.integer | np.floating]:
   return isinstance(x, numbers.Real) and not is_bool(x)
 
 
-def check_bool(name: str, value: Any) -> bool:
-  """``value`` as a bool; raises ``TypeError`` unless it is a Python or NumPy bool."""
+def check_bool(name: str, value: Any, *, what: str = "a bool") -> bool:
+  """``value`` as a bool; raises ``TypeError`` unless it is a Python or NumPy bool (``what``
+  says what the option takes, where it takes more than a bool)."""
   if not is_bool(value):
-    raise TypeError(f"{name} must be a bool, got {name}={value!r}.")
+    raise TypeError(f"{name} must be {what}, got {name}={value!r}.")
   return bool(value)
 
 

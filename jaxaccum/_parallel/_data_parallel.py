@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _reduce, _sharding, _split, _transform
-from jaxaccum._core._options import Options, Roles
+from jaxaccum._core._options import DataParallel, Options, Roles
 from jaxaccum._core._types import AxisName, PyTree
 
 
@@ -59,17 +59,20 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     ``(value, extra, grads, info)`` as the core's ``finalize`` returns them, reduced over
     the data axes.
   """
-  roles = opts.roles(len(args), kwargs)
+  roles = opts.roles.resolve(len(args), kwargs)
   batches: dict[Any, PyTree] = {opts.label(j): args[j] for j in roles.batch}
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
-  leaf_axes = _split.batch_axes(batches, opts.batch_axis)
-  if opts.data_axis == _sharding.AUTO:
+  leaf_axes = _split.batch_axes(batches, opts.split.batch_axis)
+  assert opts.parallel is not None
+  if opts.parallel.axis == _sharding.AUTO:
     opts = resolve_auto(opts, batches, leaf_axes)
-  axes = opts.data_axis
+  dp = cast(DataParallel, opts.parallel)
+  axes = dp.axis
   assert isinstance(axes, tuple)
-  mesh = _sharding.resolve_mesh(opts.mesh, axes)
+  mesh = _sharding.resolve_mesh(dp.mesh, axes)
   shards = math.prod(mesh.shape[a] for a in axes)
-  n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.count, opts.size,
+  n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.split.count,
+                           opts.split.size,
                            shards=shards, where=_sharding.axes_str(axes, mesh),
                            of=_split.size_note(batches, leaf_axes))
   batch_axes = dict(zip((*roles.batch, *roles.batch_names), leaf_axes.values(), strict=True))
@@ -81,7 +84,10 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   act = None if active is None else _transform.check_active(active, n)
   arrays = (*placed.arrays, act)
   in_specs = (*placed.in_specs, PartitionSpec())
-  local_opts = dataclasses.replace(opts, count=n, size=None, data_axis=None, mesh=None)
+  # Each shard runs the core on its rows; of ``parallel`` it reads only
+  # overlap_grad_reduce (the last micro-batch after the loop).
+  local_opts = dataclasses.replace(opts, split=dataclasses.replace(opts.split, count=n,
+                                                                   size=None))
   meta: dict[str, Any] = {}
 
   def local(*local_arrays):
@@ -159,7 +165,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
 
   Args:
     opts: the core's options; ``fun`` runs on the replica's rows.
-    roles: the roles of this call's arguments (``opts.roles(...)``).
+    roles: the roles of this call's arguments (``opts.roles.resolve(...)``).
     args: the replica's positional arguments.
     kwargs: the replica's keyword arguments.
     active: the core's ``active_micro_batches``, or ``None``.
@@ -227,7 +233,8 @@ def _rows(opts: Options, roles: Roles, args: list, kwargs: dict) -> int:
   leaves = jax.tree.leaves(batches)
   if not leaves:
     return 0
-  shape, along = np.shape(leaves[0]), jax.tree.leaves(_split.batch_axes(batches, opts.batch_axis))
+  along = jax.tree.leaves(_split.batch_axes(batches, opts.split.batch_axis))
+  shape = np.shape(leaves[0])
   return int(shape[along[0]]) if 0 <= along[0] < len(shape) else 0
 
 
@@ -262,8 +269,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
            batch_axes: dict[Any, PyTree]) -> _Placed:
   """The in_specs and gathers of every array leaf of every argument; a batch argument's
   leaves are mapped along their batch axes (``batch_axes``, per argument a tree of ints)."""
-  axes = opts.data_axis
-  assert isinstance(axes, tuple)
+  axes = _axes(opts)
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
   all_manual = set(axes) == set(mesh.axis_names)
   named = [(j, args[j]) for j in range(len(args))] + sorted(kwargs.items())
@@ -306,8 +312,7 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   FSDP parameter's only over those it is not sharded over (the backward pass of its
   all-gather already reduce-scattered it), and it leaves with the parameter's own spec.
   """
-  axes = opts.data_axis
-  assert isinstance(axes, tuple)
+  axes = _axes(opts)
   grad_axes, grad_specs = [], []
   for j in roles.diff:
     specs = []
@@ -333,10 +338,19 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
   """``data_axis="auto"``: the options with the axes read from the batch (and its mesh,
   when neither ``mesh=`` nor :func:`jax.set_mesh` gives one)."""
   axes, batch_mesh = _sharding.batch_data_axes(batches, leaf_axes)
-  mesh = opts.mesh
+  assert opts.parallel is not None
+  mesh = opts.parallel.mesh
   if mesh is None and jax.sharding.get_abstract_mesh().empty:
     mesh = batch_mesh
-  return dataclasses.replace(opts, data_axis=axes, mesh=mesh)
+  return dataclasses.replace(opts, parallel=dataclasses.replace(opts.parallel, axis=axes,
+                                                                mesh=mesh))
+
+
+def _axes(opts: Options) -> tuple[AxisName, ...]:
+  """The data axes, resolved (a tuple of names: the driver resolved ``"auto"``)."""
+  axes = cast(DataParallel, opts.parallel).axis
+  assert isinstance(axes, tuple)
+  return axes
 
 
 def _per_example(opts: Options) -> bool:
@@ -363,17 +377,17 @@ def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   others = [g for k, gs in placed.gathers.items() if k not in roles.diff
             and k not in roles.batch and k not in roles.batch_names for g in gs]
   for name, needs in (("param_gather", gathered + others), ("grad_scatter", gathered)):
-    value = getattr(opts, name)
+    value = getattr(opts.parallel, name)
     if value != _sharding.PLACEMENTS[name][0] and not any(needs):
       raise ValueError(
           f"{name}={value!r} places the all-gathers and reduce-scatters of parameters "
-          f"sharded over the data axes {opts.data_axis} (FSDP), but no differentiated "
+          f"sharded over the data axes {_axes(opts)} (FSDP), but no differentiated "
           "argument is sharded over them: every parameter is replicated over the data axes "
           "(or its sharding is not in its type: FSDP needs Explicit mesh axes). Shard the "
           "parameters over a data axis, e.g. jax.sharding.reshard(params, P('data')), or "
           f"drop {name}.")
   none = tuple(() for _ in gathered)
-  if opts.grad_scatter == "step":
+  if cast(DataParallel, opts.parallel).grad_scatter == "step":
     return tuple(gathered), none
   return none, (tuple(gathered) if _per_example(opts) else none)
 
@@ -410,11 +424,12 @@ def _placed_gathers(opts: Options, roles: Any, placed: _Placed, mesh: Any, largs
   ``"micro_batch"`` the micro-batch's sum is then reduce-scattered before it is
   accumulated (:func:`_check_placement`).
   """
-  per_micro_batch = opts.param_gather == "micro_batch"
+  dp = cast(DataParallel, opts.parallel)
+  per_micro_batch = dp.param_gather == "micro_batch"
   # A per-example transform differentiates with respect to full-size values whatever the
   # placement; under "micro_batch" its micro-batch sum is reduce-scattered by the core
   # (_check_placement's ``each``).
-  step_scatter = opts.grad_scatter == "step" or _per_example(opts)
+  step_scatter = dp.grad_scatter == "step" or _per_example(opts)
   # Per argument: (value, its shards) -> the value fun sees; and the shards to gather where
   # they are not the argument's own leaves (the shards behind full-size zeros).
   in_fun: dict[Any, Callable[[Any, list], Any]] = {}
@@ -595,7 +610,7 @@ def _split_rows(opts: Options, extra: Any, kinds: PyTree):
   function that puts both back into ``extra``'s structure.
   """
   rows_mask = jax.tree.map(lambda k: k.per_example, kinds)
-  if opts.state_argnums:
+  if opts.roles.state_argnums:
     no_rows = jax.tree.map(lambda _: False, extra[0] if opts.has_aux else extra)
     mask = (no_rows, rows_mask) if opts.has_aux else no_rows
   else:

@@ -145,10 +145,10 @@ def local_value_and_grad(
       deprecated={k: v for k, v in given.items() if k not in _options.DEFAULTS},
       where="local_value_and_grad")
   _refuse_state(state)
-  if opts.batch_axis != 0:
+  if opts.split.batch_axis != 0:
     raise ValueError(
         f"local_value_and_grad shards each batch leaf's leading axis over the data axes, so "
-        f"the batch axis must be the leading one, got batch_axis={opts.batch_axis!r}. "
+        f"the batch axis must be the leading one, got batch_axis={opts.split.batch_axis!r}. "
         "Move the batch axis first (e.g. jnp.moveaxis(x, 1, 0)), or use "
         "jaxaccum.value_and_grad(..., batch_axis=..., data_axis=...).")
 
@@ -157,7 +157,7 @@ def local_value_and_grad(
       return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*a, **k)
     with jax.named_scope(_transform.call_scope("value_and_grad")):
       value, extra, grads, info = _transform.accumulate(opts, a, k, None)
-    grads = grads[0] if opts.argnums_is_int else grads
+    grads = grads[0] if opts.roles.argnums_is_int else grads
     return _outputs.pack(value, extra, grads, info, has_extra=opts.has_extra,
                          with_info=opts.with_info)
 
@@ -168,7 +168,7 @@ def local_value_and_grad(
   def run(args: tuple, kwargs: dict) -> Any:
     m = _sharding.resolve_mesh(mesh, axes)
     shards = math.prod(m.shape[a] for a in axes)
-    roles = opts.roles(len(args), kwargs)
+    roles = opts.roles.resolve(len(args), kwargs)
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))
     arrays, kw_arrays = list(args), dict(kwargs)
     for key in (*roles.batch, *roles.batch_names):

@@ -5,7 +5,7 @@ time (``jax.vmap`` over its rows), each example's gradient transformed (or clipp
 :func:`jaxaccum.dp.clip_per_example`) before the examples are summed. The core
 (:mod:`jaxaccum._core._transform`) knows nothing of it: :func:`check_per_example` validates the
 user's transform and returns a :class:`PerExampleRule`, which
-:class:`jaxaccum._core._options.Options` holds as ``per_example_transform``; the core's
+:class:`jaxaccum._core._options.Options` holds as ``per_example``; the core's
 micro-batch body calls that rule as it calls its own forward-only and VJP rules
 (:class:`jaxaccum._core._transform.MicroRule`).
 
@@ -291,7 +291,7 @@ def _over_examples(opts: Options, groups: tuple[Group, ...],
   examples add nothing. ``grads``: the examples' transformed gradients, or the clip path's
   sum."""
   nums, dens, aux = outs
-  acc = opts.accumulator_dtype
+  acc = opts.numerics.accumulator_dtype
   # An example that adds nothing: padding (the mask), or a non-finite one under nan_safe.
   keep = None if mask is None else mask
   if clip is not None and clip.nan_safe and norms is not None:
@@ -320,7 +320,7 @@ def _over_examples(opts: Options, groups: tuple[Group, ...],
 
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), aux)
   kinds = _reduce.resolve_aux_reduce(opts.aux_reduce, shapes, 1,
-                                     _split.common_axis(opts.batch_axis),
+                                     _split.common_axis(opts.split.batch_axis),
                                      one_example="batch_of_one" if keep_dim else "row")
 
   def aux_rows(path, red, x):
@@ -436,7 +436,7 @@ class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
 def _state_error(opts: Options) -> TypeError:
   return TypeError(
       f"per_example_transform runs fun on one example at a time, and the new state it "
-      f"returns for state_argnums={opts.state_argnums} depends on the example (e.g. "
+      f"returns for state_argnums={opts.roles.state_argnums} depends on the example (e.g. "
       "BatchNorm statistics of its rows): per-example state has no single value to thread "
       "to the next micro-batch. Per-example gradients need a model without batch "
       "statistics (GroupNorm, LayerNorm); state that every example leaves the same (an "
@@ -453,7 +453,7 @@ def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: t
 
   def example(x):
     grads, out = jax.grad(objective, has_aux=True)(tuple(diff), x)
-    given = grads[0] if opts.argnums_is_int else grads
+    given = grads[0] if opts.roles.argnums_is_int else grads
     new = transform(given)
     if jax.tree.structure(new) != jax.tree.structure(given) or any(
         np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(new),
@@ -462,7 +462,7 @@ def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: t
           "per_example_transform must return a gradient with the structure and shapes of "
           f"the one it gets (one example's gradient, as jax.grad returns it): it got "
           f"{jax.tree.map(_describe, given)} and returned {jax.tree.map(_describe, new)}.")
-    new = (new,) if opts.argnums_is_int else tuple(new)
+    new = (new,) if opts.roles.argnums_is_int else tuple(new)
     new = jax.tree.map(lambda a, g: jnp.asarray(a).astype(g.dtype), new, grads)
     return out, new
 
@@ -487,7 +487,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
         raise
       raise _state_error(opts) from None
 
-  given = diff[0] if opts.argnums_is_int else tuple(diff)  # the gradient fun's user sees
+  given = diff[0] if opts.roles.argnums_is_int else tuple(diff)  # the gradient fun's user sees
   groups = clip.leaf_groups(given) if clip.grouped else None
 
   def factors(norms):  # (E,) norms, or (E, G) with a pytree of clip norms
@@ -512,7 +512,7 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
       failed = e  # "auto": materialised below, where an error of fun's own is raised again
   if ghost is None:
     outs, grads, norms = materialized_clipped_sum(objective, tuple(diff), xs, in_axes, factors,
-                                     opts.accumulator_dtype, groups)
+                                     opts.numerics.accumulator_dtype, groups)
   else:
     outs, grads, norms = ghost
   if failed is not None:

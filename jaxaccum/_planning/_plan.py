@@ -631,7 +631,7 @@ def plan(
         f"of jaxaccum.value_and_grad: {', '.join(_VALUE_AND_GRAD_OPTIONS)}."
     ) from None
   opts = vg.options
-  axes = opts.data_axis
+  axes = None if opts.parallel is None else opts.parallel.axis
   gpu = _target(target, num_devices)
   if gpu is not None:
     if isinstance(axes, tuple) and len(axes) != 1:
@@ -641,30 +641,34 @@ def plan(
           "jaxaccum.planning.target_mesh and pass it as DataParallel(axis, mesh=...), with "
           "arguments sharded on it.")
     axis = cast(str, axes[0]) if isinstance(axes, tuple) else "data"
-    if axes is not None and opts.mesh is not None:
-      mesh = opts.mesh
+    if opts.parallel is not None and opts.parallel.mesh is not None:
+      mesh = opts.parallel.mesh
     else:
       mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
       if axes is not None:
-        opts = dataclasses.replace(opts, mesh=mesh)
+        opts = dataclasses.replace(opts, parallel=dataclasses.replace(
+            cast(_options.DataParallel, opts.parallel), mesh=mesh))
   # The batch positions, resolved as the transform resolves them for this call.
-  batch = opts.roles(len(args), {}).batch
+  batch = opts.roles.resolve(len(args), {}).batch
   if gpu is not None:
     args = _place(args, batch, mesh, axis)
 
   # FSDP parameters under named data axes: the placement is a dimension of the search too,
   # unless the options fix it.
   placements = (isinstance(axes, tuple) and not _placement_given(options)
-                and _shards_over(args, opts.roles(len(args), {}).diff, cast(tuple, axes)))
+                and _shards_over(args, opts.roles.resolve(len(args), {}).diff, cast(tuple, axes)))
 
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
-    extra = {} if placement is None else dict(param_gather=placement[0],
-                                              grad_scatter=placement[1])
-    return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(opts, count=n, size=None, **extra)))
+    parallel = opts.parallel
+    if placement is not None:
+      parallel = dataclasses.replace(cast(_options.DataParallel, parallel),
+                                     param_gather=placement[0], grad_scatter=placement[1])
+    return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(
+        opts, split=dataclasses.replace(opts.split, count=n, size=None), parallel=parallel)))
 
   shards = 1
   if isinstance(axes, tuple):
-    mesh = opts.mesh
+    mesh = cast(Any, opts.parallel).mesh
     if mesh is None:
       mesh = jax.sharding.get_abstract_mesh()
       mesh = None if mesh.empty else mesh  # then the transform's own error asks for a mesh
@@ -672,7 +676,7 @@ def plan(
       _sharding.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
   return _search(make, args, batch, memory_budget_bytes, search, shards=shards,
-                 target=gpu, verbose=verbose, batch_axis=opts.batch_axis,
+                 target=gpu, verbose=verbose, batch_axis=opts.split.batch_axis,
                  placements=placements)
 
 
@@ -681,7 +685,7 @@ def _placement_given(options: dict[str, Any]) -> bool:
   placement other than the defaults, or the deprecated keywords)."""
   dp = options["data_axis"] if "data_axis" in options else None
   if isinstance(dp, _options.DataParallel):
-    return (dp.param_gather, dp.grad_scatter) != ("step", "micro_batch")
+    return not dp.default_placement
   return bool({"param_gather", "grad_scatter"} & set(options))
 
 

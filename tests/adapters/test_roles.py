@@ -67,12 +67,12 @@ def test_nnx_roles_equal_core_roles_and_reference(nargs, batch, default, names, 
     with pytest.raises(ValueError):
       vg._check_call(args, kwargs)
     with pytest.raises(ValueError):
-      vg.core.options.roles(nargs + 1, kwargs)  # the core refuses the shifted positions too
+      vg.core.options.roles.resolve(nargs + 1, kwargs)  # the core refuses the shifted positions too
     return
-  roles = vg.options.roles(nargs, kwargs)
+  roles = vg.options.roles.resolve(nargs, kwargs)
   assert (roles.batch, roles.rng) == expected
   assert vg._check_call(args, kwargs) == expected[0] + expected[1]
-  core = vg.core.options.roles(nargs + 1, kwargs)  # fun's arguments, then the state
+  core = vg.core.options.roles.resolve(nargs + 1, kwargs)  # fun's arguments, then the state
   assert (core.diff, core.batch, core.rng, core.state) == ((0,), *expected, (nargs,))
   assert core.batch_names == tuple(names)
 
@@ -80,8 +80,8 @@ def test_nnx_roles_equal_core_roles_and_reference(nargs, batch, default, names, 
 def test_appended_state_shifts_only_negative_positions():
   opts = jaxaccum.value_and_grad(lambda p, x, k: 0.0, num_micro_batches=1,
                                  batch_argnums=(1, -3), rng_argnums=-1).options
-  shifted = opts.with_appended_state()
+  shifted = opts.with_appended_state().roles
   assert (shifted.argnums, shifted.batch_argnums, shifted.rng_argnums, shifted.state_argnums
           ) == ((0,), (1, -4), (-2,), (-1,))
-  assert shifted.batch_optional is opts.batch_optional and not shifted.state_is_tuple
+  assert shifted.batch_optional is opts.roles.batch_optional and not shifted.state_is_tuple
   assert _options.BATCH_ARGNUMS == 1

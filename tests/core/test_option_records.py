@@ -2,6 +2,7 @@
 per_example_value_and_grad; the schema as data; the deprecated keywords."""
 
 import ast
+import dataclasses
 import inspect
 import pathlib
 
@@ -206,3 +207,135 @@ def test_local_value_and_grad_takes_data_parallel_and_warns_on_mesh():
   with pytest.raises(TypeError, match=r"takes DataParallel\(axis, mesh=\.\.\.\) only"):
     jaxaccum.local_value_and_grad(loss, data_axis=jaxaccum.DataParallel("data",
                                                                         grad_scatter="step"))
+
+
+# --- each record of Options validates itself: a seeded fuzz against a table ---------------
+
+def _policy(*_, **__):
+  return True
+
+
+# Per record and field: good values with what the record stores, and bad values with the
+# error's type and the three things its message names (the argument, the value, the fix).
+# The good values of different fields are chosen so that no two of them clash.
+_OK = object()
+RECORDS = {
+    _options.Split: {
+        "count": ([(2, 2), (np.int32(3), 3)],
+                  [(0, ValueError, ("num_micro_batches", "=0", "positive integer")),
+                   (2.0, TypeError, ("num_micro_batches", "2.0", "num_micro_batches=8")),
+                   (True, TypeError, ("num_micro_batches", "True", "num_micro_batches=8"))]),
+        "batch_axis": ([(0, 0), (np.int64(1), 1), ((0, {"a": 1}), (0, {"a": 1}))],
+                       [("x", TypeError, ("batch_axis", "'x'", "jax.vmap's in_axes")),
+                        ((0, None), TypeError, ("batch_axis", "(0, None)",
+                                                "as a non-batch argument")),
+                        (1.0, TypeError, ("batch_axis", "1.0", "jax.vmap's in_axes"))]),
+    },
+    _options.RoleSpec: {
+        "argnums": ([(0, (0,)), ((0,), (0,)), ([0, np.int64(2)], (0, 2))],
+                    [("a", TypeError, ("argnums", "'a'", "an int or a tuple of ints")),
+                     ((0, 0), ValueError, ("argnums", "(0, 0)", "names an argument twice")),
+                     (1, ValueError, ("argnums=(1,)", "batch_argnums=(1", "different positions"))]),
+        "batch_argnums": ([(1, (1,)), ((1, 3), (1, 3))],
+                          [("x", TypeError, ("batch_argnums", "'x'", "a tuple of ints")),
+                           (0, ValueError, ("batch_argnums=(0,)", "argnums=(0", "different"))]),
+        "batch_argnames": ([(None, ()), ("b", ("b",)), (["b", "c"], ("b", "c"))],
+                           [(3, TypeError, ("batch_argnames", "3", "tuple of names"))]),
+        "rng_argnums": ([(None, ()), (4, (4,)), ((4, 5), (4, 5))],
+                        [(1.5, TypeError, ("rng_argnums", "1.5", "a tuple of ints")),
+                         (1, ValueError, ("rng_argnums=(1,)", "batch_argnums=(1", "different"))]),
+        "rng_argnames": ([(None, ()), ("k", ("k",))],
+                         [(3, TypeError, ("rng_argnames", "3", "tuple of names")),
+                          ("b", ValueError, ("rng_argnames=('b',)", "batch_argnames=('b'",
+                                             "per-example keys"))]),
+        "state_argnums": ([(None, ()), (6, (6,)), ((6,), (6,))],
+                          [("s", TypeError, ("state_argnums", "'s'", "a tuple of ints")),
+                           (0, ValueError, ("state_argnums=(0,)", "argnums=(0", "different"))]),
+    },
+    _options.Numerics: {
+        "accumulator_dtype": ([(None, None), ("float32", np.dtype("float32")),
+                               (jnp.bfloat16, jnp.dtype(jnp.bfloat16))],
+                              [("int32", TypeError, ("accumulator_dtype", "'int32'",
+                                                     "such as jnp.float32")),
+                               ("nope", TypeError, ("accumulator_dtype", "'nope'",
+                                                    "jnp.float32"))]),
+        "grads_dtype": ([(None, None), (jnp.float16, np.dtype("float16"))],
+                        [(int, TypeError, ("grads_dtype", "int", "such as jnp.float32"))]),
+        "remat": ([(False, False), (True, True), (_policy, True)],
+                  [(1, TypeError, ("remat=1", "1", "jax.checkpoint policy")),
+                   ("yes", TypeError, ("remat='yes'", "yes", "dots_saveable"))]),
+        "remat_policy": ([(None, None)],
+                         [(3, TypeError, ("remat_policy", "3", "dots_saveable"))]),
+        "unroll": ([(1, 1), (4, 4), (True, True), (np.int64(2), 2)],
+                   [(0, TypeError, ("unroll=0", "0", "as for jax.lax.scan")),
+                    (1.5, TypeError, ("unroll=1.5", "1.5", "positive int or a bool")),
+                    ("2", TypeError, ("unroll='2'", "2", "positive int or a bool"))]),
+    },
+}
+
+
+def _stored(record, field, drawn):
+  """What ``record`` holds for ``field`` given the drawn good values (the table's, where the
+  table says it; the derived and policy fields from their rules)."""
+  if isinstance(record, _options.Numerics) and field == "remat_policy":
+    return _policy if drawn["remat"][0] is _policy else None
+  return drawn[field][1]
+
+
+@pytest.mark.parametrize("record", list(RECORDS), ids=lambda r: r.__name__)
+def test_each_record_validates_its_fields(record):
+  """Every bad value of the table once, with the other fields drawn from their good values,
+  and 8 draws of good values only: each bad one raises its error naming the argument, the
+  value and the fix; each good one is stored as the table says."""
+  rng = np.random.default_rng(51)
+  table = RECORDS[record]
+  cases = [(f, bad) for f, (_, bads) in table.items() for bad in bads] + [(None, None)] * 8
+  for field, bad in cases:
+    drawn = {f: goods[rng.integers(len(goods))] for f, (goods, _) in table.items()}
+    kwargs = {f: v for f, (v, _) in drawn.items()}
+    if field is not None:
+      value, error, names = bad
+      kwargs[field] = value
+      with pytest.raises(error) as info:
+        record(**kwargs)
+      message = str(info.value)
+      assert all(n in message for n in names), (field, value, message)
+      continue
+    made = record(**kwargs)
+    for f in table:
+      got, want = getattr(made, f), _stored(made, f, drawn)
+      assert got == want and type(got) is type(want), (f, kwargs[f], got, want)
+
+
+def test_the_derived_role_flags_follow_the_values_as_given():
+  spec = _options.RoleSpec(argnums=(0,), batch_argnames="b", state_argnums=(2,))
+  assert (spec.argnums_is_int, spec.batch_optional, spec.state_is_tuple) == (False, True, True)
+  spec = _options.RoleSpec(argnums=0, batch_argnums=1, batch_argnames="b", state_argnums=2)
+  assert (spec.argnums_is_int, spec.batch_optional, spec.state_is_tuple) == (True, False, False)
+  # a copy keeps them: the stored tuples no longer say how they were given
+  assert dataclasses.replace(spec, rng_argnums=3).argnums_is_int is True
+
+
+def test_the_split_needs_exactly_one_count():
+  for kwargs in ({}, {"count": 2, "size": 3}):
+    with pytest.raises(ValueError, match="exactly one of num_micro_batches and micro_batch_size"):
+      _options.Split(**kwargs)
+  assert (_options.Split(size=np.int64(4)).count, _options.Split(size=4).size) == (None, 4)
+
+
+def test_options_checks_what_joins_two_records():
+  split, roles = _options.Split(2, batch_axis=(0, 0)), _options.RoleSpec()
+  with pytest.raises(ValueError, match=r"batch_axis=\(0, 0\)"):
+    _options.Options(lambda p, x: 0.0, split, roles)
+  with pytest.raises(ValueError, match="has_aux=False: set has_aux=True"):
+    _options.Options(lambda p, x: 0.0, _options.Split(2), roles, aux_reduce="concat")
+  with pytest.raises(TypeError, match="with_info must be a bool, got with_info=1"):
+    _options.Options(lambda p, x: 0.0, _options.Split(2), roles, with_info=1)
+
+
+def test_data_parallel_default_placement():
+  assert jaxaccum.DataParallel("data").default_placement
+  for placement in ({"param_gather": "micro_batch"}, {"grad_scatter": "step"}):
+    assert not jaxaccum.DataParallel("data", **placement).default_placement
+  overlap = jaxaccum.DataParallel("data", overlap_grad_reduce=True)
+  assert overlap.default_placement and not overlap.reduces_only

@@ -165,7 +165,7 @@ def test_grad_and_options_are_kept():
   (params, batch), on_mesh = mlp_data()
   g = jaxaccum.grad(lambda p, b: mlp_loss(p, b)[0], num_micro_batches=4,
                     data_axis=jaxaccum.DataParallel("data", mesh=mesh8(), overlap_grad_reduce=True))
-  assert g.value_and_grad.options.overlap_grad_reduce is True
+  assert g.value_and_grad.options.parallel.overlap_grad_reduce is True
   chex.assert_trees_all_close(
       jax.jit(g)(*on_mesh), jax.grad(lambda p, b: mlp_loss(p, b)[0])(params, batch),
       rtol=1e-5, atol=1e-6)
