@@ -3,11 +3,14 @@
 the top level still reachable there for one release, with one ``DeprecationWarning``."""
 
 import importlib
+import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import tokenize
 import warnings
 
 import pytest
@@ -127,3 +130,55 @@ def test_from_import_of_an_old_name_warns_and_works():
 def test_an_unknown_name_is_an_attribute_error():
   with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
     jaxaccum.no_such_name  # noqa: B018
+
+
+# The project's own files that run jaxaccum, outside the suite the tier tests sit in too.
+_OWN_CODE = ("tests", "tests_gpu_target", "benchmarks", "examples", "tools")
+
+
+def _code_only(source: str) -> str:
+  """``source`` with its strings and comments blanked, lines kept."""
+  tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+  lines = source.splitlines(keepends=True)
+  for tok in tokens:
+    if tok.type in (tokenize.STRING, tokenize.COMMENT) and tok.start[0] == tok.end[0]:
+      row = tok.start[0] - 1
+      lines[row] = lines[row][:tok.start[1]] + " " * (tok.end[1] - tok.start[1]) + lines[row][
+          tok.end[1]:]
+    elif tok.type == tokenize.STRING:  # a multi-line string: blank its lines
+      for row in range(tok.start[0] - 1, tok.end[0]):
+        lines[row] = "\n"
+  return "".join(lines)
+
+
+def _old_spellings(source: str) -> list[str]:
+  """Reads of a moved name from the top level, and of a private module as an attribute
+  chain (``jaxaccum._planning._gpu_target``: it resolves only once something imported it),
+  in ``source``'s code (its strings and comments are not read)."""
+  text = _code_only(source)
+  moved = "|".join(sorted(jaxaccum._MOVED, key=len, reverse=True))
+  found = re.findall(rf"\bjaxaccum\.(?:{moved})\b(?!\.)", text)
+  found += re.findall(rf"(?m)^\s*from jaxaccum import [^\n]*\b(?:{moved})\b", text)
+  found += re.findall(r"(?m)^(?!\s*(?:from|import) ).*?\b(jaxaccum\._\w+\.\w+)", text)
+  return found
+
+
+def test_the_project_spells_every_name_at_its_new_home():
+  hits = {}
+  for folder in _OWN_CODE:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      if path == pathlib.Path(__file__):
+        continue  # this file spells the old names on purpose
+      if found := _old_spellings(path.read_text()):
+        hits[str(path.relative_to(ROOT))] = found
+  assert not hits, f"old top-level names or private attribute chains: {hits}"
+
+
+def test_the_old_spelling_finder_finds_each_kind():
+  text = ("m = jaxaccum.target_mesh('h100')\nfrom jaxaccum import dp, seesaw\n"
+          "jaxaccum._planning._gpu_target.GPU_TARGETS\njaxaccum.dp.clip_per_example\n"
+          "jaxaccum.planning.target_mesh\nfrom jaxaccum.contrib import seesaw\n")
+  text += ("from jaxaccum._core._split import split\nsetattr('jaxaccum._core._split.x', 1)\n"
+           '"""Calls jaxaccum.seesaw and\njaxaccum._core._split.split."""  # jaxaccum.seesaw\n')
+  assert _old_spellings(text) == ["jaxaccum.target_mesh", "from jaxaccum import dp, seesaw",
+                                  "jaxaccum._planning._gpu_target"]

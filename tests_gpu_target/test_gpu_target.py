@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+import jaxaccum.planning
+from jaxaccum._planning import _gpu_target
 
 H100_MEMORY = 84942979072  # device_memory_size in jaxaccum/gpu_targets/h100.txtpb
 H200_MEMORY = 150754820096
@@ -49,12 +51,12 @@ def mlp(width=WIDTH, depth=DEPTH, batch=BIG_BATCH, sharding=None, batch_sharding
   return params, data
 
 
-@pytest.mark.parametrize("name", jaxaccum._planning._gpu_target.GPU_TARGETS)
+@pytest.mark.parametrize("name", _gpu_target.GPU_TARGETS)
 def test_shipped_descriptions_parse_and_compile(name):
-  mesh = jaxaccum.target_mesh(name, (2,), ("data",))
+  mesh = jaxaccum.planning.target_mesh(name, (2,), ("data",))
   assert mesh.devices.shape == (2,) and mesh.axis_names == ("data",)
   device = mesh.devices.flat[0]
-  text = jaxaccum._planning._gpu_target.resolve(name).text
+  text = _gpu_target.resolve(name).text
   assert f'device_description_str: "{device.device_kind}"' in text
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
   compiled = jax.jit(lambda x: jnp.sum(jnp.tanh(x @ x.T))).lower(x).compile()
@@ -132,7 +134,7 @@ def test_data_axis_on_8_gpus_reduces_once_in_float32_outside_the_loop():
 
 
 def test_fsdp_reduce_scatters_once_per_micro_batch():
-  mesh = jaxaccum.target_mesh("h100", (8,), ("data",))
+  mesh = jaxaccum.planning.target_mesh("h100", (8,), ("data",))
   width, batch_rows = 512, 8192  # activations larger than weights: XLA gathers weights
   params, batch = mlp(width=width, batch=batch_rows, sharding=NamedSharding(mesh, P(None, "data")),
                       batch_sharding=NamedSharding(mesh, P("data")))
@@ -148,7 +150,7 @@ def test_fsdp_reduce_scatters_once_per_micro_batch():
     if n == 1:
       assert text.count(" reduce-scatter(") + text.count(" reduce-scatter-start(") >= 1
       continue
-    found = jaxaccum.collectives(compiled)
+    found = jaxaccum.planning.collectives(compiled)
     scatters = [c for c in found if c.kind == "reduce-scatter"]
     # One (combined) reduce-scatter of the sharded weights' gradients per loop iteration,
     # i.e. once per micro-batch, and none after the loop.
@@ -162,7 +164,7 @@ def test_jax_initialised_without_cpu_platform_says_what_to_do():
       import jax, jaxaccum
       jax.devices()
       try:
-        jaxaccum.target_mesh("h100")
+        jaxaccum.planning.target_mesh("h100")
       except RuntimeError as e:
         print("MESSAGE:", e)
   """)
@@ -174,16 +176,16 @@ def test_jax_initialised_without_cpu_platform_says_what_to_do():
 
 
 def test_unparsable_description_is_a_clear_error():
-  text = jaxaccum._planning._gpu_target.resolve("h100").text.replace("core_count", "cores_count")
+  text = _gpu_target.resolve("h100").text.replace("core_count", "cores_count")
   with pytest.raises(ValueError, match="could not be parsed as a GpuTargetConfigProto"):
-    jaxaccum.target_mesh(text, (1,))
+    jaxaccum.planning.target_mesh(text, (1,))
 
 
 def test_field_newer_xla_writes_is_dropped():
-  text = jaxaccum._planning._gpu_target.resolve("h200").text.replace(
+  text = _gpu_target.resolve("h200").text.replace(
       "  thread_dim_limit_z: 64",
       "  thread_dim_limit_z: 64\n  collective_memory_granularity: 2097152")
-  mesh = jaxaccum.target_mesh(text, (1,))
+  mesh = jaxaccum.planning.target_mesh(text, (1,))
   assert mesh.devices.flat[0].device_kind == "NVIDIA H200"
 
 
@@ -194,7 +196,7 @@ def test_fsdp_gathers_of_scanned_layers_stay_in_the_loop(through_set_mesh):
   the stack's all-gather runs in every micro-batch, none before the loop, for both
   ``grad_scatter`` placements (the same rule ``tests/parallel/test_fsdp_placement.py`` checks
   on CPU)."""
-  base = jaxaccum.target_mesh("h100", (8,), ("data",))
+  base = jaxaccum.planning.target_mesh("h100", (8,), ("data",))
   mesh = jax.sharding.Mesh(base.devices, base.axis_names,
                            axis_types=(jax.sharding.AxisType.Explicit,))
   layers, width, rows, n = 4, 512, 1024, 4
@@ -215,9 +217,9 @@ def test_fsdp_gathers_of_scanned_layers_stay_in_the_loop(through_set_mesh):
             grad_scatter=scatter)))
     if through_set_mesh:
       with jax.set_mesh(mesh):
-        found = jaxaccum.collectives(step.lower(params, batch).compile())
+        found = jaxaccum.planning.collectives(step.lower(params, batch).compile())
     else:
-      found = jaxaccum.collectives(step.lower(params, batch).compile())
+      found = jaxaccum.planning.collectives(step.lower(params, batch).compile())
     gathers = found.select("all-gather")
     assert len(gathers) >= 1 and found.count("all-gather", in_loop=False) == 0, found
     assert {c.executions for c in gathers} == {n}, found

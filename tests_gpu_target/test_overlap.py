@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+import jaxaccum.planning
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_overlap  # noqa: E402
@@ -30,7 +31,7 @@ def mlp_loss(params, batch):
 
 
 def compiled_schedule(overlap, flags, width=1024, depth=4, **options):
-  mesh = jaxaccum.target_mesh("h100", (8,), ("data",))
+  mesh = jaxaccum.planning.target_mesh("h100", (8,), ("data",))
   sds = jax.ShapeDtypeStruct
   rep, rows = jax.sharding.NamedSharding(mesh, P()), jax.sharding.NamedSharding(mesh, P("data"))
   params = [{"w": sds((width, width), jnp.bfloat16, sharding=rep),
@@ -43,7 +44,7 @@ def compiled_schedule(overlap, flags, width=1024, depth=4, **options):
       data_axis=jaxaccum.DataParallel("data", mesh=mesh, overlap_grad_reduce=overlap),
       **options)
   compiled = jax.jit(fn).lower(params, batch).compile(compiler_options=flags or None)
-  found = jaxaccum.collectives(compiled)
+  found = jaxaccum.planning.collectives(compiled)
   assert found.count(in_loop=True) == 0  # data_axis: every reduction after the loop
   reduces = bench_overlap.gradient_reductions(found, params)
   return bench_overlap.schedule(compiled.as_text(), [c.name for c in reduces])
