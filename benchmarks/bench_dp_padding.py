@@ -56,7 +56,7 @@ def loss_fn(params, batch):
 def _steps(method: str):
   clip = jaxaccum.dp.clip_per_example(1.0, method, example_mask="mask")
   grad = jaxaccum.grad(loss_fn, num_micro_batches=N, batch_argnames="mask",
-                       per_example_transform=clip)
+                       per_example=clip)
 
   @jax.jit
   def all_n(params, batch, mask):

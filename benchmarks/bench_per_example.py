@@ -11,7 +11,7 @@ on three problems:
 Variants, each over the whole batch in micro-batches of ``b`` rows:
 
 * ``plain``: ``jaxaccum.value_and_grad(loss, micro_batch_size=b)``, no clipping;
-* ``ghost``: the same with ``per_example_transform=jaxaccum.dp.clip_per_example(1.0,
+* ``ghost``: the same with ``per_example=jaxaccum.dp.clip_per_example(1.0,
   method="ghost")``: each example's norm from the activations and output gradients of the
   layers that use each parameter, then the clipped sum from them (the MLP) or by one
   reweighted backward pass (the LM, whose layers sit in a scan);
@@ -158,7 +158,7 @@ def build_grad(loss_fn, size: int, batch_size: int, variant: str):
   """``(params, batch) -> mean clipped gradient`` (plain: the mean gradient)."""
   if variant in ("plain", "ghost", "auto", "materialize"):
     extra = ({} if variant == "plain" else
-             {"per_example_transform": jaxaccum.dp.clip_per_example(CLIP, method=variant)})
+             {"per_example": jaxaccum.dp.clip_per_example(CLIP, method=variant)})
     grad_fn = jaxaccum.grad(loss_fn, micro_batch_size=size, **extra)
     return grad_fn
   if variant == "optax.micro_grad":

@@ -5,7 +5,7 @@ the clipped gradients over a large batch of ``B`` examples and adds Gaussian noi
 standard deviation ``noise_multiplier * C / B`` to the mean, once per step. Privacy
 accounting favours large batches, which is where accumulation comes in: here a logical
 batch of 512 rows is processed as ``N`` micro-batches by :func:`jaxaccum.grad` with
-``per_example_transform=jaxaccum.dp.clip_per_example(C)``, which differentiates each
+``per_example=jaxaccum.dp.clip_per_example(C)``, which differentiates each
 micro-batch's rows one by one under :func:`jax.vmap` (so memory holds one micro-batch's
 per-example gradients, not 512 of them) and returns the mean of the clipped gradients.
 The noise is drawn once per step from a key folded with the step number.
@@ -103,7 +103,7 @@ def add_noise(grads: Any, key: jax.Array, std: Any) -> Any:
 def clipped_mean(cfg: Config):
   """The mean over the batch of the per-example gradients clipped to ``cfg.clip``."""
   return jaxaccum.grad(loss_fn, num_micro_batches=cfg.num_micro_batches,
-                       per_example_transform=jaxaccum.dp.clip_per_example(cfg.clip))
+                       per_example=jaxaccum.dp.clip_per_example(cfg.clip))
 
 
 def make_step(cfg: Config, optimizer: optax.GradientTransformation):
@@ -251,7 +251,7 @@ def lm_loss(params, tokens):
 def transformer_costs(cfg: LMConfig = LMConfig(), *, verbose: bool = True) -> dict[str, Any]:
   """The memory and time of a clipped SGD step by method, against plain accumulation."""
   params, tokens = lm_init(cfg, jax.random.key(0))
-  methods = {"plain": {}, **{m: {"per_example_transform": jaxaccum.dp.clip_per_example(
+  methods = {"plain": {}, **{m: {"per_example": jaxaccum.dp.clip_per_example(
       cfg.clip, method=m)} for m in ("ghost", "materialize")}}
   compiled, temp, grads = {}, {}, {}
   for name, extra in methods.items():

@@ -16,7 +16,7 @@ from typing import Any
 from jaxaccum._core import _options
 from jaxaccum._core._options import DataParallel, Terms
 from jaxaccum._core._types import ArgNames, ArgNums, DTypeLike
-from jaxaccum._transforms import Evaluate, Grad, ValueAndGrad, make_value_and_grad, requests
+from jaxaccum._transforms import Evaluate, Grad, make_value_and_grad
 
 
 def value_and_grad(
@@ -41,6 +41,7 @@ def value_and_grad(
     data_axis: str | Sequence[str] | DataParallel | None = None,
     with_info: bool = False,
     skip_nonfinite: bool = False,
+    per_example: Callable[[Any], Any] | None = None,
     **deprecated: Any,
 ) -> Callable[..., Any]:
   """Like :func:`jax.value_and_grad`, accumulated over micro-batches in one ``lax.scan``.
@@ -103,11 +104,17 @@ def value_and_grad(
     skip_nonfinite: a micro-batch whose value, denominator or any gradient is not finite
       adds nothing; means divide by the micro-batches kept and ``info.skipped`` counts the
       others. If every micro-batch is skipped the gradients are zeros and the value NaN.
+    per_example: a function applied to each example's gradient before the examples are
+      summed, typically the DP-SGD clip :func:`jaxaccum.dp.clip_per_example` (each example
+      alone, as a batch of one; the loss must be a mean or sum of per-row losses, as
+      :func:`jaxaccum.dp.check_per_example_loss` checks). The value is unchanged; the
+      gradient is the transformed examples' mean (or sum), and ``with_info`` sees each
+      micro-batch's sum of transformed gradients. See the DP-SGD guide.
     **deprecated: the keywords folded into records, kept for one release with a
       :class:`DeprecationWarning`: ``mesh``, ``param_gather``, ``grad_scatter`` and
       ``overlap_grad_reduce`` (now fields of :class:`jaxaccum.DataParallel`),
       ``loss_weights`` (:class:`jaxaccum.Terms`), ``remat_policy`` (``remat=policy``) and
-      ``per_example_transform`` (:func:`jaxaccum.dp.per_example_value_and_grad`).
+      ``per_example_transform`` (``per_example=``).
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)``, or
@@ -140,15 +147,16 @@ def value_and_grad(
       has_aux=has_aux, reduce=reduce, aux_reduce=aux_reduce, rng_argnums=rng_argnums,
       rng_argnames=rng_argnames, state_argnums=state_argnums,
       accumulator_dtype=accumulator_dtype, grads_dtype=grads_dtype, remat=remat,
-      unroll=unroll, data_axis=data_axis, with_info=with_info, skip_nonfinite=skip_nonfinite)
-  return ValueAndGrad(_options.make_options(fun, given, deprecated=requests(deprecated)))
+      unroll=unroll, data_axis=data_axis, with_info=with_info, skip_nonfinite=skip_nonfinite,
+      per_example=per_example)
+  return make_value_and_grad(fun, {**given, **deprecated})
 
 
 def grad(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
   """Like :func:`jax.grad`, accumulated over micro-batches; options as :func:`value_and_grad`.
 
-  ``per_example_transform=transform`` makes it the gradient of
-  :func:`per_example_value_and_grad` with that transform. Returns a function giving
+  ``per_example=transform`` transforms each example's gradient, as in
+  :func:`value_and_grad`. Returns a function giving
   ``grads``, or ``(grads, aux)`` when ``has_aux`` or ``state_argnums`` is set (the aux part
   as in :func:`value_and_grad`); with ``with_info=True``, ``(grads_part, info)``.
 

@@ -29,33 +29,19 @@ from jaxaccum._parallel import _data_parallel
 
 def make_value_and_grad(fun: Callable[..., Any], options: dict[str, Any], *,
                         where: str = "value_and_grad", stacklevel: int = 4) -> ValueAndGrad:
-  """``jaxaccum.value_and_grad(fun, **options)``; with a ``per_example_transform`` in
-  ``options``, ``jaxaccum.dp.per_example_value_and_grad(fun, transform, **rest)``: the
-  adapters, :func:`jaxaccum.grad` and the planner take the transform as an option (not
-  deprecated there)."""
-  rest = dict(options)
-  transform = rest.pop("per_example_transform", None)
-  given = {k: v for k, v in rest.items() if k in _options.DEFAULTS}
-  old = {k: v for k, v in rest.items() if k not in _options.DEFAULTS}
-  if transform is None:
-    return ValueAndGrad(_options.make_options(fun, given, deprecated=old, where=where,
-                                              stacklevel=stacklevel))
-  from jaxaccum._per_example import _rule  # the per-example wing, loaded on first use
+  """``jaxaccum.value_and_grad(fun, **options)``, as every front end builds it. A
+  ``per_example`` transform (or the deprecated ``per_example_transform``) loads the
+  per-example wing, which makes it the options' micro-batch rule."""
+  given = {k: v for k, v in options.items() if k in _options.DEFAULTS}
+  old = {k: v for k, v in options.items() if k not in _options.DEFAULTS}
+  attach = None
+  if given.get("per_example") is not None or old.get("per_example_transform") is not None:
+    from jaxaccum._per_example import _rule  # the per-example wing, loaded on first use
 
-  return ValueAndGrad(_options.make_options(
-      fun, given, deprecated=old, transform=_rule.Request(transform),
-      where="per_example_value_and_grad", stacklevel=stacklevel))
-
-
-def requests(deprecated: dict[str, Any]) -> dict[str, Any]:
-  """The deprecated ``value_and_grad(per_example_transform=)`` as the per-example wing's
-  request (it still warns, as a deprecated keyword)."""
-  transform = deprecated.get("per_example_transform")
-  if transform is None:
-    return deprecated
-  from jaxaccum._per_example import _rule
-
-  return {**deprecated, "per_example_transform": _rule.Request(transform)}
+    attach = _rule.attach
+  return ValueAndGrad(_options.make_options(fun, given, deprecated=old, where=where,
+                                            attach_per_example=attach,
+                                            stacklevel=stacklevel))
 
 
 def make_evaluate(fun: Callable[..., Any], options: dict[str, Any], *,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxaccum import _transforms
+from jaxaccum._core import _options
 from jaxaccum._core._stats import relative_difference
 from jaxaccum._per_example._clip import ClipPerExample as ClipPerExample
 from jaxaccum._per_example._clip import clip_per_example as clip_per_example
@@ -44,6 +45,9 @@ __all__ = (
 def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any], Any],
                                **options: Any) -> Callable[..., Any]:
   """:func:`value_and_grad` with ``transform`` applied to each example's gradient.
+
+  Sugar for ``jaxaccum.value_and_grad(fun, per_example=transform, **options)``, the one
+  spelling every front end takes (:func:`jaxaccum.grad`, the adapters, the planner).
 
   ``transform(grads) -> grads`` sees one example's gradient (one row's, with
   :func:`jax.grad`'s structure) and returns one of the same shapes, e.g.
@@ -77,15 +81,15 @@ def per_example_value_and_grad(fun: Callable[..., Any], transform: Callable[[Any
   >>> bool(jnp.linalg.norm(grads) <= 1.0)
   True
   """
-  if "per_example_transform" in options:
+  if transform is None or {"per_example", "per_example_transform"} & set(options):
     raise TypeError(
-        "per_example_value_and_grad takes the transform as its second argument, "
-        "per_example_value_and_grad(fun, transform, ...); drop per_example_transform=.")
-  if transform is None:
-    raise TypeError(
-        "per_example_value_and_grad needs a transform of each example's gradient, e.g. "
-        "jaxaccum.dp.clip_per_example(1.0); for no transform use jaxaccum.value_and_grad.")
-  return _transforms.make_value_and_grad(fun, {**options, "per_example_transform": transform})
+        "per_example_value_and_grad(fun, transform, **options) takes the transform once, as "
+        f"its second argument, got transform={transform!r} and options {sorted(options)}: "
+        "e.g. per_example_value_and_grad(fun, jaxaccum.dp.clip_per_example(1.0)), or "
+        "jaxaccum.value_and_grad(fun, per_example=...). With no transform, use "
+        "jaxaccum.value_and_grad.")
+  return _transforms.make_value_and_grad(fun, {**options, "per_example": transform},
+                                         where="per_example_value_and_grad")
 
 
 def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
@@ -99,7 +103,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
   becomes 0, BatchNorm's output loses its input. The core cannot tell from the program
   (a mean over the batch's rows is how every loss ends), so this compares, on the batch
   given: ``fun``'s value and gradient on the whole batch against the same built from
-  each example alone (the identity as ``per_example_transform``), both through
+  each example alone (the identity as ``per_example``), both through
   :func:`jaxaccum.value_and_grad` in one micro-batch with ``options``. For a loss that
   is a mean (or sum, or ``reduce="weighted"`` ratio) of per-row losses they agree to
   float rounding; otherwise this raises. Run it once, outside the training step, on a
@@ -117,7 +121,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
     **options: :func:`jaxaccum.value_and_grad`'s options (``argnums``,
       ``batch_argnums``, ``has_aux``, ``reduce``, ``state_argnums``...);
       ``num_micro_batches``/``micro_batch_size`` and ``with_info`` are ignored, and a
-      :class:`jaxaccum.dp.ClipPerExample` as ``per_example_transform`` is replaced by the
+      :class:`jaxaccum.dp.ClipPerExample` as ``per_example`` is replaced by the
       identity.
 
   Returns:
@@ -147,7 +151,10 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
           "each example alone draw different random numbers, so their losses differ for "
           "that reason alone. Check a deterministic version of fun (dropout off), without "
           f"{name}.")
-  transform = options.pop("per_example_transform", None)
+  transform = options.pop("per_example", None)
+  if "per_example_transform" in options:  # the deprecated spelling
+    _options.warn_deprecated("check_per_example_loss", "per_example_transform")
+    transform = options.pop("per_example_transform")
   if isinstance(transform, ClipPerExample) and (
       not transform.keep_batch_dim or transform.example_mask is not None):
     what = ("keep_batch_dim=False" if not transform.keep_batch_dim else

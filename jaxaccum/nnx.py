@@ -17,7 +17,7 @@ and run on top of :func:`jaxaccum.value_and_grad`, built once when the transform
    the ``wrt`` state, ready for ``nnx.Optimizer(model, tx, wrt=...).update(model, grads)``.
 
 So **Dropout** (any ``nnx.Rngs`` stream) draws a fresh mask per micro-batch (and per
-example under ``per_example_transform``, which folds the example's index into the keys), and
+example under ``per_example=``, which folds the example's index into the keys), and
 **BatchNorm** in training mode normalises each micro-batch with its own statistics (a
 "ghost batch") and updates its running averages once per micro-batch: its result differs
 from one full-batch step (in eval mode, and for LayerNorm, GroupNorm and RMSNorm, it is the

@@ -659,10 +659,10 @@ def _run_method(case: Case, method: str, c: float | dict, ref_norms: np.ndarray,
     warnings.simplefilter("always")
     try:
       step = jax.jit(jaxaccum.grad(case.loss, num_micro_batches=case.num_micro_batches,
-                                   reduce="sum", with_info=True, per_example_transform=clip))
+                                   reduce="sum", with_info=True, per_example=clip))
       grads, info = step(case.params, case.batch)
       one = jax.jit(jaxaccum.grad(case.loss, num_micro_batches=1, reduce="sum",
-                                  per_example_transform=clip))
+                                  per_example=clip))
       alone = [_over_c(one(case.params, _row(case.batch, j)), c) for j in range(case.rows)]
     except Exception as e:  # noqa: BLE001 - any exception is a finding, or ghost's refusal
       return _raised(out, method, e)
@@ -841,7 +841,7 @@ def _fsdp_step(case: Case, f: Fsdp, clip: Any) -> tuple[Callable[..., Any], Any,
 
   step = jax.jit(jaxaccum.grad(weighted, num_micro_batches=f.num_micro_batches,
                                reduce="sum", batch_argnums=(1, 2), data_axis=dp,
-                               per_example_transform=clip))
+                               per_example=clip))
   sharding = NamedSharding(mesh, P("data"))
 
   def run(p, b, weights):

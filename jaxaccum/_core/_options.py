@@ -357,11 +357,11 @@ DEFAULTS: dict[str, Any] = {
     "has_aux": False, "reduce": "mean", "aux_reduce": None, "rng_argnums": None,
     "rng_argnames": None, "state_argnums": None, "accumulator_dtype": None,
     "grads_dtype": None, "remat": False, "unroll": 1, "data_axis": None,
-    "with_info": False, "skip_nonfinite": False,
+    "with_info": False, "skip_nonfinite": False, "per_example": None,
 }
 
 # The options about gradients: :func:`jaxaccum.evaluate` has the others.
-GRADIENT_OPTIONS = frozenset({"argnums", "grads_dtype", "remat", "with_info"})
+GRADIENT_OPTIONS = frozenset({"argnums", "grads_dtype", "remat", "with_info", "per_example"})
 
 
 class Folded(NamedTuple):
@@ -385,8 +385,7 @@ DEPRECATED: dict[str, Folded] = {
         False, "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
     "loss_weights": Folded(None, "reduce=jaxaccum.Terms(kinds, weights=...)"),
     "remat_policy": Folded(None, "remat=policy (remat takes the policy itself)"),
-    "per_example_transform": Folded(
-        None, "jaxaccum.dp.per_example_value_and_grad(fun, transform, **options)"),
+    "per_example_transform": Folded(None, "per_example=transform"),
 }
 
 
@@ -538,6 +537,11 @@ def _fold(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, A
     if _is_policy(options["remat"]):
       clash("a policy remat", "remat_policy")
     options["remat_policy"] = old["remat_policy"]
+  if "per_example_transform" in old:
+    if options["per_example"] is not None:
+      raise TypeError(f"{where} got per_example_transform= and per_example= both: give the "
+                      "transform once, as per_example= (per_example_transform is deprecated).")
+    options["per_example"] = old["per_example_transform"]
   return options
 
 
@@ -563,7 +567,7 @@ def _record(cls: type, options: dict[str, Any]) -> Any:
 
 
 def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] | None = None,
-                 evaluate: bool = False, transform: Any = None,
+                 evaluate: bool = False, attach_per_example: AttachPerExample | None = None,
                  where: str = "value_and_grad", stacklevel: int = 3) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
 
@@ -572,8 +576,11 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   (:data:`DEPRECATED`) warns and is folded into its record, an unknown one is a
   ``TypeError``. Each record validates its own fields. ``evaluate=True`` is
   :func:`jaxaccum.evaluate`'s mode: ``argnums=()`` (nothing is differentiated) is allowed
-  only there, and the options about gradients are refused. ``transform`` is
-  :func:`jaxaccum.dp.per_example_value_and_grad`'s per-example transform.
+  only there, and the options about gradients are refused. ``per_example`` (or the
+  deprecated ``per_example_transform``) belongs to the per-example wing, which the core
+  does not import: ``attach_per_example`` (the wing's
+  :func:`jaxaccum._per_example._rule.attach`) turns it into the options' micro-batch rule;
+  a caller that gives none refuses it.
   """
   old = dict(deprecated or {})
   unknown = [k for k in given if k not in DEFAULTS] + [
@@ -581,9 +588,7 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   if unknown:
     raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}.")
   for name in old:
-    warnings.warn(
-        f"{where}({name}=...) is deprecated and will be removed in the next release: use "
-        f"{DEPRECATED[name].instead}.", DeprecationWarning, stacklevel=stacklevel)
+    warn_deprecated(where, name, stacklevel + 1)
   if evaluate:
     dp, reduce = given.get("data_axis"), given.get("reduce")
     if isinstance(dp, DataParallel) and not dp.reduces_only:
@@ -598,23 +603,37 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
     given = {**given, "argnums": ()}
   _check_fun(fun)
   given = _fold(given, old, where)
-  if transform is None:  # the deprecated keyword, as its request (jaxaccum._api.requests)
-    transform = old.get("per_example_transform")
   split = Split(given["num_micro_batches"], given["micro_batch_size"], given["batch_axis"])
   if not evaluate:  # only evaluate differentiates nothing
     _split.normalize_argnums("argnums", given["argnums"], allow_empty=False)
   roles = _record(RoleSpec, given)
   reduce, terms = _terms(given["reduce"])
-  if transform is not None:  # a clip's example_mask changes the loss terms
-    terms = transform.masked_terms(terms)
   dp = given["data_axis"]
   opts = Options(fun, split, roles, reduce, terms, given["aux_reduce"], _record(Numerics, given),
                  given["has_aux"], given["with_info"], given["skip_nonfinite"],
                  dp if isinstance(dp, DataParallel) else None)
+  transform = given["per_example"]
   if transform is None:
     return opts
-  return dataclasses.replace(opts, per_example=transform.rule(reduce, terms,
-                                                              roles.batch_argnames))
+  keyword = "per_example_transform" if "per_example_transform" in old else "per_example"
+  if attach_per_example is None:
+    raise TypeError(
+        f"{where}() takes no {keyword}= option: a per-example transform runs through "
+        "jaxaccum.value_and_grad(fun, per_example=...), jaxaccum.grad or an adapter.")
+  return attach_per_example(opts, transform, keyword, where)
+
+
+# The per-example wing's hook: ``(options, transform, keyword typed, where) -> options``, the
+# transform's micro-batch rule.
+AttachPerExample = Callable[[Options, Any, str, str], Options]
+
+
+def warn_deprecated(where: str, name: str, stacklevel: int = 3) -> None:
+  """The :class:`DeprecationWarning` of keyword ``name`` (:data:`DEPRECATED`) given to
+  ``where``, naming its replacement; ``stacklevel`` counts from the caller."""
+  warnings.warn(
+      f"{where}({name}=...) is deprecated and will be removed in the next release: use "
+      f"{DEPRECATED[name].instead}.", DeprecationWarning, stacklevel=stacklevel)
 
 
 def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:

@@ -71,10 +71,10 @@ def _check_max_norm(max_norm: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClipPerExample:
-  """What :func:`clip_per_example` returns: the DP-SGD clip as a ``per_example_transform``.
+  """What :func:`clip_per_example` returns: the DP-SGD clip as a ``per_example=`` transform.
 
   Called on one example's gradient it returns the gradient clipped. Passed as
-  ``per_example_transform=``, the core recognises it and takes the clip path: each
+  ``per_example=``, the core recognises it and takes the clip path: each
   example's norm, then the factor :meth:`factors`, then one sum of the gradients weighted
   by the factors (see :func:`clip_per_example` for the fields).
   """
@@ -167,12 +167,12 @@ def _is_inexact(x: Any) -> bool:
 def clip_per_example(max_norm: float | jax.Array, method: str = "auto", *,
                      nan_safe: bool = False, keep_batch_dim: bool = True,
                      example_mask: str | None = None) -> ClipPerExample:
-  """A ``per_example_transform`` that clips each example's gradient to a global L2 norm.
+  """A ``per_example=`` transform that clips each example's gradient to a global L2 norm.
 
   Each example's gradient ``g`` is scaled by ``min(1, max_norm / |g|)``, where ``|g|`` is
   the L2 norm over all its floating leaves (in float32, computed without overflow): the
   per-example clipping of DP-SGD (Abadi et al., 2016). Pass it as
-  ``per_example_transform=`` to :func:`jaxaccum.value_and_grad` or :func:`jaxaccum.grad`
+  ``per_example=`` to :func:`jaxaccum.value_and_grad` or :func:`jaxaccum.grad`
   (or an adapter): the gradient returned is then the mean (or sum) of the clipped
   per-example gradients. With ``with_info=True`` the :class:`jaxaccum.AccumInfo` holds each
   example's norm before clipping (``example_grad_norms``). Called on one example's

@@ -1,11 +1,11 @@
 """Per-example gradients: the wing that plugs a per-example rule into the core.
 
-Under ``per_example_transform`` each micro-batch's contribution is computed one example at a
+Under ``per_example=`` each micro-batch's contribution is computed one example at a
 time (``jax.vmap`` over its rows), each example's gradient transformed (or clipped, with
 :func:`jaxaccum.dp.clip_per_example`) before the examples are summed. The core
-(:mod:`jaxaccum._core._transform`) knows nothing of it: :func:`check_per_example` validates the
-user's transform and returns a :class:`PerExampleRule`, which
-:class:`jaxaccum._core._options.Options` holds as ``per_example``; the core's
+(:mod:`jaxaccum._core._transform`) knows nothing of it: :func:`attach` validates the
+user's transform (:func:`check_per_example`) and puts its :class:`PerExampleRule` in
+:class:`jaxaccum._core._options.Options` as ``per_example``; the core's
 micro-batch body calls that rule as it calls its own forward-only and VJP rules
 (:class:`jaxaccum._core._transform.MicroRule`).
 
@@ -40,7 +40,7 @@ from jaxaccum._core._transform import (
 from jaxaccum._core._validate import describe as _describe
 from jaxaccum._per_example import _clip
 
-# --- The options: what per_example_transform accepts ----------------------------------------
+# --- The options: what per_example= accepts ----------------------------------------
 
 
 def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_reduce.Term, ...]:
@@ -52,15 +52,23 @@ def masked_terms(terms: tuple[_reduce.Term, ...], transform: Any) -> tuple[_redu
                for t in terms)
 
 
+def attach(opts: Options, transform: Any, keyword: str, where: str) -> Options:
+  """``opts`` with ``transform`` (given as ``keyword=`` to ``where``) as their micro-batch
+  rule, :class:`PerExampleRule`, and the loss terms it changes (:func:`masked_terms`): the
+  hook :func:`jaxaccum._core._options.make_options` calls, so that the core never imports
+  this wing. Raises for a transform the rule cannot run, naming what the caller typed."""
+  given_as = ("per_example_value_and_grad's transform" if where == "per_example_value_and_grad"
+              else f"{keyword}=")
+  terms = masked_terms(opts.terms, transform)
+  rule = check_per_example(transform, opts.reduce, terms, opts.roles.batch_argnames, given_as)
+  return dataclasses.replace(opts, terms=terms, per_example=rule)
+
+
 def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ...],
-                      batch_names: tuple[str, ...] = ()) -> PerExampleRule | None:
-  """``per_example_transform``: a callable, and a loss whose terms share one normalisation
-  (the transform sees each example's whole gradient, so there is one divisor to apply).
-  Returns the core's micro-batch rule for it (:class:`PerExampleRule`), or ``None``."""
-  if transform is None:
-    return None
-  if isinstance(transform, PerExampleRule):  # validated before
-    return transform
+                      batch_names: tuple[str, ...], given_as: str) -> PerExampleRule:
+  """A per-example transform (``given_as``: how the caller gave it): a callable, and a loss
+  whose terms share one normalisation (the transform sees each example's whole gradient, so
+  there is one divisor to apply). Returns the core's micro-batch rule for it."""
   mask = getattr(transform, "example_mask", None) if isinstance(
       transform, _clip.ClipPerExample) else None
   if mask is not None and mask not in batch_names:
@@ -76,53 +84,35 @@ def check_per_example(transform: Any, reduce: Any, terms: tuple[_reduce.Term, ..
         "one loss.")
   if not callable(transform):
     raise TypeError(
-        "per_example_transform must be a function from one example's gradient to a gradient "
-        f"of the same structure (e.g. jaxaccum.dp.clip_per_example(1.0)), got {transform!r}.")
+        f"{given_as} must be a function from one example's gradient to a gradient of the "
+        f"same structure (e.g. jaxaccum.dp.clip_per_example(1.0)), got {transform!r}.")
   kinds = sorted({t.kind.name for t in terms})
   pairs = [t for t in terms if t.kind.divisor.own_denominator]
   if len(kinds) > 1 or len(pairs) > 1:
     what = (f"mixes the kinds {kinds}" if len(kinds) > 1 else
             f"has {len(pairs)} weighted terms, each divided by its own total denominator")
     raise ValueError(
-        f"per_example_transform is given, but reduce={reduce!r} {what}: the transform sees "
-        "each example's whole gradient, so every term must be normalised the same way. Use "
-        "one kind for all terms (all 'mean' or all 'sum'), or a single 'weighted' term; or "
+        f"{given_as} is given, but reduce={reduce!r} {what}: the transform sees each "
+        "example's whole gradient, so every term must be normalised the same way. Use one "
+        "kind for all terms (all 'mean' or all 'sum'), or a single 'weighted' term; or "
         "accumulate the terms with separate transforms.")
-  return PerExampleRule(transform)
+  return PerExampleRule(transform, given_as)
 
 
 # --- The micro-batch rule ---------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class Request:
-  """What :func:`jaxaccum.dp.per_example_value_and_grad` hands the core's options: the user's
-  transform, which the options check (:meth:`rule`) and which changes the loss terms
-  (:meth:`masked_terms`) without the core importing this wing."""
-
-  transform: Callable[[Any], Any]
-
-  def masked_terms(self, terms: tuple[_reduce.Term, ...]) -> tuple[_reduce.Term, ...]:
-    return masked_terms(terms, self.transform)
-
-  def rule(self, reduce: Any, terms: tuple[_reduce.Term, ...],
-           batch_names: tuple[str, ...]) -> PerExampleRule | None:
-    return check_per_example(self.transform, reduce, terms, batch_names)
-
-
-@dataclasses.dataclass(frozen=True)
 class PerExampleRule:
   """The core's micro-batch rule (:class:`jaxaccum._core._transform.MicroRule`) for a
-  ``per_example_transform``: one micro-batch's contribution from its examples' transformed
-  gradients (:func:`per_example`). ``transform`` is the user's transform as given."""
+  per-example transform: one micro-batch's contribution from its examples' transformed
+  gradients (:func:`per_example`). ``transform`` is the user's transform as given,
+  ``given_as`` how it was given (``"per_example="``), for the errors raised while tracing."""
 
   transform: Callable[[Any], Any]
+  given_as: str = dataclasses.field(default="per_example=", compare=False)
   differentiates: bool = dataclasses.field(default=True, init=False)
   one_row: bool = dataclasses.field(default=True, init=False)  # fun sees one example
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    """Calls the user's transform: the rule stands where the transform was given."""
-    return self.transform(*args, **kwargs)
 
   @property
   def clip(self) -> _clip.ClipPerExample | None:
@@ -198,7 +188,7 @@ NORMS = CarryEntry(
 
 
 def per_example(m: MicroCall, transform: Callable[[Any], Any]):
-  """One micro-batch's contribution under ``per_example_transform`` (``transform``).
+  """One micro-batch's contribution under a per-example transform (``transform``).
 
   ``jax.vmap`` over the micro-batch's rows runs ``f(kw, diff, rest)`` (``inner``) on each
   example as a batch of one (``clip_per_example(keep_batch_dim=False)``: on the row itself),
@@ -268,7 +258,7 @@ def per_example(m: MicroCall, transform: Callable[[Any], Any]):
     return objectives[0], out
 
   norms = None
-  with _example_rank_hint(keep_dim, batch):
+  with _example_rank_hint(keep_dim, batch, _given_as(opts)):
     if clip is None:
       (nums, dens, new_state, aux), grads = _transformed(opts, objective, diff, xs, in_axes,
                                                          transform, roles)
@@ -327,7 +317,7 @@ def _over_examples(opts: Options, groups: tuple[Group, ...],
     if red.over_rows is None:
       raise ValueError(
           f"aux leaf {jax.tree_util.keystr(path) or '(root)'} is reduced with {red.name}, "
-          "which has no per-example rule: per_example_transform runs fun on one example at a "
+          f"which has no per-example rule: {_given_as(opts)} runs fun on one example at a "
           "time, so there is no micro-batch value to reduce. Use 'concat' for per-example "
           "rows (a scalar per example becomes one row), or 'mean', 'sum', 'max', 'min', "
           "'all', 'any' for values reduced over the rows, or return that value from a "
@@ -406,7 +396,8 @@ class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
   one here, which a convolution reports as a raw rank error.
   """
 
-  def __init__(self, keep_dim: bool, batch: list):
+  def __init__(self, keep_dim: bool, batch: list, given_as: str):
+    self.given_as = given_as
     self.shapes = [] if not keep_dim else [
         (tuple(x.shape), a) for v, ax in batch
         for x, a in zip(jax.tree.leaves(v), jax.tree.leaves(ax), strict=True)
@@ -424,7 +415,7 @@ class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
     shape, a = self.shapes[0]
     row = shape[:a] + shape[a + 1:]  # one example, as the batch holds it
     raise type(err)(
-        f"per_example_transform calls fun on each example as a batch of one, so a batch leaf "
+        f"{self.given_as} calls fun on each example as a batch of one, so a batch leaf "
         f"whose rows have shape {row} reaches fun as {row[:a] + (1,) + row[a:]}: the axis of "
         "size 1 after the batch axis looks like an extra example axis added for a "
         "per-example vmap of one's own (as in JAX's DP-SGD example, dummy_dim=True). Drop it "
@@ -433,9 +424,14 @@ class _example_rank_hint:  # noqa: N801 (a context manager used like a function)
         f"while tracing fun was: {type(err).__name__}: {msg}") from err
 
 
+def _given_as(opts: Options) -> str:
+  """How the caller gave the per-example transform (``per_example=``), for errors."""
+  return opts.per_example.given_as
+
+
 def _state_error(opts: Options) -> TypeError:
   return TypeError(
-      f"per_example_transform runs fun on one example at a time, and the new state it "
+      f"{_given_as(opts)} runs fun on one example at a time, and the new state it "
       f"returns for state_argnums={opts.roles.state_argnums} depends on the example (e.g. "
       "BatchNorm statistics of its rows): per-example state has no single value to thread "
       "to the next micro-batch. Per-example gradients need a model without batch "
@@ -448,7 +444,7 @@ def _state_error(opts: Options) -> TypeError:
 
 def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple,
                  in_axes: tuple, transform: Callable[[Any], Any], roles: _options.Roles):
-  """Any ``per_example_transform``: each example's gradient transformed, under vmap.
+  """Any per-example transform but the clip: each example's gradient transformed, under vmap.
   Returns ``(outs, grads)``, both with a leading axis of examples (state: shared)."""
 
   def example(x):
@@ -459,7 +455,7 @@ def _transformed(opts: Options, objective: Callable[..., Any], diff: list, xs: t
         np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(new),
                                                    jax.tree.leaves(given), strict=True)):
       raise TypeError(
-          "per_example_transform must return a gradient with the structure and shapes of "
+          f"{_given_as(opts)} must return a gradient with the structure and shapes of "
           f"the one it gets (one example's gradient, as jax.grad returns it): it got "
           f"{jax.tree.map(_describe, given)} and returned {jax.tree.map(_describe, new)}.")
     new = (new,) if opts.roles.argnums_is_int else tuple(new)

@@ -706,8 +706,7 @@ def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
   return False
 
 
-_VALUE_AND_GRAD_OPTIONS = tuple(name for name in (*_options.DEFAULTS, "per_example_transform")
-                                if name not in _FIXED_BY_PLAN)
+_VALUE_AND_GRAD_OPTIONS = tuple(name for name in _options.DEFAULTS if name not in _FIXED_BY_PLAN)
 
 
 def _batch_shards(batches: dict[int, Any]) -> int:

@@ -9,7 +9,7 @@ References, written without the library's split:
   ``State`` passed on, ``fold_in(key, i)`` for keys); values averaged, per-example rows put
   back at ``i::N``.
 The last part runs ``rng_argnames`` and ``batch_axis`` through the adapters against the same
-kind of references (``per_example_transform`` and ``batch_axis`` on the adapters'
+kind of references (``per_example`` and ``batch_axis`` on the adapters'
 value_and_grad are in tests/per_example/test_rule.py and tests/core/test_batch_axis.py).
 float32, rtol 1e-5.
 """
@@ -160,7 +160,7 @@ def test_nnx_evaluate_batch_axis_and_a_keyword_key():
 def test_nnx_evaluate_refuses_options_that_make_no_sense():
   for option, value in [("wrt", nnx.Param), ("argnums", 0), ("with_info", True),
                         ("remat", True), ("grads_dtype", jnp.float32),
-                        ("per_example_transform", lambda g: g)]:
+                        ("per_example", lambda g: g)]:
     with pytest.raises(TypeError, match=rf"jaxaccum.nnx.evaluate takes no {option}= option"):
       jaxaccum.nnx.evaluate(nnx_metrics, num_micro_batches=N, **{option: value})
   with pytest.raises(TypeError, match="takes no state_argnums= option"):

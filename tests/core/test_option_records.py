@@ -80,7 +80,7 @@ def _cases():
                        dict(reduce=jaxaccum.Terms({"mse": "mean", "total": "sum"},
                                                   weights={"total": 0.25})), terms_loss),
       "remat_policy": (dict(remat_policy=policy), dict(remat=policy), loss),
-      "per_example_transform": (dict(per_example_transform=clip), "per_example", loss),
+      "per_example_transform": (dict(per_example_transform=clip), dict(per_example=clip), loss),
   }
 
 
@@ -94,11 +94,7 @@ def test_each_deprecated_keyword_warns_and_matches_the_record(name, seed):
   assert sorted(str(r.message).split("(")[1].split("=")[0] for r in record) == sorted(
       k for k in old if k in _options.DEPRECATED)
   assert any(f"value_and_grad({name}=...) is deprecated" in str(r.message) for r in record)
-  if new == "per_example":
-    new_step = jaxaccum.dp.per_example_value_and_grad(fun, old["per_example_transform"],
-                                                   num_micro_batches=2)
-  else:
-    new_step = jaxaccum.value_and_grad(fun, num_micro_batches=2, **new)
+  new_step = jaxaccum.value_and_grad(fun, num_micro_batches=2, **new)
   assert old_step.options == new_step.options
   chex.assert_trees_all_equal(jax.jit(old_step)(w, batch), jax.jit(new_step)(w, batch))
   # And both are the full-batch result (an independent reference), where one exists.

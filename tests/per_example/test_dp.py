@@ -120,7 +120,7 @@ def sum_loss(p, batch):
 def _skip_step(method):
   return jax.jit(jaxaccum.grad(
       sum_loss, num_micro_batches=4, reduce="sum", skip_nonfinite=True, with_info=True,
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method)))
+      per_example=jaxaccum.dp.clip_per_example(C, method)))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -163,7 +163,7 @@ def test_data_axis_on_eight_devices_returns_every_norm_in_batch_order(method):
   params, batch = _problem(4, rows=32)
   step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=2,
                  data_axis=jaxaccum.DataParallel("data", mesh=mesh), with_info=True,
-                               per_example_transform=jaxaccum.dp.clip_per_example(C, method)))
+                               per_example=jaxaccum.dp.clip_per_example(C, method)))
   with jax.set_mesh(mesh):
     grads, info = step(params, batch)
   ref, norms = _loop(mean_loss, params, batch, range(32), divisor=32)
@@ -191,7 +191,7 @@ def test_linen_and_equinox_adapters(method):
     return jnp.mean((model.apply({"params": params}, batch[0]) - batch[1]) ** 2), model_state
 
   (_, _), grads = jaxaccum.linen.value_and_grad(
-      linen_loss, num_micro_batches=4, per_example_transform=clip)(
+      linen_loss, num_micro_batches=4, per_example=clip)(
           variables["params"], (x, y), {}, {})
   ref, _ = _loop(lambda p, b: linen_loss(p, b, {}, {})[0], variables["params"], (x, y),
                  range(B), divisor=B)
@@ -203,7 +203,7 @@ def test_linen_and_equinox_adapters(method):
     return jnp.mean((jax.vmap(m)(x)[:, 0] - y) ** 2)
 
   _, grads = jaxaccum.eqx.filter_value_and_grad(
-      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example_transform=clip)(
+      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example=clip)(
           mlp, x, y)
   arrays, static = eqx.partition(mlp, eqx.is_array)
   ref, _ = _loop(lambda a, b: eqx_loss(eqx.combine(a, static), *b), arrays, (x, y),
@@ -240,7 +240,7 @@ def test_nnx_adapter(method, monkeypatch):
     return jnp.mean((m(x) - y) ** 2)
 
   _, grads = jaxaccum.nnx.value_and_grad(nnx_loss, num_micro_batches=4, batch_argnums=(1, 2),
-                                         per_example_transform=clip)(net, x, y)
+                                         per_example=clip)(net, x, y)
   graphdef, state = nnx.split(net)
   ref, _ = _loop(lambda s, b: nnx_loss(nnx.merge(graphdef, s), *b), state, (x, y), range(B),
                  divisor=B)
@@ -310,7 +310,7 @@ def test_user_level_clipping_with_keep_batch_dim_false(method):
 
   grads, info = jax.jit(jaxaccum.grad(
       unit_loss, num_micro_batches=4, with_info=True,
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method, keep_batch_dim=False)))(
+      per_example=jaxaccum.dp.clip_per_example(C, method, keep_batch_dim=False)))(
           params, (xu, yu))
   out, norms = [], []
   for u in range(B):
@@ -333,7 +333,7 @@ def test_dp_noise_equals_optax_dpsgd_on_per_example_gradients():
   @jax.jit
   def both(params, batch):
     grads = jaxaccum.grad(mean_loss, num_micro_batches=4,
-                          per_example_transform=jaxaccum.dp.clip_per_example(C))(params, batch)
+                          per_example=jaxaccum.dp.clip_per_example(C))(params, batch)
     ours, _ = tx.update(grads, tx.init(params), params)
     per_example = jax.vmap(jax.grad(mean_loss), in_axes=(None, 0))(
         params, jax.tree.map(lambda a: a[:, None], batch))
@@ -363,7 +363,7 @@ def test_concrete_bad_clip_norms_raise():
     jaxaccum.dp.clip_per_example(1.0, nan_safe=1)
   with pytest.raises(ValueError, match=r"batch_argnames=\(\) does not name it"):
     jaxaccum.grad(mean_loss, num_micro_batches=2,
-                  per_example_transform=jaxaccum.dp.clip_per_example(1.0, example_mask="mask"))
+                  per_example=jaxaccum.dp.clip_per_example(1.0, example_mask="mask"))
 
 
 def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
@@ -372,7 +372,7 @@ def test_a_traced_bad_clip_norm_gives_nan_for_skip_nonfinite():
   @jax.jit
   def step(c):
     return jaxaccum.grad(mean_loss, num_micro_batches=2, skip_nonfinite=True, with_info=True,
-                         per_example_transform=jaxaccum.dp.clip_per_example(c))(params, batch)
+                         per_example=jaxaccum.dp.clip_per_example(c))(params, batch)
 
   for bad in (-1.0, 0.0, jnp.nan):
     grads, info = step(jnp.float32(bad))
@@ -398,7 +398,7 @@ def test_clip_of_a_gradient_whose_squared_norm_overflows_float32(method):
   def huge(p, batch):
     return 1e20 * mean_loss(p, batch)
 
-  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example_transform=jaxaccum.dp.
+  grads = jaxaccum.grad(huge, num_micro_batches=2, per_example=jaxaccum.dp.
                         clip_per_example(C, method))(params, batch)
   # Every example's gradient is 1e20 times mean_loss's, far above C: clipped to C along it.
   unit = [_clip_np(_jgrad(mean_loss)(params, _rows(batch, j)), np.inf) for j in range(B)]
@@ -455,10 +455,10 @@ def test_an_extra_example_axis_gets_a_jaxaccum_error_not_a_convolution_rank_erro
   clip = jaxaccum.dp.clip_per_example(C)
   with pytest.raises(TypeError, match=r"(?s)reaches fun as \(1, 1, 6, 6, 1\).*Drop it.*"
                                       r"keep_batch_dim=False.*convolution requires"):
-    jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=clip)(
+    jaxaccum.grad(loss, num_micro_batches=2, per_example=clip)(
         params, (images, labels))
   # As the error says: with keep_batch_dim=False fun sees each (1, 6, 6, 1) row, as there.
-  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example_transform=jaxaccum.dp.
+  grads = jaxaccum.grad(loss, num_micro_batches=2, per_example=jaxaccum.dp.
                         clip_per_example(C, keep_batch_dim=False))(params, (images, labels))
   ref, _ = _loop(loss, params, (images[:, 0], labels), range(8), divisor=8)
   _close(grads, ref)
@@ -500,7 +500,7 @@ def test_plan_knows_the_ghost_step_memory_and_picks_near_plain_accumulations_cou
   plans = {method: jaxaccum.plan(
       _deep_tanh_loss, *shapes, memory_budget_bytes=budget, verbose=False,
       **({} if method is None else {
-          "per_example_transform": jaxaccum.dp.clip_per_example(1.0, method)}))
+          "per_example": jaxaccum.dp.clip_per_example(1.0, method)}))
       for method in (None, "ghost")}
   assert plans[None].num_micro_batches == 4
   n = plans["ghost"].num_micro_batches

@@ -122,7 +122,7 @@ def test_ghost_refusing_is_recorded_not_failed():
   _assert_holds(report)
   with pytest.raises(ValueError, match="method='ghost'.*sin"):
     jaxaccum.grad(case.loss, num_micro_batches=2,
-                  per_example_transform=jaxaccum.dp.clip_per_example(1.0, "ghost"))(
+                  per_example=jaxaccum.dp.clip_per_example(1.0, "ghost"))(
                       case.params, case.batch)
 
 

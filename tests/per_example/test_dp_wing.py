@@ -270,7 +270,7 @@ def test_nnx_rngs_held_in_the_model_draw_a_mask_per_example(method, remat, n, b,
   x = jax.random.normal(jax.random.key(seed), (rows, D)) + 3.0  # no output exactly 0
   step = jaxaccum.nnx.value_and_grad(
       loss, num_micro_batches=n, has_aux=True, aux_reduce="concat", remat=remat,
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method))
+      per_example=jaxaccum.dp.clip_per_example(C, method))
   (_, masks), _ = step(model, x)
   # The documented rule: example r of micro-batch i draws with its stream's key folded
   # with r, at the stream's count of micro-batch i (the count advances once per
@@ -369,7 +369,7 @@ def test_check_per_example_loss_passes_row_losses_and_refuses_mixed_ones(seed):
                          (lambda w, b: (_row_loss(w, b), {"n": jnp.sum(b[1])}), (x, y),
                           {"has_aux": True})]:
     found = jaxaccum.dp.check_per_example_loss(
-        fun, per_example_transform=jaxaccum.dp.clip_per_example(C), **kw)(w, batch)
+        fun, per_example=jaxaccum.dp.clip_per_example(C), **kw)(w, batch)
     assert found["value"] < 1e-5 and found["grads"] < 1e-4, found
   with pytest.raises(ValueError, match="mixes the rows of its batch"):
     jaxaccum.dp.check_per_example_loss(_contrastive)(w, x)
@@ -416,10 +416,10 @@ def test_check_per_example_loss_bad_options():
     jaxaccum.dp.check_per_example_loss(_row_loss, rng_argnums=2)
   with pytest.raises(ValueError, match="keep_batch_dim=False"):
     jaxaccum.dp.check_per_example_loss(
-        _row_loss, per_example_transform=jaxaccum.dp.clip_per_example(C, keep_batch_dim=False))
+        _row_loss, per_example=jaxaccum.dp.clip_per_example(C, keep_batch_dim=False))
   with pytest.raises(ValueError, match="example_mask='m'"):
     jaxaccum.dp.check_per_example_loss(
-        _row_loss, per_example_transform=jaxaccum.dp.clip_per_example(C, example_mask="m"))
+        _row_loss, per_example=jaxaccum.dp.clip_per_example(C, example_mask="m"))
   with pytest.raises(ValueError, match="rtol must be a positive number"):
     jaxaccum.dp.check_per_example_loss(_row_loss, rtol=0)
 
@@ -536,7 +536,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   mask[dead_rows] = False
   step = _shared_step((name, "zero: mask"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n, batch_argnames="mask",
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method, example_mask="mask")))
+      per_example=jaxaccum.dp.clip_per_example(C, method, example_mask="mask")))
   live = [j for j in range(rows) if mask[j]]
   grads = step(params, (x, y), mask=jnp.asarray(mask))
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
@@ -544,7 +544,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   # nan_safe: every example of micro-batch `dead` is not finite.
   safe = _shared_step((name, "zero: nan_safe"), lambda: jaxaccum.grad(
       loss, num_micro_batches=n,
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))
+      per_example=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))
   grads = safe(params, (x, y))
   assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
   _close(grads, _ref(loss, params, (x, y), live, rows))
@@ -552,7 +552,7 @@ def test_a_micro_batch_whose_every_factor_is_zero_adds_exactly_zero(program, see
   alone = jax.tree.map(lambda a: a[dead::n], (x, y))
   zero = _shared_step((name, "zero: alone"), lambda: jaxaccum.grad(
       loss, num_micro_batches=1, reduce="sum",
-      per_example_transform=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))(params,
+      per_example=jaxaccum.dp.clip_per_example(C, method, nan_safe=True)))(params,
                                                                                  alone)
   for g in jax.tree.leaves(zero):
     np.testing.assert_array_equal(g, np.zeros_like(g))
@@ -664,7 +664,7 @@ def test_place_padding_last_fills_the_first_micro_batches_and_keeps_the_gradient
   params = _mlp_params(seed)
   step = jax.jit(jaxaccum.grad(
       _mlp_loss, num_micro_batches=n, batch_argnames="mask",
-      per_example_transform=jaxaccum.dp.clip_per_example(C, "materialize", example_mask="mask")))
+      per_example=jaxaccum.dp.clip_per_example(C, "materialize", example_mask="mask")))
   full = step(params, (x, y), mask=jnp.asarray(mask))
   skipped = step(params, (xs, ys), mask=jnp.asarray(m), active_micro_batches=k)
   _close(skipped, full)

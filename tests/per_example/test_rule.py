@@ -1,4 +1,4 @@
-"""``per_example_transform``: each example's gradient transformed before the mean.
+"""``per_example=``: each example's gradient transformed before the mean.
 
 The reference is a Python loop over the rows: ``jax.grad`` of ``fun`` on ``x[j:j+1]`` for
 every row ``j``, the transform applied, then the mean (or sum). It never goes through the
@@ -80,7 +80,7 @@ def test_mean_matches_the_per_example_loop(n):
 def test_sum_matches_the_per_example_loop_and_grad_drops_the_value():
   params, batch = _problem(1)
   step = jax.jit(jaxaccum.grad(sum_loss, micro_batch_size=4, reduce="sum",
-                               per_example_transform=CLIP))
+                               per_example=CLIP))
   chex.assert_trees_all_close(step(params, batch),
                               _loop(sum_loss, params, batch, CLIP_JIT, mean=False),
                               rtol=1e-5, atol=1e-6)
@@ -124,12 +124,12 @@ def test_clip_per_example_clips_each_example_to_the_norm():
     clipped += norm > 0.5
   assert clipped >= B - 2  # the test means something: most examples are clipped
   # Each example then contributes at most 0.5: the mean of such vectors is no longer.
-  grads = jaxaccum.grad(mean_loss, num_micro_batches=2, per_example_transform=CLIP)(
+  grads = jaxaccum.grad(mean_loss, num_micro_batches=2, per_example=CLIP)(
       params, batch)
   assert _norm(grads) <= 0.5 + 1e-6
   # A sum of 16 examples of norm at most 0.5 each: at most 8 (the triangle inequality).
   total = jaxaccum.grad(sum_loss, num_micro_batches=2, reduce="sum",
-                        per_example_transform=CLIP)(params, batch)
+                        per_example=CLIP)(params, batch)
   assert _norm(total) <= 8.0 + 1e-5
 
 
@@ -202,7 +202,7 @@ def test_rng_example_r_of_micro_batch_i_gets_fold_in_key_i_r():
     return jnp.mean((_pred(p, jnp.where(keep, x, 0.0)) - y) ** 2)
 
   grads = jax.jit(jaxaccum.grad(noisy, num_micro_batches=n, rng_argnums=2,
-                                per_example_transform=CLIP))(params, batch, key)
+                                per_example=CLIP))(params, batch, key)
   # Row j is row r = j // n of micro-batch i = j % n.
   ref = [CLIP_JIT(_jgrad(noisy)(params, _rows(batch, j),
                               jax.random.fold_in(jax.random.fold_in(key, j % n), j // n)))
@@ -222,7 +222,7 @@ def test_keyword_key_under_rng_argnames_is_folded_per_example_too():
     return jnp.mean((_pred(p, jnp.where(keep, x, 0.0)) - y) ** 2)
 
   grads = jax.jit(jaxaccum.grad(noisy, num_micro_batches=n, rng_argnames="key",
-                                per_example_transform=CLIP))(params, batch, key=key)
+                                per_example=CLIP))(params, batch, key=key)
   ref = [CLIP_JIT(_jgrad(functools.partial(noisy, key=jax.random.fold_in(
       jax.random.fold_in(key, j % n), j // n)))(params, _rows(batch, j))) for j in range(B)]
   chex.assert_trees_all_close(grads, jax.tree.map(lambda *g: sum(g) / B, *ref),
@@ -238,7 +238,7 @@ def test_time_major_batch_under_batch_axis_one_matches_the_per_example_loop():
     return jnp.mean((jnp.mean(jax.vmap(_pred, (None, 0))(p, xt), axis=0) - y) ** 2)
 
   grads = jax.jit(jaxaccum.grad(seq_loss, num_micro_batches=4, batch_argnums=(1, 2),
-                                batch_axis=(1, 0), per_example_transform=CLIP))(params, xt, y)
+                                batch_axis=(1, 0), per_example=CLIP))(params, xt, y)
   g = jax.jit(jax.grad(seq_loss))
   ref = [CLIP_JIT(g(params, xt[:, j:j + 1], y[j:j + 1])) for j in range(B)]
   chex.assert_trees_all_close(grads, jax.tree.map(lambda *a: sum(a) / B, *ref),
@@ -271,7 +271,7 @@ def test_skip_nonfinite_drops_the_micro_batch_of_a_nan_example():
   y = y.at[5].set(jnp.nan)  # row 5 is in micro-batch 5 % 4 = 1
   batch = (x, y)
   grads, info = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=4, skip_nonfinite=True,
-                                      with_info=True, per_example_transform=CLIP))(
+                                      with_info=True, per_example=CLIP))(
       params, batch)
   rows = [j for j in range(B) if j % 4 != 1]
   ref = [CLIP_JIT(_jgrad(mean_loss)(params, _rows(batch, j))) for j in rows]
@@ -284,7 +284,7 @@ def test_with_info_samples_are_micro_batch_means_of_transformed_gradients():
   params, batch = _problem(9)
   n = 4
   _, info = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=n, with_info=True,
-                                  per_example_transform=CLIP))(params, batch)
+                                  per_example=CLIP))(params, batch)
   micro = []
   for i in range(n):
     g = [CLIP_JIT(_jgrad(mean_loss)(params, _rows(batch, j))) for j in range(i, B, n)]
@@ -296,10 +296,10 @@ def test_with_info_samples_are_micro_batch_means_of_transformed_gradients():
 def test_remat_and_active_micro_batches():
   params, batch = _problem(10)
   grads = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=4, remat=True,
-                                per_example_transform=CLIP))(params, batch)
+                                per_example=CLIP))(params, batch)
   chex.assert_trees_all_close(grads, _loop(mean_loss, params, batch, CLIP_JIT), rtol=1e-5,
                               atol=1e-6)
-  step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=4, per_example_transform=CLIP))
+  step = jax.jit(jaxaccum.grad(mean_loss, num_micro_batches=4, per_example=CLIP))
   rows = [j for j in range(B) if j % 4 < 2]  # micro-batches 0 and 1
   ref = [CLIP_JIT(_jgrad(mean_loss)(params, _rows(batch, j))) for j in rows]
   chex.assert_trees_all_close(step(params, batch, active_micro_batches=jnp.int32(2)),
@@ -341,37 +341,37 @@ def test_micro_grad_basic_translated_from_optax():
   chex.assert_trees_all_close(grads, jnp.array([-6.0]))
   chex.assert_trees_all_close(values, jnp.array([0, 0.5, 2, 4.5]))
   chex.assert_trees_all_close(value, 7.0)
-  squared, _ = jaxaccum.grad(mean_squared_loss, per_example_transform=lambda g: g ** 2,
+  squared, _ = jaxaccum.grad(mean_squared_loss, per_example=lambda g: g ** 2,
                              **opts)(params, features, targets)
   chex.assert_trees_all_close(squared, jnp.array([14.0]))
 
 
 def test_micro_grad_early_stopping_translated_from_optax():
   grad_fn = jaxaccum.grad(lambda c, x: c * x.sum(), micro_batch_size=4, reduce="sum",
-                          per_example_transform=lambda g: g)
+                          per_example=lambda g: g)
   chex.assert_trees_all_close(grad_fn(1.0, jnp.ones(16), active_micro_batches=3), 12.0)
 
 
 def test_errors_name_the_option():
   params, batch = _problem()
-  with pytest.raises(TypeError, match="per_example_transform must be a function"):
+  with pytest.raises(TypeError, match="per_example_value_and_grad's transform must be a function"):
     jaxaccum.dp.per_example_value_and_grad(mean_loss, 1.0, num_micro_batches=2)
-  with pytest.raises(ValueError, match=r"per_example_transform .* mixes the kinds"):
+  with pytest.raises(ValueError, match=r"per_example_value_and_grad's transform .* mixes the kinds"):
     jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
                                            reduce={"a": "mean", "b": "sum"})
-  with pytest.raises(ValueError, match=r"per_example_transform .* 2 weighted terms"):
+  with pytest.raises(ValueError, match=r"per_example_value_and_grad's transform .* 2 weighted terms"):
     jaxaccum.dp.per_example_value_and_grad(mean_loss, CLIP, num_micro_batches=2,
                                         reduce={"a": "weighted", "b": "weighted"})
   wrong = jaxaccum.grad(mean_loss, num_micro_batches=2,
-                        per_example_transform=lambda g: (g, g))
-  with pytest.raises(TypeError, match="per_example_transform must return a gradient with"):
+                        per_example=lambda g: (g, g))
+  with pytest.raises(TypeError, match="per_example= must return a gradient with"):
     wrong(params, batch)
 
   def with_aux(p, batch):
     return mean_loss(p, batch), mean_loss(p, batch)
 
   stacked = jaxaccum.grad(with_aux, num_micro_batches=2, has_aux=True, aux_reduce="stack",
-                          per_example_transform=CLIP)
+                          per_example=CLIP)
   with pytest.raises(ValueError, match=r"reduced with 'stack', which has no per-example"):
     stacked(params, batch)
 
@@ -382,7 +382,7 @@ def test_an_unsplit_batch_sized_array_warns_whatever_the_micro_batch_size():
   def closes_over_y(p, x):
     return jnp.mean((_pred(p, x) - y) ** 2)
 
-  step = jaxaccum.grad(closes_over_y, num_micro_batches=2, per_example_transform=CLIP)
+  step = jaxaccum.grad(closes_over_y, num_micro_batches=2, per_example=CLIP)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     step(params, x)
@@ -410,7 +410,7 @@ def test_linen_nnx_and_equinox_adapters_forward_the_transform():
     return linen_loss(params, batch, {}, {})[0]
 
   (_, _), grads = jaxaccum.linen.value_and_grad(
-      linen_loss, num_micro_batches=4, per_example_transform=CLIP)(
+      linen_loss, num_micro_batches=4, per_example=CLIP)(
           variables["params"], batch, {}, {})
   chex.assert_trees_all_close(grads, _loop(plain, variables["params"], batch, CLIP_JIT),
                               rtol=1e-5, atol=1e-6)
@@ -422,7 +422,7 @@ def test_linen_nnx_and_equinox_adapters_forward_the_transform():
     return jnp.mean((m(x)[:, 0] - y) ** 2)
 
   _, grads = jaxaccum.nnx.value_and_grad(nnx_loss, num_micro_batches=4, batch_argnums=(1, 2),
-                                         per_example_transform=CLIP)(lin, x, y)
+                                         per_example=CLIP)(lin, x, y)
   row_grad = nnx.jit(nnx.grad(nnx_loss))
   ref = [CLIP_JIT(row_grad(lin, *_rows((x, y), j))) for j in range(B)]
   chex.assert_trees_all_close(nnx.state(grads), jax.tree.map(
@@ -435,7 +435,7 @@ def test_linen_nnx_and_equinox_adapters_forward_the_transform():
     return jnp.mean((jax.vmap(m)(x)[:, 0] - y) ** 2)
 
   _, grads = jaxaccum.eqx.filter_value_and_grad(
-      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example_transform=CLIP)(
+      eqx_loss, num_micro_batches=4, batch_argnums=(1, 2), per_example=CLIP)(
           mlp, x, y)
   row_grad = eqx.filter_jit(eqx.filter_grad(eqx_loss))
   ref = [CLIP_JIT(row_grad(mlp, *_rows((x, y), j))) for j in range(B)]
@@ -454,7 +454,7 @@ def test_keyword_batch_along_axis_one_matches_the_per_example_loop():
 
   grads = jax.jit(jaxaccum.grad(seq_loss, num_micro_batches=4, batch_argnums=1,
                                 batch_argnames="xt", batch_axis=(0, 1),
-                                per_example_transform=CLIP))(params, y, xt=xt)
+                                per_example=CLIP))(params, y, xt=xt)
   g = jax.jit(jax.grad(seq_loss))
   ref = [CLIP_JIT(g(params, y[j:j + 1], xt=xt[:, j:j + 1])) for j in range(B)]
   chex.assert_trees_all_close(grads, jax.tree.map(lambda *a: sum(a) / B, *ref),
@@ -462,7 +462,7 @@ def test_keyword_batch_along_axis_one_matches_the_per_example_loop():
 
 
 def test_an_unsplit_batch_sized_array_warns_with_one_micro_batch_too():
-  # One micro-batch holds the whole batch, but under per_example_transform fun still sees one
+  # One micro-batch holds the whole batch, but under per_example= fun still sees one
   # row at a time, so y closed over whole broadcasts against each row: the warning must come,
   # and the gradients are those of that broadcast (the per-row loop over the same function).
   params, (x, y) = _problem(12)
@@ -471,7 +471,7 @@ def test_an_unsplit_batch_sized_array_warns_with_one_micro_batch_too():
     return jnp.mean((_pred(p, x) - y) ** 2)
 
   step = jax.jit(jaxaccum.grad(closes_over_y, num_micro_batches=1,
-                               per_example_transform=CLIP))
+                               per_example=CLIP))
   with pytest.warns(jaxaccum.BatchBroadcastWarning,
                     match=r"an array of shape \(16,\) that fun closes over has the batch's 16 "
                     r"rows, but it is not split into micro-batches"):

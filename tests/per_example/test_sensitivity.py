@@ -135,7 +135,7 @@ def test_uses_whose_result_is_not_read_add_nothing(seed):
                                     for g in jax.tree.leaves(grads))))
     clip = jaxaccum.dp.clip_per_example(c, "auto")
     out = {"auto": jaxaccum.grad(loss, num_micro_batches=2, reduce="sum", batch_argnums=(1, 2, 3),
-                                 per_example_transform=clip)(params, x, ids, wt)}
+                                 per_example=clip)(params, x, ids, wt)}
     for program in ("book", "second"):
       ghost = _ghost.clipped_sum(
           lambda d, b: (loss(d[0], *b), ()), (params,), (x, ids, wt), 0, clip.factors,
@@ -294,11 +294,11 @@ def test_per_layer_clip_norms_every_method(seed, loss, scan):
   for method in ("materialize", "auto", "ghost"):
     clip = jaxaccum.dp.clip_per_example(limits, method)
     got = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
-                                per_example_transform=clip))(params, batch)
+                                per_example=clip))(params, batch)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
     # Each example alone adds at most sqrt(sum C_g^2), each group C_g: one program for both.
     alone = jax.jit(jaxaccum.grad(loss, num_micro_batches=1, reduce="sum",
-                                  per_example_transform=clip))
+                                  per_example=clip))
     for j in range(2):
       one = alone(params, jax.tree.map(lambda a, j=j: a[j:j + 1], batch))
       for name, c in limits.items():
@@ -362,7 +362,7 @@ def test_per_layer_clip_norms_with_a_materialised_leaf_in_each_group(seed):
       for n in ("l0", "l1", "l2") for leaf in ("s", "w") if (n, leaf) != ("l2", "s")}
   want = _per_layer_reference(_grouped_mlp, _grouped(params, groups), batch, groups)
   got = jax.jit(jaxaccum.grad(_scaled_mlp, num_micro_batches=2, reduce="sum",
-                              per_example_transform=clip))(params, batch)
+                              per_example=clip))(params, batch)
   chex.assert_trees_all_close(_grouped(got, groups), want, rtol=2e-5, atol=2e-5)
 
 
@@ -389,7 +389,7 @@ def _grouped_mlp(q, batch):
 
 def test_per_layer_clip_norms_errors():
   with pytest.raises(ValueError, match="prefix of the gradient"):
-    jax.jit(jaxaccum.grad(_mlp, num_micro_batches=1, per_example_transform=(
+    jax.jit(jaxaccum.grad(_mlp, num_micro_batches=1, per_example=(
         jaxaccum.dp.clip_per_example({"encoder": 1.0, "head": 1.0}))))(
             _mlp_params(0), (np.zeros((2, 4), np.float32), np.zeros((2, 3), np.float32)))
   with pytest.raises(ValueError, match="holds no clip norm"):
@@ -420,7 +420,7 @@ def test_the_gram_guard_under_data_axis(method):
 
   step = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, data_axis=jaxaccum.DataParallel("data",
                  mesh=mesh), reduce="sum", with_info=True,
-                               per_example_transform=jaxaccum.dp.clip_per_example(1.0, method)))
+                               per_example=jaxaccum.dp.clip_per_example(1.0, method)))
   with jax.set_mesh(mesh):
     _, info = step(params, x)
   want = [np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(
@@ -458,9 +458,9 @@ def test_auto_materialises_where_ghost_norms_save_little():
                              norms=True, auto=True)
     assert (got is None) == little
     auto = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
-                                 per_example_transform=jaxaccum.dp.clip_per_example(0.5)))
+                                 per_example=jaxaccum.dp.clip_per_example(0.5)))
     ref = jax.jit(jaxaccum.grad(loss, num_micro_batches=2, reduce="sum",
-                                per_example_transform=jaxaccum.dp.clip_per_example(
+                                per_example=jaxaccum.dp.clip_per_example(
                                     0.5, "materialize")))
     chex.assert_trees_all_close(auto(params, batch), ref(params, batch), rtol=1e-5, atol=1e-6)
 
@@ -490,7 +490,7 @@ def _bf16_alone(act, method):
   ``c`` traced: one program per shape."""
   return jax.jit(lambda params, row, c: jaxaccum.grad(
       _bf16_layers(act), num_micro_batches=1, reduce="sum",
-      per_example_transform=jaxaccum.dp.clip_per_example(c, method))(params, row))
+      per_example=jaxaccum.dp.clip_per_example(c, method))(params, row))
 
 
 def _narrow_cases(count=8, examples=16):
@@ -576,10 +576,10 @@ def test_per_layer_norms_in_a_narrow_scanned_program():
            rng.normal(size=(6, 3)).astype(np.float32))
   limits = {"enc": 0.05, "head": 2.0}
   with pytest.raises(ValueError, match="cannot bound each example's contribution"):
-    jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=2, per_example_transform=(
+    jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=2, per_example=(
         jaxaccum.dp.clip_per_example(limits, "ghost"))))(params, batch)
   one = jax.jit(jaxaccum.grad(_bf16_scan, num_micro_batches=1, reduce="sum",
-                              per_example_transform=jaxaccum.dp.clip_per_example(limits)))
+                              per_example=jaxaccum.dp.clip_per_example(limits)))
   for j in range(6):
     got = one(params, jax.tree.map(lambda a, j=j: a[j:j + 1], batch))
     for name, c in limits.items():
