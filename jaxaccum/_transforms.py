@@ -24,7 +24,7 @@ import jax
 from jaxaccum._core import _options, _transform
 from jaxaccum._core._options import Options
 from jaxaccum._core._outputs import pack
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
 
 
 def make_value_and_grad(fun: Callable[..., Any], options: dict[str, Any], *,
@@ -39,12 +39,12 @@ def make_value_and_grad(fun: Callable[..., Any], options: dict[str, Any], *,
   old = {k: v for k, v in rest.items() if k not in _options.DEFAULTS}
   if transform is None:
     return ValueAndGrad(_options.make_options(fun, given, deprecated=old, where=where,
-                                              stacklevel=stacklevel))
+                                              stacklevel=stacklevel, parallel=_axes.KEYWORDS))
   from jaxaccum._per_example import _rule  # the per-example wing, loaded on first use
 
   return ValueAndGrad(_options.make_options(
       fun, given, deprecated=old, transform=_rule.Request(transform),
-      where="per_example_value_and_grad", stacklevel=stacklevel))
+      where="per_example_value_and_grad", stacklevel=stacklevel, parallel=_axes.KEYWORDS))
 
 
 def requests(deprecated: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +65,8 @@ def make_evaluate(fun: Callable[..., Any], options: dict[str, Any], *,
            if k in _options.DEFAULTS and k not in _options.GRADIENT_OPTIONS}
   old = {k: v for k, v in options.items() if k not in given}
   return Evaluate(_options.make_options(fun, given, deprecated=old, evaluate=True,
-                                        where="evaluate", stacklevel=stacklevel))
+                                        where="evaluate", stacklevel=stacklevel,
+                                        parallel=_axes.KEYWORDS))
 
 
 class _Transform:

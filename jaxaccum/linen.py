@@ -31,9 +31,9 @@ import optax
 
 from jaxaccum import _transforms
 from jaxaccum._batch_size import MultiStepsState
-from jaxaccum._core import _options, _outputs, _reduce, _sharding, _split, _validate
+from jaxaccum._core import _options, _outputs, _reduce, _split, _validate
 from jaxaccum._core._types import AxisNames, PyTree
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
 
 __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
@@ -312,7 +312,7 @@ def make_train_step(
   if axis_name is None:
     accumulated = vg
   else:
-    axes = _sharding.check_data_axis(axis_name)
+    axes = _axes.check_data_axis(axis_name)
     assert axes is not None
     accumulated = _across_replicas(vg.options, axes)
 

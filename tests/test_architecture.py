@@ -116,8 +116,8 @@ def test_options_is_a_record_of_at_most_twelve_fields_without_lambdas():
 
 
 def test_the_fsdp_default_placement_is_written_in_one_place():
-  places = architecture.placement_defaults(MODS)  # _sharding.PLACEMENTS, default first
-  assert len(places) == 1 and places[0].startswith("jaxaccum._core._sharding:"), places
+  places = architecture.placement_defaults(MODS)  # _axes.PLACEMENTS, default first
+  assert len(places) == 1 and places[0].startswith("jaxaccum._parallel._axes:"), places
 
 
 # --- the measures themselves, on a planted package ------------------------------------------

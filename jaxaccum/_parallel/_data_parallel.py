@@ -40,8 +40,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _reduce, _sharding, _split, _transform
-from jaxaccum._core._options import DataParallel, Options, Roles
+from jaxaccum._core._options import Options, Roles
 from jaxaccum._core._types import AxisName, PyTree
+from jaxaccum._parallel import _axes
+from jaxaccum._parallel._axes import DataParallel
 
 
 def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
@@ -64,12 +66,12 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   leaf_axes = _split.batch_axes(batches, opts.split.batch_axis)
   assert opts.parallel is not None
-  if opts.parallel.axis == _sharding.AUTO:
+  if opts.parallel.axis == _axes.AUTO:
     opts = resolve_auto(opts, batches, leaf_axes)
   dp = cast(DataParallel, opts.parallel)
   axes = dp.axis
   assert isinstance(axes, tuple)
-  mesh = _sharding.resolve_mesh(dp.mesh, axes)
+  mesh = _axes.resolve_mesh(dp.mesh, axes)
   shards = math.prod(mesh.shape[a] for a in axes)
   n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.split.count,
                            opts.split.size,
@@ -269,7 +271,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
            batch_axes: dict[Any, PyTree]) -> _Placed:
   """The in_specs and gathers of every array leaf of every argument; a batch argument's
   leaves are mapped along their batch axes (``batch_axes``, per argument a tree of ints)."""
-  axes = _axes(opts)
+  axes = _data_axes(opts)
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
   all_manual = set(axes) == set(mesh.axis_names)
   named = [(j, args[j]) for j in range(len(args))] + sorted(kwargs.items())
@@ -312,7 +314,7 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   FSDP parameter's only over those it is not sharded over (the backward pass of its
   all-gather already reduce-scattered it), and it leaves with the parameter's own spec.
   """
-  axes = _axes(opts)
+  axes = _data_axes(opts)
   grad_axes, grad_specs = [], []
   for j in roles.diff:
     specs = []
@@ -337,7 +339,7 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
                   leaf_axes: dict[Any, PyTree]) -> Options:
   """``data_axis="auto"``: the options with the axes read from the batch (and its mesh,
   when neither ``mesh=`` nor :func:`jax.set_mesh` gives one)."""
-  axes, batch_mesh = _sharding.batch_data_axes(batches, leaf_axes)
+  axes, batch_mesh = _axes.batch_data_axes(batches, leaf_axes)
   assert opts.parallel is not None
   mesh = opts.parallel.mesh
   if mesh is None and jax.sharding.get_abstract_mesh().empty:
@@ -346,7 +348,7 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
                                                                 mesh=mesh))
 
 
-def _axes(opts: Options) -> tuple[AxisName, ...]:
+def _data_axes(opts: Options) -> tuple[AxisName, ...]:
   """The data axes, resolved (a tuple of names: the driver resolved ``"auto"``)."""
   axes = cast(DataParallel, opts.parallel).axis
   assert isinstance(axes, tuple)
@@ -378,10 +380,10 @@ def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
             and k not in roles.batch and k not in roles.batch_names for g in gs]
   for name, needs in (("param_gather", gathered + others), ("grad_scatter", gathered)):
     value = getattr(opts.parallel, name)
-    if value != _sharding.PLACEMENTS[name][0] and not any(needs):
+    if value != _axes.PLACEMENTS[name][0] and not any(needs):
       raise ValueError(
           f"{name}={value!r} places the all-gathers and reduce-scatters of parameters "
-          f"sharded over the data axes {_axes(opts)} (FSDP), but no differentiated "
+          f"sharded over the data axes {_data_axes(opts)} (FSDP), but no differentiated "
           "argument is sharded over them: every parameter is replicated over the data axes "
           "(or its sharding is not in its type: FSDP needs Explicit mesh axes). Shard the "
           "parameters over a data axis, e.g. jax.sharding.reshard(params, P('data')), or "

@@ -29,7 +29,8 @@ from typing import Any, NamedTuple, SupportsInt, cast
 import jax
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _sharding, _split
+from jaxaccum._core import _options, _split
+from jaxaccum._parallel import _axes
 from jaxaccum._planning import _collectives, _gpu_target
 from jaxaccum._planning._collectives import Collectives
 from jaxaccum._planning._collectives import format_bytes as _fmt_bytes
@@ -647,7 +648,7 @@ def plan(
       mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
       if axes is not None:
         opts = dataclasses.replace(opts, parallel=dataclasses.replace(
-            cast(_options.DataParallel, opts.parallel), mesh=mesh))
+            cast(_axes.DataParallel, opts.parallel), mesh=mesh))
   # The batch positions, resolved as the transform resolves them for this call.
   batch = opts.roles.resolve(len(args), {}).batch
   if gpu is not None:
@@ -661,7 +662,7 @@ def plan(
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     parallel = opts.parallel
     if placement is not None:
-      parallel = dataclasses.replace(cast(_options.DataParallel, parallel),
+      parallel = dataclasses.replace(cast(_axes.DataParallel, parallel),
                                      param_gather=placement[0], grad_scatter=placement[1])
     return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(
         opts, split=dataclasses.replace(opts.split, count=n, size=None), parallel=parallel)))
@@ -673,7 +674,7 @@ def plan(
       mesh = jax.sharding.get_abstract_mesh()
       mesh = None if mesh.empty else mesh  # then the transform's own error asks for a mesh
     if mesh is not None:
-      _sharding.check_mesh(mesh, axes)
+      _axes.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
   return _search(make, args, batch, memory_budget_bytes, search, shards=shards,
                  target=gpu, verbose=verbose, batch_axis=opts.split.batch_axis,
@@ -684,7 +685,7 @@ def _placement_given(options: dict[str, Any]) -> bool:
   """Whether the options fix the FSDP placement (a :class:`jaxaccum.DataParallel` with a
   placement other than the defaults, or the deprecated keywords)."""
   dp = options["data_axis"] if "data_axis" in options else None
-  if isinstance(dp, _options.DataParallel):
+  if isinstance(dp, _axes.DataParallel):
     return not dp.default_placement
   return bool({"param_gather", "grad_scatter"} & set(options))
 
