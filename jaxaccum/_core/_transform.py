@@ -453,15 +453,13 @@ class Update(NamedTuple):
 
 class Across(NamedTuple):
   """How the carry is reduced over the data axes ``axes`` after the loop (see
-  :func:`jaxaccum._parallel._data_parallel.combine`): per gradient leaf, the axes it is still summed
-  over and the reduce-scatters (``scatter(g, gathers)``) still to be done."""
+  :func:`jaxaccum._parallel._data_parallel.combine`): ``reduce_grads`` reduces the leaves of
+  one gradient accumulator (a list, in their flattened order), as the driver places them."""
 
   axes: tuple
-  grad_axes: tuple
-  grad_scatters: tuple
+  reduce_grads: Callable[[list], list]
   reduce_is_sum: bool
   kinds: PyTree
-  scatter: Callable[[jax.Array, tuple], jax.Array]
 
 
 class CarryEntry(NamedTuple):
@@ -494,12 +492,9 @@ def _grads0(s: Scan) -> tuple:
 
 def _combine_grads(c: tuple, a: Across) -> tuple:
   out = []
-  scatters = a.grad_scatters or tuple(() for _ in a.grad_axes)
   for acc in c:
     flat, treedef = jax.tree.flatten(acc)
-    flat = [a.scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
-    out.append(jax.tree.unflatten(treedef, [
-        lax.psum(g, ax) if ax else g for g, ax in zip(flat, a.grad_axes, strict=True)]))
+    out.append(jax.tree.unflatten(treedef, a.reduce_grads(flat)))
   return tuple(out)
 
 
@@ -674,12 +669,13 @@ def info_sizes(opts: Options):
 
 
 def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
-                      shards: int = 1):
+                      shards: int = 1, *, peel: bool = False):
   """Step 1: one ``lax.scan`` over the micro-batches, each adding to every entry of the
   carry (:data:`CARRY`). Returns ``(carry, stacked, shapes, kinds)``.
 
   ``shards`` is the number of data shards running the same scan (under ``data_axis``):
   mean terms folded into a sum group divide by the micro-batches run on all of them.
+  ``peel``: the last micro-batch runs after the loop (:func:`schedule`).
   """
   count = _reduce.count_across(
       jnp.asarray(problem.n if active is None else active, jnp.int32), shards)
@@ -704,7 +700,6 @@ def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
     return new, jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
 
   per_mb = jax.tree.map(lambda k, x: x if k.per_micro_batch else None, kinds, shapes.aux)
-  peel = opts.parallel is not None and opts.parallel.overlap_grad_reduce
   carry, stacked = schedule(run, carry0, problem.n, active, per_mb, peel=peel,
                             unroll=opts.numerics.unroll)
   return carry, stacked, shapes, kinds
@@ -717,9 +712,9 @@ def schedule(run: Callable[[Any, jax.Array], tuple], carry0: Any, n: int,
   the last carry and the stacked rows (``per_mb``: their shapes, ``None`` for none).
 
   A traced ``active`` count runs the first ``active`` of ``n`` (the others under a
-  ``lax.cond`` that leaves the carry and gives zero rows). ``peel`` (overlap_grad_reduce):
-  the last micro-batch that runs (``n - 1``, or ``active - 1``) runs after the loop, so
-  each of its gradients is final as soon as it is added.
+  ``lax.cond`` that leaves the carry and gives zero rows). ``peel``: the last micro-batch
+  that runs (``n - 1``, or ``active - 1``) runs after the loop, so each of its gradients
+  is final as soon as it is added.
   """
   limit = None if active is None else active - 1 if peel else active
 
@@ -823,18 +818,18 @@ def call_scope(name: str) -> str:
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
                n: int | None = None, shards: int = 1,
                combine: Callable[..., Any] | None = None, own: Sequence[Any] = (),
-               each_grads: Callable[[tuple], tuple] | None = None):
+               each_grads: Callable[[tuple], tuple] | None = None, peel: bool = False):
   """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
 
   ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
   or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
   once after the loop and returns ``(carry, stacked)``. ``own`` are arrays that ``fun``
-  closes over as parameters (the data-parallel driver's gathered FSDP parameters), never
-  reported as unsplit batch arrays. ``each_grads(grads)``, if given, maps each
-  micro-batch's gradients (per group) before they are added to the carry (the
-  data-parallel driver's reduce-scatter of a per-example sum). Each step runs under its
-  :func:`jax.named_scope` (:data:`SCOPES`), so its ops carry the name in the compiled
-  program's ``op_name`` metadata and in profiler traces.
+  closes over as parameters (a driver's gathered parameters), never reported as unsplit
+  batch arrays. ``each_grads(grads)``, if given, maps each micro-batch's gradients (per
+  group) before they are added to the carry. ``peel``: the last micro-batch runs after the
+  loop (:func:`schedule`). Each step runs under its :func:`jax.named_scope`
+  (:data:`SCOPES`), so its ops carry the name in the compiled program's ``op_name``
+  metadata and in profiler traces.
   """
   problem = prepare(opts, args, kwargs, n)
   if own:
@@ -850,7 +845,7 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
   if active is not None:
     active = check_active(active, problem.n)
   with jax.named_scope(SCOPES["scan"]):
-    carry, stacked, shapes, kinds = run_micro_batches(opts, problem, active, shards)
+    carry, stacked, shapes, kinds = run_micro_batches(opts, problem, active, shards, peel=peel)
   if combine is not None:
     with jax.named_scope(SCOPES["combine"]):
       carry, stacked = combine(carry, stacked, kinds)

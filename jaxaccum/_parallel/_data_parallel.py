@@ -86,8 +86,8 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   act = None if active is None else _transform.check_active(active, n)
   arrays = (*placed.arrays, act)
   in_specs = (*placed.in_specs, PartitionSpec())
-  # Each shard runs the core on its rows; of ``parallel`` it reads only
-  # overlap_grad_reduce (the last micro-batch after the loop).
+  # Each shard runs the core on its rows, the last micro-batch after the loop under
+  # overlap_grad_reduce.
   local_opts = dataclasses.replace(opts, split=dataclasses.replace(opts.split, count=n,
                                                                    size=None))
   meta: dict[str, Any] = {}
@@ -97,7 +97,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     largs, lkwargs = placed.unflatten(leaves, len(args))
     out = on_replicas(local_opts, roles, largs, lkwargs, local_act, axes=axes, n=n,
                       grad_axes=grad_axes, grad_scatters=scatters,
-                      micro_scatters=micro_scatters,
+                      micro_scatters=micro_scatters, peel=dp.overlap_grad_reduce,
                       place=functools.partial(_placed_gathers, opts, roles, placed, mesh))
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
     kept, rows, meta["unsplit"] = _split_rows(opts, out.extra, out.kinds)
@@ -143,7 +143,7 @@ class Replica(NamedTuple):
 def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
                 active: Any = None, *, axes: tuple[AxisName, ...], n: int | None = None,
                 grad_axes: tuple | None = None, grad_scatters: tuple | None = None,
-                micro_scatters: tuple | None = None,
+                micro_scatters: tuple | None = None, peel: bool = False,
                 place: Callable[[list, dict], tuple[Callable[..., Any], list]] | None = None,
                 run: Callable[[tuple, dict], Any] | None = None) -> Any:
   """One replica's run, inside :func:`jax.shard_map` or :func:`jax.pmap` over ``axes``.
@@ -179,6 +179,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     micro_scatters: per gradient leaf, the reduce-scatters applied to each micro-batch's
       gradient before it is accumulated (the per-example path under
       ``grad_scatter="micro_batch"``: :func:`_check_placement`), or ``None``.
+    peel: run the last micro-batch after the loop (``overlap_grad_reduce``).
     place: see step 2.
     run: see step 4.
 
@@ -223,7 +224,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     each = functools.partial(_scatter_groups, scatters=micro_scatters)
   value, extra, grads, info = _transform.accumulate(
       opts, tuple(largs), lkwargs, active, n=n, shards=shards, combine=across, own=own,
-      each_grads=each)
+      each_grads=each, peel=peel)
   return Replica(value, extra, grads, info, seen.get("kinds"))
 
 
@@ -680,8 +681,13 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   here first (over the FSDP axes), then summed over ``grad_axes`` at the shard's size.
   ``rule`` is the micro-batch rule, whose own carry entries are reduced too.
   """
-  across = _transform.Across(axes, grad_axes, grad_scatters or (), reduce_is_sum, kinds,
-                             _scatter)
+  scatters = grad_scatters or tuple(() for _ in grad_axes)
+
+  def reduce_grads(flat: list) -> list:
+    flat = [_scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
+    return [lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]
+
+  across = _transform.Across(axes, reduce_grads, reduce_is_sum, kinds)
   return _transform.combine_carry(carry, stacked, across, rule)
 
 
