@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _outputs, _reduce, _split, _stats, _validate
+from jaxaccum._core import _options, _outputs, _reduce, _roles, _split, _stats, _validate
 from jaxaccum._core._options import Options
 from jaxaccum._core._types import ArgNums, DTypeLike, PyTree
 from jaxaccum._core._validate import describe
@@ -157,7 +157,7 @@ def cached_value_and_grad(
                 batch_argnums=batch_argnums, rng_argnums=rng_argnums,
                 accumulator_dtype=accumulator_dtype, unroll=unroll, data_axis=data_axis)
   _check_replicated(data_axis)
-  rows = _Encode(encode, _split.normalize_argnums("batch_argnums", batch_argnums,
+  rows = _Encode(encode, _roles.normalize_argnums("batch_argnums", batch_argnums,
                                                   allow_empty=False))
   forward = _options.make_options(rows, dict(common, has_aux=True, aux_reduce="concat"),
                                   evaluate=True, where=_WHERE,
@@ -195,7 +195,7 @@ class _Encode:
 
   def reps(self, args: tuple, kwargs: dict) -> PyTree:
     reps = self.encode(*args, **kwargs)
-    batch = {j: args[j] for j in _split.resolve_argnums("batch_argnums", self.batch_argnums,
+    batch = {j: args[j] for j in _roles.resolve_argnums("batch_argnums", self.batch_argnums,
                                                         len(args))}
     check_reps(reps, _split.batch_size(batch))
     return reps

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum._core import _reduce, _split, _validate
+from jaxaccum._core import _reduce, _roles, _split, _validate
 
 if TYPE_CHECKING:  # the data-parallel wing's record, which the core holds and never reads
   from jaxaccum._parallel._axes import DataParallel
@@ -59,7 +59,7 @@ def _check_fun(fun: Any) -> Any:
 
 
 def _check_batch_argnums(batch_argnums: Any, names: tuple[str, ...]) -> tuple[int, ...]:
-  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
+  batch = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
   if not batch and not names:
     raise ValueError(
         f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
@@ -77,7 +77,7 @@ def _check_aux_reduce(aux_reduce: Any, has_aux: bool) -> Any:
 
 
 def _check_rng_argnames(rng_argnames: Any, batch_names: tuple[str, ...]) -> tuple[str, ...]:
-  rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
+  rng_names = _roles.normalize_argnames("rng_argnames", rng_argnames)
   both = sorted(set(rng_names) & set(batch_names))
   if both:
     raise ValueError(
@@ -168,23 +168,23 @@ class RoleSpec:
   state_is_tuple: bool | None = None
 
   def __post_init__(self):
-    names = _split.normalize_argnames("batch_argnames", self.batch_argnames)
+    names = _roles.normalize_argnames("batch_argnames", self.batch_argnames)
     optional = self.batch_optional
     if optional is None:
       optional = self.batch_argnums is BATCH_ARGNUMS and bool(names)
     _set(self,
-         argnums=_split.normalize_argnums("argnums", self.argnums, allow_empty=True),
+         argnums=_roles.normalize_argnums("argnums", self.argnums, allow_empty=True),
          argnums_is_int=(not isinstance(self.argnums, (tuple, list))
                          if self.argnums_is_int is None else self.argnums_is_int),
          batch_argnames=names,
          batch_argnums=_check_batch_argnums(self.batch_argnums, names),
          batch_optional=optional,
-         rng_argnums=_split.normalize_argnums("rng_argnums", self.rng_argnums,
+         rng_argnums=_roles.normalize_argnums("rng_argnums", self.rng_argnums,
                                               allow_empty=True),
          rng_argnames=_check_rng_argnames(self.rng_argnames, names),
          state_is_tuple=(isinstance(self.state_argnums, (tuple, list))
                          if self.state_is_tuple is None else self.state_is_tuple),
-         state_argnums=_split.normalize_argnums("state_argnums", self.state_argnums,
+         state_argnums=_roles.normalize_argnums("state_argnums", self.state_argnums,
                                                 allow_empty=True))
     # Two roles naming one argument by positions of the same sign (``1`` twice, or ``-1``
     # twice) need no call; ``-1`` against ``1`` is checked at the call (:meth:`resolve`).
@@ -192,12 +192,12 @@ class RoleSpec:
              "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
     if self.batch_optional:  # the default argument 1 is a batch only where it is free
       del roles["batch_argnums"]
-    _split.check_disjoint(roles)
+    _roles.check_disjoint(roles)
 
   def resolve(self, nargs: int, kwargs: dict[str, Any]) -> Roles:
     """Resolves the role argnums against one call's arguments and checks them."""
     def res(name, argnums):
-      return _split.resolve_argnums(name, argnums, nargs, kwargs)
+      return _roles.resolve_argnums(name, argnums, nargs, kwargs)
     diff, rng, state = (res("argnums", self.argnums), res("rng_argnums", self.rng_argnums),
                         res("state_argnums", self.state_argnums))
     if self.batch_optional:  # f(params, x, *, labels) splits x; f(params, *, batch) nothing
@@ -205,7 +205,7 @@ class RoleSpec:
     else:
       batch = res("batch_argnums", self.batch_argnums)
     roles = Roles(diff, batch, rng, state, self.batch_argnames, self.rng_argnames)
-    _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
+    _roles.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
                            "rng_argnums": roles.rng, "state_argnums": roles.state})
     for option, names, example, positional in (
         ("batch_argnames", self.batch_argnames, "f(params, {k}=batch)", "batch_argnums"),
@@ -525,7 +525,7 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
     transform = old.get("per_example_transform")
   split = Split(given["num_micro_batches"], given["micro_batch_size"], given["batch_axis"])
   if not evaluate:  # only evaluate differentiates nothing
-    _split.normalize_argnums("argnums", given["argnums"], allow_empty=False)
+    _roles.normalize_argnums("argnums", given["argnums"], allow_empty=False)
   roles = _record(RoleSpec, given)
   reduce, terms = _terms(given["reduce"])
   if transform is not None:  # a clip's example_mask changes the loss terms

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, SupportsInt, cast
 import jax
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _split
+from jaxaccum._core import _options, _roles, _split
 from jaxaccum._parallel import _axes
 from jaxaccum._planning import _collectives, _gpu_target
 from jaxaccum._planning._collectives import Collectives
@@ -324,8 +324,8 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
             verbose: bool | None = None, context: Callable[[], Any] | None = None,
             batch_axis: Any = 0, placements: bool = False) -> Plan:
   budget = _check_search(budget, search, verbose)
-  argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
-  argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
+  argnums = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
+  argnums = _roles.resolve_argnums("batch_argnums", argnums, len(args))
   batches = {j: args[j] for j in argnums}
   size = _split.batch_size(batches, axes=_split.batch_axes(batches, batch_axis))
   devices = _devices(args)
@@ -504,8 +504,8 @@ def _target_budget(target: _gpu_target.GpuTarget) -> int:
 def _place(args: tuple, batch_argnums: Any, mesh: Any, axis: str) -> tuple:
   """``args`` as ShapeDtypeStructs on ``mesh``: batch leaves split over ``axis``, the rest
   replicated; leaves already placed on the mesh's devices keep their sharding."""
-  argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
-  argnums = set(_split.resolve_argnums("batch_argnums", argnums, len(args)))
+  argnums = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
+  argnums = set(_roles.resolve_argnums("batch_argnums", argnums, len(args)))
   mesh_devices = set(mesh.devices.flat)
   P = jax.sharding.PartitionSpec
 
@@ -693,8 +693,8 @@ def _placement_given(options: dict[str, Any]) -> bool:
 def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
   """Whether a differentiated argument has a leaf sharded over a data axis of an Explicit
   mesh (FSDP): what ``param_gather`` and ``grad_scatter`` act on."""
-  diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
-  for j in _split.resolve_argnums("argnums", diff, len(args)):
+  diff = _roles.normalize_argnums("argnums", argnums, allow_empty=False)
+  for j in _roles.resolve_argnums("argnums", diff, len(args)):
     for leaf in jax.tree.leaves(args[j]):
       sharding = getattr(leaf, "sharding", None)
       if not isinstance(sharding, jax.sharding.NamedSharding):
