@@ -1,4 +1,4 @@
-"""How values combine over micro-batches: one table of reductions, dtypes, loss terms.
+"""The table of kinds: how each kind of value combines over micro-batches.
 
 Every reduction is a :class:`Reduction` of four pure functions, applied leaf by leaf:
 
@@ -543,9 +543,9 @@ def count_across(count: Any, shards: int) -> Any:
   return count * shards
 
 
-# A "mean" under an example mask (clip_per_example(example_mask=)): fun returns the mean as
-# usual; the per-example path sums the real examples' values and counts them as the
-# denominator, so the mean divides by the real examples of the whole batch.
+# A "mean" over the real rows only (a micro-batch rule that marks padding rows): fun returns
+# the mean as usual; the rule sums the real rows' values and counts them as the
+# denominator, so the mean divides by the real rows of the whole batch.
 MASKED_MEAN = dataclasses.replace(LOSS_KINDS["mean"], divisor=DENOMINATOR, weighs=True,
                                   rows_mean=False)
 

@@ -1,4 +1,4 @@
-"""Sharding helpers of the core: keep the batch where it lives.
+"""Sharding of accumulators: typed like what they accumulate, the batch kept where it lives.
 
 Its zero accumulators take the sharding (``Explicit`` mesh axes) and the varying manual
 axes (inside ``shard_map``) of the values they accumulate (:func:`conform`), accumulators

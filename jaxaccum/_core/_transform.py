@@ -1,4 +1,4 @@
-"""The core run of the accumulation: scan -> reduce -> finalize.
+"""The accumulation run: scan -> reduce -> finalize.
 
 The public transforms (:mod:`jaxaccum._api`), the data-parallel driver
 (:mod:`jaxaccum._parallel._data_parallel`), ``pipeline`` and the adapters all run it. It
@@ -77,8 +77,7 @@ class Carry(NamedTuple):
   aux: PyTree  # per aux leaf: its reduction's carry (None for per-micro-batch kinds)
   state: tuple  # the threaded state arguments
   stats: Stats
-  # A micro-batch rule's own quantities, by the name of its carry entry (MicroRule.carry):
-  # e.g. the per-example rule's norms.
+  # A micro-batch rule's own quantities, by the name of its carry entry (MicroRule.carry).
   extra: dict = {}  # noqa: RUF012 (never mutated: a new dict each step)
 
 
@@ -620,7 +619,7 @@ CARRY: dict[str, CarryEntry] = {
                               for ci, v in zip(c, u.out.dens, strict=True)),
         lambda c, a: tuple(None if ci is None else lax.psum(ci, a.axes) for ci in c),
         lambda c, f: None),  # read by the others' finalize
-    "grads": CarryEntry(  # per group: the summed gradients (FSDP: scattered, then summed)
+    "grads": CarryEntry(  # per group: the summed gradients (reduced as the driver says)
         _grads0,
         lambda c, u, s: tuple(_sharding.align(jax.tree.map(u.add, ci, g), s.problem.params)
                               for ci, g in zip(c, u.out.grads, strict=True)),
@@ -860,7 +859,7 @@ def check_active(active: Any, n: int) -> jax.Array:
 
   A concrete value (a Python or NumPy int, a concrete array) outside ``1..n`` raises a
   ``ValueError`` here, at trace time. A traced value cannot be checked without a host
-  round trip, so it is clipped without a word: ``0`` (or less) runs one micro-batch and
+  round trip, so it is clamped to ``1..n`` without a word: ``0`` (or less) runs one micro-batch and
   anything above ``n`` runs all ``n``. The step's ``AccumInfo.num_micro_batches`` says
   what ran, and :meth:`jaxaccum.contrib.AdaptiveBatch.update` and ``check`` use it to catch a
   ``k`` above ``n`` (see the adaptive-batch guide).
@@ -881,4 +880,4 @@ def check_active(active: Any, n: int) -> jax.Array:
     raise ValueError(
         f"active_micro_batches={concrete} is out of range: it counts the micro-batches to "
         f"run, from 1 to num_micro_batches={n}.")
-  return jnp.clip(jnp.asarray(active, jnp.int32), 1, n)
+  return jnp.minimum(jnp.maximum(jnp.asarray(active, jnp.int32), 1), n)
