@@ -19,11 +19,11 @@ from jaxaccum._api import evaluate as evaluate
 from jaxaccum._api import grad as grad
 from jaxaccum._api import value_and_grad as value_and_grad
 from jaxaccum._core._info import AccumInfo as AccumInfo
-from jaxaccum._core._options import DataParallel as DataParallel
 from jaxaccum._core._options import Terms as Terms
 from jaxaccum._core._split import merge_micro_batches as merge_micro_batches
 from jaxaccum._core._split import split_micro_batches as split_micro_batches
 from jaxaccum._core._transform import BatchBroadcastWarning as BatchBroadcastWarning
+from jaxaccum._parallel._axes import DataParallel as DataParallel
 
 __version__ = "0.1.0"
 

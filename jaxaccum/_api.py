@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxaccum._core import _options
-from jaxaccum._core._options import DataParallel, Terms
+from jaxaccum._core._options import Terms
 from jaxaccum._core._types import ArgNames, ArgNums, DTypeLike
+from jaxaccum._parallel import _axes
+from jaxaccum._parallel._axes import DataParallel
 from jaxaccum._transforms import Evaluate, Grad, make_value_and_grad
 
 
@@ -259,4 +261,4 @@ def evaluate(
       accumulator_dtype=accumulator_dtype, unroll=unroll, data_axis=data_axis,
       skip_nonfinite=skip_nonfinite)
   return Evaluate(_options.make_options(fun, given, deprecated=deprecated, evaluate=True,
-                                        where="evaluate"))
+                                        where="evaluate", parallel=_axes.KEYWORDS))

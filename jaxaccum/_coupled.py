@@ -40,11 +40,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _outputs, _reduce, _sharding, _split, _stats, _validate
-from jaxaccum._core._options import DataParallel, Options
+from jaxaccum._core import _options, _outputs, _reduce, _roles, _split, _stats, _validate
+from jaxaccum._core._options import Options
 from jaxaccum._core._types import ArgNums, DTypeLike, PyTree
 from jaxaccum._core._validate import describe
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
+from jaxaccum._parallel._axes import DataParallel
 
 # The keyword under which pass (c) passes the reps' cotangent, split as a batch argument.
 _COTANGENT = "_jaxaccum_reps_cotangent"
@@ -156,14 +157,15 @@ def cached_value_and_grad(
                 batch_argnums=batch_argnums, rng_argnums=rng_argnums,
                 accumulator_dtype=accumulator_dtype, unroll=unroll, data_axis=data_axis)
   _check_replicated(data_axis)
-  rows = _Encode(encode, _split.normalize_argnums("batch_argnums", batch_argnums,
+  rows = _Encode(encode, _roles.normalize_argnums("batch_argnums", batch_argnums,
                                                   allow_empty=False))
   forward = _options.make_options(rows, dict(common, has_aux=True, aux_reduce="concat"),
-                                  evaluate=True, where=_WHERE)
+                                  evaluate=True, where=_WHERE,
+                                  parallel=_axes.KEYWORDS)
   backward = _options.make_options(
       _EncodeVJP(rows.encode, rows.batch_argnums),
       dict(common, argnums=argnums, batch_argnames=(_COTANGENT,), reduce="sum",
-           grads_dtype=grads_dtype, remat=remat), where=_WHERE)
+           grads_dtype=grads_dtype, remat=remat), where=_WHERE, parallel=_axes.KEYWORDS)
   return CachedValueAndGrad(encode, loss, forward, backward,
                             has_aux=_validate.check_bool("has_aux", has_aux))
 
@@ -193,7 +195,7 @@ class _Encode:
 
   def reps(self, args: tuple, kwargs: dict) -> PyTree:
     reps = self.encode(*args, **kwargs)
-    batch = {j: args[j] for j in _split.resolve_argnums("batch_argnums", self.batch_argnums,
+    batch = {j: args[j] for j in _roles.resolve_argnums("batch_argnums", self.batch_argnums,
                                                         len(args))}
     check_reps(reps, _split.batch_size(batch))
     return reps
@@ -257,7 +259,7 @@ class CachedValueAndGrad:
   def _resolved(self, args: tuple, roles: _options.Roles) -> tuple[Options, Options]:
     """Both passes' options with ``data_axis="auto"`` resolved from the batch, once: pass
     (c) has the reps' cotangent as a batch argument too, replicated for the loss."""
-    if self.forward.parallel is None or self.forward.parallel.axis != _sharding.AUTO:
+    if self.forward.parallel is None or self.forward.parallel.axis != _axes.AUTO:
       return self.forward, self.backward
     batches = {self.forward.label(j): args[j] for j in roles.batch}
     forward = _data_parallel.resolve_auto(self.forward, batches,

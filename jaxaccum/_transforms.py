@@ -24,7 +24,7 @@ import jax
 from jaxaccum._core import _options, _transform
 from jaxaccum._core._options import Options
 from jaxaccum._core._outputs import pack
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
 
 
 def make_value_and_grad(fun: Callable[..., Any], options: dict[str, Any], *,
@@ -40,7 +40,7 @@ def make_value_and_grad(fun: Callable[..., Any], options: dict[str, Any], *,
 
     attach = _rule.attach
   return ValueAndGrad(_options.make_options(fun, given, deprecated=old, where=where,
-                                            attach_per_example=attach,
+                                            attach_per_example=attach, parallel=_axes.KEYWORDS,
                                             stacklevel=stacklevel))
 
 
@@ -51,7 +51,8 @@ def make_evaluate(fun: Callable[..., Any], options: dict[str, Any], *,
            if k in _options.DEFAULTS and k not in _options.GRADIENT_OPTIONS}
   old = {k: v for k, v in options.items() if k not in given}
   return Evaluate(_options.make_options(fun, given, deprecated=old, evaluate=True,
-                                        where="evaluate", stacklevel=stacklevel))
+                                        where="evaluate", stacklevel=stacklevel,
+                                        parallel=_axes.KEYWORDS))
 
 
 class _Transform:

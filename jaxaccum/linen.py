@@ -31,16 +31,16 @@ import optax
 
 from jaxaccum import _transforms
 from jaxaccum._batch_size import MultiStepsState
-from jaxaccum._core import _options, _outputs, _reduce, _sharding, _split, _validate
+from jaxaccum._core import _options, _outputs, _reduce, _roles, _validate
 from jaxaccum._core._types import AxisNames, PyTree
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
 
 __all__ = ("apply_gradients", "evaluate", "make_train_step", "value_and_grad")
 
 
 def _check_fun(fun: Any) -> None:
   _validate.check_callable(fun, "fun(params, batch, model_state, rngs)")
-  found = _split.short_signature(fun, 4)
+  found = _roles.short_signature(fun, 4)
   if found:
     raise TypeError(
         "fun must take four positional arguments, fun(params, batch, model_state, rngs), "
@@ -312,7 +312,7 @@ def make_train_step(
   if axis_name is None:
     accumulated = vg
   else:
-    axes = _sharding.check_data_axis(axis_name)
+    axes = _axes.check_data_axis(axis_name)
     assert axes is not None
     accumulated = _across_replicas(vg.options, axes)
 

@@ -35,7 +35,7 @@ import jax
 from flax import nnx
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _outputs, _split, _validate
+from jaxaccum._core import _options, _outputs, _roles, _split, _validate
 
 __all__ = ("evaluate", "grad", "value_and_grad")
 
@@ -371,7 +371,7 @@ class _Wrapper(_transforms.AdapterWrapper):
     self.default_batch = batch_argnums is None or batch_argnums is _options.BATCH_ARGNUMS
     self.wrt_pred = _wrt_predicate(wrt)
     for name, value in (("batch_argnums", batch_argnums), ("rng_argnums", rng_argnums)):
-      _check_not_model(name, _split.normalize_argnums(name, value, allow_empty=True),
+      _check_not_model(name, _roles.normalize_argnums(name, value, allow_empty=True),
                        self.names)
     # The core validates the options in fun's positions, self.options resolves each call's
     # roles there (without argnums, so that a position landing on the model gets the model's
@@ -391,7 +391,7 @@ class _Wrapper(_transforms.AdapterWrapper):
     roles = opts.roles
     positions = (() if roles.batch_optional else roles.batch_argnums) + roles.rng_argnums
     needed = 1 + max((j for j in positions if j >= 0), default=0)
-    found = _split.short_signature(self.fun, needed)
+    found = _roles.short_signature(self.fun, needed)
     if found:
       raise TypeError(
           f"fun must take the model and the batch as its first "

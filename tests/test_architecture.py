@@ -116,8 +116,20 @@ def test_options_is_a_record_of_at_most_twelve_fields_without_lambdas():
 
 
 def test_the_fsdp_default_placement_is_written_in_one_place():
-  places = architecture.placement_defaults(MODS)  # _sharding.PLACEMENTS, default first
-  assert len(places) == 1 and places[0].startswith("jaxaccum._core._sharding:"), places
+  places = architecture.placement_defaults(MODS)  # _axes.PLACEMENTS, default first
+  assert len(places) == 1 and places[0].startswith("jaxaccum._parallel._axes:"), places
+
+
+# What the core may write of a wing's words: AccumInfo's public field that the per-example
+# wing fills, and the deprecated keywords of the table that folds them into their records.
+CORE_ALLOWED_WORDS = {f"{CORE}._info": {"example_grad_norms"}, OPTIONS: {"DEPRECATED"}}
+
+
+def test_the_core_speaks_only_accumulation():
+  """No name or string in the core's code speaks of the clip, its norms and masks, or the
+  FSDP placement: those are the per-example and the data-parallel wings' words."""
+  found = architecture.wing_words(MODS, CORE, CORE_ALLOWED_WORDS)
+  assert not found, found
 
 
 # --- the measures themselves, on a planted package ------------------------------------------
@@ -223,3 +235,32 @@ def test_the_record_measures_on_a_planted_module(tmp_path):
   assert architecture.lambdas(mods, "pkg._o", "Options") == 2
   assert architecture.placement_defaults(mods) == [
       "pkg._o:12", "pkg._o:14", "pkg._o:19", "pkg._o:5"]
+
+
+def test_the_wing_words_measure_on_a_planted_module(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "_core").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "_core" / "__init__.py").write_text('"""The core; its docstring speaks of clip."""\n')
+  (pkg / "_core" / "_k.py").write_text(textwrap.dedent('''
+      """A docstring may speak of the norms; so may a comment."""
+      import jax.numpy as jnp  # clip
+      from pkg import Clip as Clip
+
+      TABLE = {"param_gather": "grad_scatter=..."}  # allowed below
+      OTHER = {"grad_scatter": 1}
+
+      def f(x, norms):
+        """Nor the norms here."""
+        y = jnp.clip(x, 0, 1)
+        return g(y, example_mask=norms)
+
+      class Info:
+        example_grad_norms: int = 0
+      '''))
+  (pkg / "_wing.py").write_text("norms = 1\n")  # outside the core: not read
+  mods = architecture.modules(pkg)
+  assert architecture.wing_words(mods, "pkg._core", {"pkg._core._k": {"TABLE"}}) == [
+      "pkg._core._k:11 clip", "pkg._core._k:12 example_mask", "pkg._core._k:12 norms",
+      "pkg._core._k:15 example_grad_norms", "pkg._core._k:4 Clip", "pkg._core._k:7 grad_scatter",
+      "pkg._core._k:9 norms"]

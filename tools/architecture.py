@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 
@@ -245,6 +246,66 @@ def _placement_lines(node: ast.AST) -> list[int]:
   return []
 
 
+# The words of the wings that the core's code must not speak (``wing_words``).
+WING_WORDS = re.compile(r"clip|norms|example_mask|param_gather|grad_scatter", re.IGNORECASE)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+  """The ids of the docstring constants of ``tree``'s module, classes and functions."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+      first = node.body[0] if node.body else None
+      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str)):
+        out.add(id(first.value))
+  return out
+
+
+def _words_of(node: ast.AST) -> list[str]:
+  """The names and string constants ``node`` writes itself (not its children's)."""
+  if isinstance(node, ast.Name):
+    return [node.id]
+  if isinstance(node, ast.Attribute | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+    return [node.attr if isinstance(node, ast.Attribute) else node.name]
+  if isinstance(node, ast.arg):
+    return [node.arg]
+  if isinstance(node, ast.keyword):
+    return [node.arg] if node.arg else []
+  if isinstance(node, ast.alias):
+    return [node.asname or node.name]
+  if isinstance(node, ast.Constant) and isinstance(node.value, str):
+    return [node.value]
+  return []
+
+
+def wing_words(mods: dict[str, Module], prefix: str, allowed: dict[str, set[str]]
+               ) -> list[str]:
+  """Where the code of the modules under ``prefix`` speaks a wing's word (:data:`WING_WORDS`):
+  ``module:line word`` for each name and string constant that holds one (docstrings and
+  comments are prose, not code). ``allowed`` maps a module to the names it may write (a
+  public field a wing fills, the deprecated keywords a table folds), with every string
+  constant of the assignment to such a name."""
+  found = []
+  for name, mod in mods.items():
+    if not (name == prefix or name.startswith(prefix + ".")):
+      continue
+    docs, ok = _docstrings(mod.tree), allowed.get(name, set())
+    skip = set()
+    for node in ast.walk(mod.tree):
+      targets = ([node.target] if isinstance(node, ast.AnnAssign)
+                 else node.targets if isinstance(node, ast.Assign) else [])
+      if any(isinstance(t, ast.Name) and t.id in ok for t in targets):
+        skip |= {id(n) for n in ast.walk(node)}
+    for node in ast.walk(mod.tree):
+      if id(node) in docs or id(node) in skip:
+        continue
+      for word in _words_of(node):
+        if WING_WORDS.search(word):
+          found.append(f"{name}:{getattr(node, 'lineno', 0)} {word}")
+  return sorted(found)
+
+
 def report() -> str:
   mods = modules()
   api = next(n for n in mods if n.endswith("._api") or n == "jaxaccum._api")
@@ -258,6 +319,7 @@ def report() -> str:
   fl = floors(mods)
   lines.append(f"modules: {len(mods)}; import floors: {max(fl.values()) + 1}")
   lines.append(f"places of the FSDP default placement: {placement_defaults(mods)}")
+  lines.append(f"wing words in the core's code: {wing_words(mods, 'jaxaccum._core', {})}")
   ghost = [n for n in mods if n.rsplit(".", 1)[-1] == "_ghost"]
   for g in ghost:
     lines.append(f"importers of {g}: {sorted(importers(mods, g))}")

@@ -23,8 +23,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum._core import _info, _options, _reduce, _sharding, _stats, _validate
+from jaxaccum._core import _info, _reduce, _sharding, _stats, _validate
 from jaxaccum._core._types import PyTree
+from jaxaccum._parallel import _axes
 
 # The defaults' leaves below (the empty AccumInfo's too, jax.Array in its fields) are numpy
 # scalars, so that importing jaxaccum does not start a JAX backend.
@@ -307,7 +308,7 @@ class MultiSteps:
       with_info: bool = False,
       micro_batch_size: float | None = None,
       skip_nonfinite: bool = False,
-      data_axis: str | Sequence[str] | _options.DataParallel | None = None,
+      data_axis: str | Sequence[str] | _axes.DataParallel | None = None,
       mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
@@ -353,10 +354,10 @@ class MultiSteps:
           f"micro_batch_size={micro_batch_size} is used only by the statistics; pass "
           "with_info=True as well, or leave micro_batch_size unset.")
     self._skip_nonfinite = _validate.check_bool("skip_nonfinite", skip_nonfinite)
-    axis, mesh = _options.unreduced_axes(
+    axis, mesh = _axes.unreduced_axes(
         "MultiSteps", data_axis, {} if mesh is None else {"mesh": mesh})
-    self._data_axis = _sharding.check_data_axis(axis)
-    self._mesh = _sharding.check_mesh(mesh, self._data_axis)
+    self._data_axis = _axes.check_data_axis(axis)
+    self._mesh = _axes.check_mesh(mesh, self._data_axis)
     if self._data_axis is not None and self._with_info:
       raise ValueError(
           f"with_info=True cannot be combined with data_axis={data_axis!r}: the statistics "
@@ -618,7 +619,7 @@ class MultiSteps:
     """The accumulator of per-device pieces: zeros of shape ``(D, *p.shape)`` per leaf, for
     the ``D`` data shards, the leading axis sharded over ``data_axis``."""
     assert self._data_axis is not None
-    mesh = _sharding.resolve_mesh(self._mesh, self._data_axis)
+    mesh = _axes.resolve_mesh(self._mesh, self._data_axis)
     shards = int(np.prod([mesh.shape[a] for a in self._data_axis]))
     zeros = jax.tree.map(lambda p: jnp.zeros(
         (shards, *jnp.shape(p)), self._accumulator_dtype or jnp.result_type(p)), params)

@@ -56,7 +56,7 @@ class AccumInfo(NamedTuple):
       ``skip_nonfinite=True`` (0 otherwise).
     terms: the value of each loss term, each normalised by its own rule, when ``reduce``
       is a dict of terms; ``None`` otherwise.
-    example_grad_norms: under ``per_example_transform=jaxaccum.dp.clip_per_example(C)``, a
+    example_grad_norms: under ``per_example=jaxaccum.dp.clip_per_example(C)``, a
       float32 vector of each example's gradient L2 norm before clipping, in the batch's
       row order (all ``B`` rows, every data shard's, padding included; NaN for the rows of
       micro-batches that did not run under ``active_micro_batches``), for monitoring and

@@ -3,14 +3,15 @@
 The schema is data: :data:`DEFAULTS` lists the keyword options of
 :func:`jaxaccum.value_and_grad` with their defaults, :data:`GRADIENT_OPTIONS` those that
 :func:`jaxaccum.evaluate` does not take, and :data:`DEPRECATED` the keywords folded into a
-record (:class:`DataParallel`, :class:`Terms`, a policy ``remat``, or
-:func:`jaxaccum.dp.per_example_value_and_grad`).
+record (:class:`jaxaccum.DataParallel`, :class:`Terms`, a policy ``remat``, or
+``per_example``).
 
 :class:`Options` is a record of records, each a frozen dataclass that validates (and
 normalises) its own fields in ``__post_init__``: :class:`Split` (the micro-batch count or
 size and the batch axis), :class:`RoleSpec` (which arguments are differentiated, batch,
 keys or state, resolved per call by :meth:`RoleSpec.resolve`), :class:`Numerics` (dtypes,
-remat, unroll) and :class:`DataParallel` (the data-parallel mode, ``None`` without it);
+remat, unroll) and :class:`jaxaccum.DataParallel` (the data-parallel mode, ``None`` without
+it: its record and checks are :mod:`jaxaccum._parallel._axes`, the core never reads it);
 ``Options.__post_init__`` checks what joins two of them. :func:`make_options` folds the
 deprecated keywords into their records and builds them. Code that needs a variant (the
 data-parallel mode runs the same steps on each shard with a resolved count) uses
@@ -30,12 +31,14 @@ import inspect
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
-from jaxaccum._core import _reduce, _sharding, _split, _validate
-from jaxaccum._core._types import AxisName
+from jaxaccum._core import _reduce, _roles, _split, _validate
+
+if TYPE_CHECKING:  # the data-parallel wing's record, which the core holds and never reads
+  from jaxaccum._parallel._axes import DataParallel
 
 
 class Roles(NamedTuple):
@@ -56,7 +59,7 @@ def _check_fun(fun: Any) -> Any:
 
 
 def _check_batch_argnums(batch_argnums: Any, names: tuple[str, ...]) -> tuple[int, ...]:
-  batch = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
+  batch = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=bool(names))
   if not batch and not names:
     raise ValueError(
         f"batch_argnums={batch_argnums!r} names no argument and batch_argnames is not given: "
@@ -74,7 +77,7 @@ def _check_aux_reduce(aux_reduce: Any, has_aux: bool) -> Any:
 
 
 def _check_rng_argnames(rng_argnames: Any, batch_names: tuple[str, ...]) -> tuple[str, ...]:
-  rng_names = _split.normalize_argnames("rng_argnames", rng_argnames)
+  rng_names = _roles.normalize_argnames("rng_argnames", rng_argnames)
   both = sorted(set(rng_names) & set(batch_names))
   if both:
     raise ValueError(
@@ -165,23 +168,23 @@ class RoleSpec:
   state_is_tuple: bool | None = None
 
   def __post_init__(self):
-    names = _split.normalize_argnames("batch_argnames", self.batch_argnames)
+    names = _roles.normalize_argnames("batch_argnames", self.batch_argnames)
     optional = self.batch_optional
     if optional is None:
       optional = self.batch_argnums is BATCH_ARGNUMS and bool(names)
     _set(self,
-         argnums=_split.normalize_argnums("argnums", self.argnums, allow_empty=True),
+         argnums=_roles.normalize_argnums("argnums", self.argnums, allow_empty=True),
          argnums_is_int=(not isinstance(self.argnums, (tuple, list))
                          if self.argnums_is_int is None else self.argnums_is_int),
          batch_argnames=names,
          batch_argnums=_check_batch_argnums(self.batch_argnums, names),
          batch_optional=optional,
-         rng_argnums=_split.normalize_argnums("rng_argnums", self.rng_argnums,
+         rng_argnums=_roles.normalize_argnums("rng_argnums", self.rng_argnums,
                                               allow_empty=True),
          rng_argnames=_check_rng_argnames(self.rng_argnames, names),
          state_is_tuple=(isinstance(self.state_argnums, (tuple, list))
                          if self.state_is_tuple is None else self.state_is_tuple),
-         state_argnums=_split.normalize_argnums("state_argnums", self.state_argnums,
+         state_argnums=_roles.normalize_argnums("state_argnums", self.state_argnums,
                                                 allow_empty=True))
     # Two roles naming one argument by positions of the same sign (``1`` twice, or ``-1``
     # twice) need no call; ``-1`` against ``1`` is checked at the call (:meth:`resolve`).
@@ -189,12 +192,12 @@ class RoleSpec:
              "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
     if self.batch_optional:  # the default argument 1 is a batch only where it is free
       del roles["batch_argnums"]
-    _split.check_disjoint(roles)
+    _roles.check_disjoint(roles)
 
   def resolve(self, nargs: int, kwargs: dict[str, Any]) -> Roles:
     """Resolves the role argnums against one call's arguments and checks them."""
     def res(name, argnums):
-      return _split.resolve_argnums(name, argnums, nargs, kwargs)
+      return _roles.resolve_argnums(name, argnums, nargs, kwargs)
     diff, rng, state = (res("argnums", self.argnums), res("rng_argnums", self.rng_argnums),
                         res("state_argnums", self.state_argnums))
     if self.batch_optional:  # f(params, x, *, labels) splits x; f(params, *, batch) nothing
@@ -202,7 +205,7 @@ class RoleSpec:
     else:
       batch = res("batch_argnums", self.batch_argnums)
     roles = Roles(diff, batch, rng, state, self.batch_argnames, self.rng_argnames)
-    _split.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
+    _roles.check_disjoint({"argnums": roles.diff, "batch_argnums": roles.batch,
                            "rng_argnums": roles.rng, "state_argnums": roles.state})
     for option, names, example, positional in (
         ("batch_argnames", self.batch_argnames, "f(params, {k}=batch)", "batch_argnums"),
@@ -365,7 +368,8 @@ GRADIENT_OPTIONS = frozenset({"argnums", "grads_dtype", "remat", "with_info", "p
 
 
 class Folded(NamedTuple):
-  """A keyword option folded into a record: its default and the replacement named in its
+  """A keyword option folded into a record: its default (``None`` for the placements, whose
+  defaults :class:`jaxaccum.DataParallel` holds) and the replacement named in its
   :class:`DeprecationWarning`."""
 
   default: Any
@@ -377,93 +381,14 @@ class Folded(NamedTuple):
 # replacement names.
 DEPRECATED: dict[str, Folded] = {
     "mesh": Folded(None, "data_axis=jaxaccum.DataParallel(axis, mesh=mesh)", gradient=False),
-    "param_gather": Folded(_sharding.PLACEMENTS["param_gather"][0],
-                           "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
-    "grad_scatter": Folded(_sharding.PLACEMENTS["grad_scatter"][0],
-                           "data_axis=jaxaccum.DataParallel(axis, grad_scatter=...)"),
+    "param_gather": Folded(None, "data_axis=jaxaccum.DataParallel(axis, param_gather=...)"),
+    "grad_scatter": Folded(None, "data_axis=jaxaccum.DataParallel(axis, grad_scatter=...)"),
     "overlap_grad_reduce": Folded(
         False, "data_axis=jaxaccum.DataParallel(axis, overlap_grad_reduce=True)"),
     "loss_weights": Folded(None, "reduce=jaxaccum.Terms(kinds, weights=...)"),
     "remat_policy": Folded(None, "remat=policy (remat takes the policy itself)"),
     "per_example_transform": Folded(None, "per_example=transform"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class DataParallel:
-  """The data-parallel mode: the mesh axes the batch is sharded over, and how.
-
-  Pass it as ``data_axis=`` to :func:`jaxaccum.value_and_grad` (a plain axis name, tuple of
-  names or ``"auto"`` means ``DataParallel(axis)``). Each device accumulates the gradients
-  of its own rows and they are reduced once per step, after the loop; ``fun`` sees
-  ``B / (N * D)`` rows per call on each of the ``D`` data shards. Arrays ``fun`` closes over
-  and non-batch keyword arguments are replicated. See the devices guide.
-
-  Attributes:
-    axis: the mesh axis name (or a tuple of names) the batch is sharded over, or ``"auto"``:
-      the mesh axes the batch's batch axis is sharded over (from the types under
-      ``Explicit`` mesh axes; under ``Auto`` axes only from placed arrays, outside
-      :func:`jax.jit`). Stored as a tuple of names (or ``"auto"``).
-    mesh: the mesh holding ``axis``; ``None`` uses the mesh set with :func:`jax.set_mesh`.
-    param_gather: when parameters sharded over the data axes (FSDP) are all-gathered:
-      ``"step"`` (default) once per step, before the loop (the full parameters stay live
-      across it), or ``"micro_batch"`` inside every micro-batch, behind an optimization
-      barrier that XLA cannot hoist (``N`` times the gather bytes).
-    grad_scatter: when their gradients are reduce-scattered: ``"micro_batch"`` (default)
-      inside every micro-batch, into an accumulator of the shard's size, or ``"step"``
-      once after the loop, from a full-size accumulator of local gradients. Both need an
-      FSDP parameter (an ``Explicit`` sharding type over a data axis).
-    overlap_grad_reduce: run the last micro-batch after the loop instead of inside it
-      (Megatron's option of the same name), so that the reduction of each gradient across
-      the data shards can start as soon as its last contribution exists. The results are
-      the same; the program holds the per-micro-batch computation twice (longer compile,
-      larger code) and on GPU the temporary memory of two micro-batches. Whether the
-      compiler overlaps depends on the model and on XLA's all-reduce combiner: see
-      "Overlapping the last reduction" in the devices guide. Experimental: the evidence
-      is from compiled programs only, never timed (for 8 described H100s, on the LM 2 of
-      its 7 gradient all-reduces start before the last GEMM and 1 GEMM runs inside one, at
-      1.9x the peak memory, 13.97 to 26.54 GiB; ``benchmarks/results/overlap.md``).
-
-  Raises:
-    TypeError, ValueError: a bad axis, a mesh without ``axis``, an unknown placement.
-
-  >>> import jaxaccum
-  >>> dp = jaxaccum.DataParallel("data", grad_scatter="step")
-  >>> dp.axis, dp.grad_scatter
-  (('data',), 'step')
-  """
-
-  axis: tuple[AxisName, ...] | str
-  mesh: Any = None
-  # The default placement is the first of each field's choices (_sharding.PLACEMENTS).
-  param_gather: str = _sharding.PLACEMENTS["param_gather"][0]
-  grad_scatter: str = _sharding.PLACEMENTS["grad_scatter"][0]
-  overlap_grad_reduce: bool = False
-
-  def __post_init__(self):
-    axis = _sharding.check_data_axis_option(self.axis)
-    if axis is None:
-      raise TypeError(
-          "DataParallel needs the mesh axis name (or names) the batch is sharded over, e.g. "
-          "DataParallel('data'), got axis=None; for no data parallelism pass data_axis=None.")
-    object.__setattr__(self, "axis", axis)
-    _sharding.check_mesh(self.mesh, axis)
-    _sharding.check_placement("param_gather", self.param_gather, axis)
-    _sharding.check_placement("grad_scatter", self.grad_scatter, axis)
-    check_overlap(self.overlap_grad_reduce, axis)
-
-  @property
-  def default_placement(self) -> bool:
-    """Whether ``param_gather`` and ``grad_scatter`` are the defaults (gather once per step,
-    reduce-scatter every micro-batch): what a replicated run does."""
-    return all(getattr(self, name) == choices[0]
-               for name, choices in _sharding.PLACEMENTS.items())
-
-  @property
-  def reduces_only(self) -> bool:
-    """Whether only the axes and the mesh are given: the default placement and no
-    ``overlap_grad_reduce``, what a front end that places no collectives takes."""
-    return self.default_placement and not self.overlap_grad_reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,10 +427,23 @@ class Terms:
   __hash__ = None  # type: ignore[assignment]  # holds dicts
 
 
-def _fold(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, Any]:
+class ParallelKeywords(NamedTuple):
+  """How a front end's ``data_axis`` keyword becomes ``Options.parallel``, which the core
+  holds and never reads (:data:`jaxaccum._parallel._axes.KEYWORDS`): ``fold(data_axis,
+  old, clash)`` folds the keyword and the deprecated keywords given (``old``; ``clash(record,
+  name)`` raises for one given beside its record), ``check_evaluate(data_axis, where)``
+  refuses what :func:`jaxaccum.evaluate` does not take."""
+
+  fold: Callable[[Any, dict[str, Any], Callable[[str, str], None]], Any]
+  check_evaluate: Callable[[Any, str], None]
+
+
+def _fold(given: dict[str, Any], old: dict[str, Any], where: str,
+          parallel: ParallelKeywords) -> dict[str, Any]:
   """The public options with the deprecated keywords given (``old``) folded into the
   records they now belong to: ``mesh``, the placements and ``overlap_grad_reduce`` into
-  ``data_axis``, ``loss_weights`` into ``reduce`` and ``remat_policy`` into ``remat``. A
+  ``data_axis`` (by ``parallel.fold``), ``loss_weights`` into ``reduce``,
+  ``remat_policy`` into ``remat`` and ``per_example_transform`` into ``per_example``. A
   keyword given beside its record is a ``TypeError``."""
   options = {**DEFAULTS, **given}
 
@@ -514,21 +452,7 @@ def _fold(given: dict[str, Any], old: dict[str, Any], where: str) -> dict[str, A
         f"{where} got {name}= and {record} both: give {name} inside {record} only "
         f"({DEPRECATED[name].instead}).")
 
-  dp_old = {k: old[k] for k in ("mesh", "param_gather", "grad_scatter", "overlap_grad_reduce")
-            if k in old}
-  if isinstance(options["data_axis"], DataParallel):
-    for name in dp_old:
-      clash("data_axis=DataParallel(...)", name)
-  else:
-    axis = _sharding.check_data_axis_option(options["data_axis"])
-    if axis is not None:
-      options["data_axis"] = DataParallel(axis, **dp_old)
-    else:  # each deprecated keyword's own error (it needs data_axis), or its default
-      _sharding.check_mesh(dp_old.get("mesh"), None)
-      for name in ("param_gather", "grad_scatter"):
-        if name in dp_old:
-          _sharding.check_placement(name, dp_old[name], None)
-      check_overlap(dp_old.get("overlap_grad_reduce", False), None)
+  options["data_axis"] = parallel.fold(options["data_axis"], old, clash)
   if "loss_weights" in old:
     if isinstance(options["reduce"], Terms):
       clash("reduce=Terms(...)", "loss_weights")
@@ -568,8 +492,12 @@ def _record(cls: type, options: dict[str, Any]) -> Any:
 
 def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] | None = None,
                  evaluate: bool = False, attach_per_example: AttachPerExample | None = None,
-                 where: str = "value_and_grad", stacklevel: int = 3) -> Options:
+                 where: str = "value_and_grad", stacklevel: int = 3,
+                 parallel: ParallelKeywords) -> Options:
   """Validates every option eagerly and returns the frozen :class:`Options`.
+
+  ``parallel`` (:data:`jaxaccum._parallel._axes.KEYWORDS`, from the front end) folds the
+  ``data_axis`` keyword and the deprecated keywords it replaces into ``Options.parallel``.
 
   ``given`` holds keyword options of :func:`jaxaccum.value_and_grad` (:data:`DEFAULTS`
   fills the others), ``deprecated`` the other keywords a caller received: each known one
@@ -590,28 +518,23 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   for name in old:
     warn_deprecated(where, name, stacklevel + 1)
   if evaluate:
-    dp, reduce = given.get("data_axis"), given.get("reduce")
-    if isinstance(dp, DataParallel) and not dp.reduces_only:
-      raise TypeError(
-          f"{where} takes DataParallel(axis, mesh=...) only, got {dp!r}: param_gather, "
-          "grad_scatter and overlap_grad_reduce are about gradients, and evaluate "
-          "differentiates nothing. Drop them.")
+    reduce = given.get("reduce")
+    parallel.check_evaluate(given.get("data_axis"), where)
     if isinstance(reduce, Terms) and reduce.weights is not None:
       raise TypeError(
           f"{where} returns each term of a Terms reduce normalised on its own (no weighted "
           f"total), so it takes no weights: got {reduce!r}. Pass Terms(kinds) or the dict.")
     given = {**given, "argnums": ()}
   _check_fun(fun)
-  given = _fold(given, old, where)
+  given = _fold(given, old, where, parallel)
   split = Split(given["num_micro_batches"], given["micro_batch_size"], given["batch_axis"])
   if not evaluate:  # only evaluate differentiates nothing
-    _split.normalize_argnums("argnums", given["argnums"], allow_empty=False)
+    _roles.normalize_argnums("argnums", given["argnums"], allow_empty=False)
   roles = _record(RoleSpec, given)
   reduce, terms = _terms(given["reduce"])
-  dp = given["data_axis"]
   opts = Options(fun, split, roles, reduce, terms, given["aux_reduce"], _record(Numerics, given),
                  given["has_aux"], given["with_info"], given["skip_nonfinite"],
-                 dp if isinstance(dp, DataParallel) else None)
+                 given["data_axis"])
   transform = given["per_example"]
   if transform is None:
     return opts
@@ -646,43 +569,3 @@ def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -
     raise TypeError(
         f"{where} takes no {given[0]}= option: it is about gradients, and {where} "
         f"differentiates nothing. Drop it, or use {instead} for gradients.")
-
-
-def check_overlap(overlap: Any, axes: Any) -> bool:
-  """``overlap_grad_reduce``: a bool, and only with ``data_axis``, the one mode whose
-  cross-device reduction runs after the loop (without it there is none to overlap)."""
-  if not isinstance(overlap, bool):
-    raise TypeError(f"overlap_grad_reduce must be a bool, got overlap_grad_reduce={overlap!r}.")
-  if overlap and axes is None:
-    raise ValueError(
-        "overlap_grad_reduce=True overlaps the cross-device gradient reduction that "
-        "data_axis runs once after the micro-batch loop with the last micro-batch's backward "
-        "pass, but data_axis is not set, so there is no such reduction: without data_axis "
-        "the compiler reduces gradients inside every micro-batch. Pass "
-        "data_axis='data' (the mesh axis the batch is sharded over), or drop "
-        "overlap_grad_reduce.")
-  return overlap
-
-
-def unreduced_axes(where: str, data_axis: Any, given: dict[str, Any]) -> tuple[Any, Any]:
-  """``(axis names, mesh)`` for a front end that reduces nothing across devices itself
-  (``local_value_and_grad``, ``MultiSteps``): ``data_axis`` is axis names or a
-  :class:`DataParallel` without a placement, and ``given`` may hold the deprecated
-  ``mesh=`` keyword (popped, with a :class:`DeprecationWarning`)."""
-  mesh = None
-  if "mesh" in given:
-    warnings.warn(
-        f"{where}(mesh=...) is deprecated and will be removed in the next release: use "
-        f"{DEPRECATED['mesh'].instead}.", DeprecationWarning, stacklevel=3)
-    mesh = given.pop("mesh")
-    if isinstance(data_axis, DataParallel):
-      raise TypeError(f"{where} got mesh= and data_axis=DataParallel(...) both: give the "
-                      "mesh inside DataParallel only.")
-  if isinstance(data_axis, DataParallel):
-    if not data_axis.reduces_only:
-      raise TypeError(
-          f"{where} reduces nothing across devices, so it takes DataParallel(axis, "
-          f"mesh=...) only, got data_axis={data_axis!r}: drop param_gather, grad_scatter and "
-          "overlap_grad_reduce.")
-    data_axis, mesh = data_axis.axis, data_axis.mesh
-  return data_axis, mesh

@@ -1,4 +1,4 @@
-"""How values combine over micro-batches: one table of reductions, dtypes, loss terms.
+"""The table of kinds: how each kind of value combines over micro-batches.
 
 Every reduction is a :class:`Reduction` of four pure functions, applied leaf by leaf:
 
@@ -137,7 +137,7 @@ class Reduction:
   axis: int = 0  # per_example: the leaf's axis of rows (the batch axis, set per leaf)
   bool_only: bool = False  # a logical reduction (all, any): boolean leaves only
   name: str = "a user-defined reduction"  # for messages: the aux_reduce name
-  # Under per_example_transform: (the examples' values stacked on a leading rows axis, their
+  # Under per_example=: (the examples' values stacked on a leading rows axis, their
   # weights or None, accumulator_dtype) -> the micro-batch's value. None: no such value.
   over_rows: Callable[[jax.Array, jax.Array | None, Any], jax.Array] | None = None
 
@@ -385,7 +385,7 @@ def resolve_aux_reduce(spec: Any, aux_shapes: PyTree, rows: int, axis: int = 0,
   size that a per-example (``"concat"``) leaf must have along ``axis`` (the batch axis,
   :func:`jaxaccum._core._split.common_axis`; negative counts from the end of the leaf).
   ``one_example`` says that ``aux_shapes`` are one example's, under
-  ``per_example_transform``: ``"batch_of_one"`` (``rows`` is 1; a scalar leaf is that
+  ``per_example=``: ``"batch_of_one"`` (``rows`` is 1; a scalar leaf is that
   example's row) or ``"row"`` (``fun`` saw the row without a batch axis: every leaf is
   the example's row, stacked along the batch axis).
   """
@@ -516,7 +516,7 @@ class LossKind:
   weighs: bool = False
   # A single term of this kind: aux means and stacked aux combine as sums across devices.
   sums_across_devices: bool = False
-  # fun returns a mean over its rows: under per_example_transform a micro-batch's value and
+  # fun returns a mean over its rows: under per_example= a micro-batch's value and
   # gradient are the mean of its examples' (else their sum).
   rows_mean: bool = False
 
@@ -543,9 +543,9 @@ def count_across(count: Any, shards: int) -> Any:
   return count * shards
 
 
-# A "mean" under an example mask (clip_per_example(example_mask=)): fun returns the mean as
-# usual; the per-example path sums the real examples' values and counts them as the
-# denominator, so the mean divides by the real examples of the whole batch.
+# A "mean" over the real rows only (a micro-batch rule that marks padding rows): fun returns
+# the mean as usual; the rule sums the real rows' values and counts them as the
+# denominator, so the mean divides by the real rows of the whole batch.
 MASKED_MEAN = dataclasses.replace(LOSS_KINDS["mean"], divisor=DENOMINATOR, weighs=True,
                                   rows_mean=False)
 

@@ -1,12 +1,10 @@
-"""Sharding helpers of the core: keep the batch where it lives.
+"""Sharding of accumulators: typed like what they accumulate, the batch kept where it lives.
 
 Its zero accumulators take the sharding (``Explicit`` mesh axes) and the varying manual
 axes (inside ``shard_map``) of the values they accumulate (:func:`conform`), accumulators
 are tied to their parameters' shardings under ``Auto`` axes (:func:`align`), and a batch
 whose leading axis is sharded over ``D`` devices is checked to split into micro-batches of a
 multiple of ``D`` rows, which is what keeps the column-major split free of communication.
-The ``data_axis`` and ``mesh`` options are validated here; the data-parallel mode that uses
-them is :mod:`jaxaccum._parallel._data_parallel`.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -161,202 +159,8 @@ def check_split_sharding(batches: dict[Any, PyTree], n: int,
             f"of {_split.divisors(size // shards)}.")
 
 
-# --- Options ------------------------------------------------------------------------------
-
-
-AUTO = "auto"  # data_axis="auto": the axes the batch's leading axis is sharded over
-
-
-def check_data_axis_option(data_axis: Any) -> tuple[str, ...] | str | None:
-  """The ``data_axis`` option: :func:`check_data_axis`, or ``"auto"`` (:data:`AUTO`) as it
-  is, whose axes are read from the batch at trace time (:func:`batch_data_axes`)."""
-  return AUTO if data_axis == AUTO else check_data_axis(data_axis)
-
-
-def check_data_axis(data_axis: Any) -> tuple[str, ...] | None:
-  """Normalizes ``data_axis`` (a mesh axis name or a tuple of them) to a tuple."""
-  if data_axis is None:
-    return None
-  axes = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else (data_axis,)
-  if not axes or any(not isinstance(a, str) for a in axes):
-    raise TypeError(
-        "data_axis must be a mesh axis name or a tuple of them, e.g. data_axis='data' or "
-        f"data_axis=('replica', 'data'), got data_axis={data_axis!r}.")
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"data_axis names a mesh axis twice: data_axis={data_axis!r}.")
-  return axes
-
-
-def check_mesh(mesh: Any, data_axis: tuple[AxisName, ...] | str | None) -> Any:
-  """Validates the ``mesh`` option (a Mesh, an AbstractMesh or None)."""
-  if mesh is None:
-    return None
-  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(
-        f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh) or None, got {mesh!r}.")
-  if data_axis is None:
-    raise ValueError(
-        "mesh=... was given without data_axis: the mesh is only used by the data-parallel "
-        "mode. Pass data_axis='<your data axis>' too, or drop mesh (sharded inputs under "
-        "jax.jit need no option).")
-  if data_axis != AUTO:
-    _check_axes_in(tuple(data_axis), mesh)
-  return mesh
-
-
-PLACEMENTS = {"param_gather": ("step", "micro_batch"), "grad_scatter": ("micro_batch", "step")}
-
-
-def check_placement(name: str, value: Any, data_axis: Any) -> str:
-  """Validates ``param_gather`` / ``grad_scatter`` (the FSDP placement under ``data_axis``)."""
-  choices = PLACEMENTS[name]
-  if not isinstance(value, str) or value not in choices:
-    raise ValueError(
-        f"{name} must be one of {', '.join(map(repr, choices))}, got {name}={value!r}.")
-  if value != choices[0] and data_axis is None:
-    raise ValueError(
-        f"{name}={value!r} places the gathers and reduce-scatters of parameters sharded over "
-        "the data axes (FSDP), which only the data-parallel mode runs: pass data_axis=... "
-        f"(the mesh axes the batch and the parameters are sharded over), or drop {name}.")
-  return value
-
-
-def batch_data_axes(batches: dict[str, PyTree], leaf_axes: dict[str, PyTree]
-                    ) -> tuple[tuple[AxisName, ...], Any]:
-  """``data_axis="auto"``: the mesh axes every batch leaf's batch axis is sharded over.
-
-  ``batches`` maps a label (``"argument 1 ('batch')"``) to a batch argument, ``leaf_axes``
-  (:func:`jaxaccum._core._split.batch_axes`, keyed alike) each leaf's batch axis. A leaf's axes
-  are read from its type under ``Explicit`` mesh axes, or from a placed (concrete) array's
-  sharding under ``Auto`` axes; inside :func:`jax.jit` a tracer typed with ``Auto`` axes
-  carries no sharding, so there the axes must be named. Returns ``(axes, mesh)``, the mesh
-  the batch is placed on.
-
-  Raises:
-    ValueError: a leaf not sharded on its batch axis, leaves sharded over different axes,
-      or a tracer whose sharding is unknown.
-  """
-  found: dict[str, tuple[AxisName, ...]] = {}
-  meshes = []
-  for label, tree in batches.items():
-    along = jax.tree.leaves(leaf_axes[label])
-    for (path, x), axis in zip(jax.tree_util.tree_leaves_with_path(tree), along, strict=True):
-      if not hasattr(x, "shape") or not np.shape(x):
-        continue
-      where = f"{label}{jax.tree_util.keystr(path)}"
-      spec, mesh = None, None
-      # A placed array has a sharding; a tracer (a jax.Array too) has none, only its type.
-      placed = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-      if isinstance(placed, jax.sharding.NamedSharding):
-        spec, mesh = placed.spec, placed.mesh
-      elif isinstance(x, jax.Array) and placed is None:
-        typed = jax.typeof(x).sharding
-        mesh = typed.mesh
-        if not mesh.empty and mesh.explicit_axes:
-          spec = typed.spec
-        else:
-          raise ValueError(
-              f"data_axis='auto' cannot read how batch leaf {where} (shape {x.shape}) is "
-              "sharded: inside jax.jit an array on a mesh with Auto axes carries no sharding "
-              "at trace time. Name the axes, e.g. data_axis='data', or use Explicit axes "
-              "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...))), whose "
-              "types carry the sharding; outside jax.jit, placed arrays work too.")
-      axes = dim_axes(spec, axis)
-      if not axes:
-        placed = (f"spec {spec}" if spec is not None else "not placed on a mesh")
-        raise ValueError(
-            f"data_axis='auto' needs the batch sharded over mesh axes on its batch axis "
-            f"(axis {axis}), but batch leaf {where} (shape {x.shape}) is not ({placed}). "
-            "Place the batch, "
-            "e.g. jax.device_put(batch, NamedSharding(mesh, P('data'))), or name the axes: "
-            "data_axis='data'.")
-      found[where] = axes
-      meshes.append(mesh)
-  if not found:
-    raise ValueError("data_axis='auto' found no array in the batch arguments to read the "
-                     "data axes from: name them, e.g. data_axis='data'.")
-  if len(set(found.values())) > 1:
-    listed = "; ".join(f"{w}: {a}" for w, a in found.items())
-    raise ValueError(
-        "data_axis='auto' found batch leaves sharded over different mesh axes on their "
-        f"batch axis ({listed}). Place every batch leaf alike, or name the axes with "
-        "data_axis=(...).")
-  return next(iter(found.values())), meshes[0]
-
-
 def axes_str(axes: Sequence[AxisName], mesh: Any) -> str:
   return " x ".join(f"{a!r} (size {mesh.shape[a]})" for a in axes)
-
-
-class MeshUse(NamedTuple):
-  """Who asks :func:`resolve_mesh` for a mesh, for its messages and its one difference.
-
-  ``argument`` is the keyword that names the axes (``data_axis``, ``stage_axis``),
-  ``caller`` the function that takes ``mesh=``, ``along`` what is laid out along the axes,
-  ``manual_fix`` what to do when the axes are already manual here; with ``nest`` the mesh of
-  an enclosing ``shard_map`` over other axes is used (it knows which axes are manual).
-  """
-
-  argument: str
-  caller: str
-  along: str
-  manual_fix: str
-  nest: bool = False
-
-
-DATA_AXIS = MeshUse(
-    argument="data_axis", caller="jaxaccum.value_and_grad", along="the batch is sharded over",
-    manual_fix=(
-        "Call the transform outside your shard_map, or drop data_axis and do what it does: "
-        "mark the differentiated arguments device-varying first, params = "
-        "jax.lax.pcast(params, {axes}, to='varying') (otherwise JAX sums their gradients "
-        "over the devices inside every micro-batch), so that each device accumulates the "
-        "gradients of its own rows; the full-batch result is then the pmean (not the psum) "
-        "of the loss and gradients over these axes for reduce='mean', their psum for "
-        "reduce='sum', and for reduce='weighted' each device's loss and gradients weighed by "
-        "its own total denominator d: psum(x * d) / psum(d)."))
-
-
-def _named(use: MeshUse, axes: tuple[AxisName, ...]) -> str:
-  return f"{use.argument}={axes[0] if len(axes) == 1 else axes!r}"
-
-
-def _check_axes_in(axes: tuple[AxisName, ...], mesh: Any, use: MeshUse = DATA_AXIS) -> None:
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    sizes = ", ".join(f"{a!r}: {s}" for a, s in mesh.shape.items())
-    raise ValueError(
-        f"{_named(use, axes)} names mesh axis {', '.join(map(repr, missing))}, which is not "
-        f"in the mesh; its axes are {{{sizes}}}. Pass the name of the axis {use.along}, e.g. "
-        f"{use.argument}={next(iter(mesh.axis_names))!r}.")
-
-
-def resolve_mesh(mesh: Any, axes: tuple[AxisName, ...], use: MeshUse = DATA_AXIS) -> Any:
-  """The mesh ``axes`` name: ``mesh``, else the one set by ``jax.set_mesh``; raises the
-  package's messages when there is none, an axis is not in it, or one is already manual."""
-  context = jax.sharding.get_abstract_mesh()
-  if mesh is None:
-    if context.empty:
-      raise ValueError(
-          f"{_named(use, axes)} needs a mesh: pass mesh=... to {use.caller}, or call it "
-          "inside `with jax.set_mesh(mesh):`.")
-    mesh = context
-  _check_axes_in(axes, mesh, use)
-  manual = set(getattr(context, "manual_axes", ()))
-  if manual & set(axes):
-    raise ValueError(
-        f"{use.argument} axes {sorted(manual & set(axes))} are already manual here (this is "
-        f"inside a shard_map over them), so it cannot map over them again. "
-        + use.manual_fix.format(axes=tuple(sorted(manual & set(axes)))))
-  if use.nest and not context.empty and manual:
-    # Inside an outer shard_map over other axes: nest in the context's mesh, which knows
-    # which axes are already manual.
-    if dict(context.shape) != dict(mesh.shape):
-      raise ValueError(
-          f"mesh={dict(mesh.shape)} differs from the mesh of the enclosing shard_map "
-          f"({dict(context.shape)}). Pass the same mesh, or mesh=None.")
-    mesh = context
-  return mesh
 
 
 def vary(tree: PyTree, axes: tuple[AxisName, ...]) -> PyTree:

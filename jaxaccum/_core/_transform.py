@@ -1,4 +1,4 @@
-"""The core run of the accumulation: scan -> reduce -> finalize.
+"""The accumulation run: scan -> reduce -> finalize.
 
 The public transforms (:mod:`jaxaccum._api`), the data-parallel driver
 (:mod:`jaxaccum._parallel._data_parallel`), ``pipeline`` and the adapters all run it. It
@@ -77,8 +77,7 @@ class Carry(NamedTuple):
   aux: PyTree  # per aux leaf: its reduction's carry (None for per-micro-batch kinds)
   state: tuple  # the threaded state arguments
   stats: Stats
-  # A micro-batch rule's own quantities, by the name of its carry entry (MicroRule.carry):
-  # e.g. the per-example rule's norms.
+  # A micro-batch rule's own quantities, by the name of its carry entry (MicroRule.carry).
   extra: dict = {}  # noqa: RUF012 (never mutated: a new dict each step)
 
 
@@ -375,7 +374,7 @@ def warn_whole_batch(opts: Options, problem: Problem, consts: Sequence[Any],
   are checked: with ``b > 1`` rows, an unsplit array of ``B`` rows that meets the micro-batch
   elementwise is a shape error, not a silent broadcast, while arrays that merely have ``B``
   rows (a ``(T, T)`` causal mask with ``T == B``) are common and correct. Under
-  ``per_example_transform`` every call sees one row, so it is always checked.
+  ``per_example=`` every call sees one row, so it is always checked.
   """
   per_example = problem.rule.one_row  # fun sees one row at a time
   if problem.rows != 1 and not per_example:
@@ -453,15 +452,13 @@ class Update(NamedTuple):
 
 class Across(NamedTuple):
   """How the carry is reduced over the data axes ``axes`` after the loop (see
-  :func:`jaxaccum._parallel._data_parallel.combine`): per gradient leaf, the axes it is still summed
-  over and the reduce-scatters (``scatter(g, gathers)``) still to be done."""
+  :func:`jaxaccum._parallel._data_parallel.combine`): ``reduce_grads`` reduces the leaves of
+  one gradient accumulator (a list, in their flattened order), as the driver places them."""
 
   axes: tuple
-  grad_axes: tuple
-  grad_scatters: tuple
+  reduce_grads: Callable[[list], list]
   reduce_is_sum: bool
   kinds: PyTree
-  scatter: Callable[[jax.Array, tuple], jax.Array]
 
 
 class CarryEntry(NamedTuple):
@@ -494,12 +491,9 @@ def _grads0(s: Scan) -> tuple:
 
 def _combine_grads(c: tuple, a: Across) -> tuple:
   out = []
-  scatters = a.grad_scatters or tuple(() for _ in a.grad_axes)
   for acc in c:
     flat, treedef = jax.tree.flatten(acc)
-    flat = [a.scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
-    out.append(jax.tree.unflatten(treedef, [
-        lax.psum(g, ax) if ax else g for g, ax in zip(flat, a.grad_axes, strict=True)]))
+    out.append(jax.tree.unflatten(treedef, a.reduce_grads(flat)))
   return tuple(out)
 
 
@@ -625,7 +619,7 @@ CARRY: dict[str, CarryEntry] = {
                               for ci, v in zip(c, u.out.dens, strict=True)),
         lambda c, a: tuple(None if ci is None else lax.psum(ci, a.axes) for ci in c),
         lambda c, f: None),  # read by the others' finalize
-    "grads": CarryEntry(  # per group: the summed gradients (FSDP: scattered, then summed)
+    "grads": CarryEntry(  # per group: the summed gradients (reduced as the driver says)
         _grads0,
         lambda c, u, s: tuple(_sharding.align(jax.tree.map(u.add, ci, g), s.problem.params)
                               for ci, g in zip(c, u.out.grads, strict=True)),
@@ -674,12 +668,13 @@ def info_sizes(opts: Options):
 
 
 def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
-                      shards: int = 1):
+                      shards: int = 1, *, peel: bool = False):
   """Step 1: one ``lax.scan`` over the micro-batches, each adding to every entry of the
   carry (:data:`CARRY`). Returns ``(carry, stacked, shapes, kinds)``.
 
   ``shards`` is the number of data shards running the same scan (under ``data_axis``):
   mean terms folded into a sum group divide by the micro-batches run on all of them.
+  ``peel``: the last micro-batch runs after the loop (:func:`schedule`).
   """
   count = _reduce.count_across(
       jnp.asarray(problem.n if active is None else active, jnp.int32), shards)
@@ -704,7 +699,6 @@ def run_micro_batches(opts: Options, problem: Problem, active: jax.Array | None,
     return new, jax.tree.map(lambda k, v: v if k.per_micro_batch else None, kinds, out.aux)
 
   per_mb = jax.tree.map(lambda k, x: x if k.per_micro_batch else None, kinds, shapes.aux)
-  peel = opts.parallel is not None and opts.parallel.overlap_grad_reduce
   carry, stacked = schedule(run, carry0, problem.n, active, per_mb, peel=peel,
                             unroll=opts.numerics.unroll)
   return carry, stacked, shapes, kinds
@@ -717,9 +711,9 @@ def schedule(run: Callable[[Any, jax.Array], tuple], carry0: Any, n: int,
   the last carry and the stacked rows (``per_mb``: their shapes, ``None`` for none).
 
   A traced ``active`` count runs the first ``active`` of ``n`` (the others under a
-  ``lax.cond`` that leaves the carry and gives zero rows). ``peel`` (overlap_grad_reduce):
-  the last micro-batch that runs (``n - 1``, or ``active - 1``) runs after the loop, so
-  each of its gradients is final as soon as it is added.
+  ``lax.cond`` that leaves the carry and gives zero rows). ``peel``: the last micro-batch
+  that runs (``n - 1``, or ``active - 1``) runs after the loop, so each of its gradients
+  is final as soon as it is added.
   """
   limit = None if active is None else active - 1 if peel else active
 
@@ -823,18 +817,18 @@ def call_scope(name: str) -> str:
 def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
                n: int | None = None, shards: int = 1,
                combine: Callable[..., Any] | None = None, own: Sequence[Any] = (),
-               each_grads: Callable[[tuple], tuple] | None = None):
+               each_grads: Callable[[tuple], tuple] | None = None, peel: bool = False):
   """scan -> reduce -> finalize. Returns ``(value, extra, grads, info)``.
 
   ``shards`` devices run the same accumulation on their own rows (the data-parallel mode,
   or ``pmap`` replicas); ``combine(carry, stacked, kinds)`` reduces the carry across them
   once after the loop and returns ``(carry, stacked)``. ``own`` are arrays that ``fun``
-  closes over as parameters (the data-parallel driver's gathered FSDP parameters), never
-  reported as unsplit batch arrays. ``each_grads(grads)``, if given, maps each
-  micro-batch's gradients (per group) before they are added to the carry (the
-  data-parallel driver's reduce-scatter of a per-example sum). Each step runs under its
-  :func:`jax.named_scope` (:data:`SCOPES`), so its ops carry the name in the compiled
-  program's ``op_name`` metadata and in profiler traces.
+  closes over as parameters (a driver's gathered parameters), never reported as unsplit
+  batch arrays. ``each_grads(grads)``, if given, maps each micro-batch's gradients (per
+  group) before they are added to the carry. ``peel``: the last micro-batch runs after the
+  loop (:func:`schedule`). Each step runs under its :func:`jax.named_scope`
+  (:data:`SCOPES`), so its ops carry the name in the compiled program's ``op_name``
+  metadata and in profiler traces.
   """
   problem = prepare(opts, args, kwargs, n)
   if own:
@@ -850,7 +844,7 @@ def accumulate(opts: Options, args: tuple, kwargs: dict, active: Any = None, *,
   if active is not None:
     active = check_active(active, problem.n)
   with jax.named_scope(SCOPES["scan"]):
-    carry, stacked, shapes, kinds = run_micro_batches(opts, problem, active, shards)
+    carry, stacked, shapes, kinds = run_micro_batches(opts, problem, active, shards, peel=peel)
   if combine is not None:
     with jax.named_scope(SCOPES["combine"]):
       carry, stacked = combine(carry, stacked, kinds)
@@ -865,7 +859,7 @@ def check_active(active: Any, n: int) -> jax.Array:
 
   A concrete value (a Python or NumPy int, a concrete array) outside ``1..n`` raises a
   ``ValueError`` here, at trace time. A traced value cannot be checked without a host
-  round trip, so it is clipped without a word: ``0`` (or less) runs one micro-batch and
+  round trip, so it is clamped to ``1..n`` without a word: ``0`` (or less) runs one micro-batch and
   anything above ``n`` runs all ``n``. The step's ``AccumInfo.num_micro_batches`` says
   what ran, and :meth:`jaxaccum.contrib.AdaptiveBatch.update` and ``check`` use it to catch a
   ``k`` above ``n`` (see the adaptive-batch guide).
@@ -886,4 +880,4 @@ def check_active(active: Any, n: int) -> jax.Array:
     raise ValueError(
         f"active_micro_batches={concrete} is out of range: it counts the micro-batches to "
         f"run, from 1 to num_micro_batches={n}.")
-  return jnp.clip(jnp.asarray(active, jnp.int32), 1, n)
+  return jnp.minimum(jnp.maximum(jnp.asarray(active, jnp.int32), 1), n)

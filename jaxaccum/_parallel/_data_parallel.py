@@ -40,8 +40,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _reduce, _sharding, _split, _transform
-from jaxaccum._core._options import DataParallel, Options, Roles
+from jaxaccum._core._options import Options, Roles
 from jaxaccum._core._types import AxisName, PyTree
+from jaxaccum._parallel import _axes
+from jaxaccum._parallel._axes import DataParallel
 
 
 def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
@@ -64,12 +66,12 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   batches.update({f"keyword argument {k!r}": kwargs[k] for k in roles.batch_names})
   leaf_axes = _split.batch_axes(batches, opts.split.batch_axis)
   assert opts.parallel is not None
-  if opts.parallel.axis == _sharding.AUTO:
+  if opts.parallel.axis == _axes.AUTO:
     opts = resolve_auto(opts, batches, leaf_axes)
   dp = cast(DataParallel, opts.parallel)
   axes = dp.axis
   assert isinstance(axes, tuple)
-  mesh = _sharding.resolve_mesh(dp.mesh, axes)
+  mesh = _axes.resolve_mesh(dp.mesh, axes)
   shards = math.prod(mesh.shape[a] for a in axes)
   n = _split.resolve_count(_split.batch_size(batches, axes=leaf_axes), opts.split.count,
                            opts.split.size,
@@ -84,8 +86,8 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
   act = None if active is None else _transform.check_active(active, n)
   arrays = (*placed.arrays, act)
   in_specs = (*placed.in_specs, PartitionSpec())
-  # Each shard runs the core on its rows; of ``parallel`` it reads only
-  # overlap_grad_reduce (the last micro-batch after the loop).
+  # Each shard runs the core on its rows, the last micro-batch after the loop under
+  # overlap_grad_reduce.
   local_opts = dataclasses.replace(opts, split=dataclasses.replace(opts.split, count=n,
                                                                    size=None))
   meta: dict[str, Any] = {}
@@ -95,7 +97,7 @@ def data_parallel(opts: Options, args: tuple, kwargs: dict, active: Any):
     largs, lkwargs = placed.unflatten(leaves, len(args))
     out = on_replicas(local_opts, roles, largs, lkwargs, local_act, axes=axes, n=n,
                       grad_axes=grad_axes, grad_scatters=scatters,
-                      micro_scatters=micro_scatters,
+                      micro_scatters=micro_scatters, peel=dp.overlap_grad_reduce,
                       place=functools.partial(_placed_gathers, opts, roles, placed, mesh))
     # Concatenated aux rows stay on their shard: the output spec gathers them in order.
     kept, rows, meta["unsplit"] = _split_rows(opts, out.extra, out.kinds)
@@ -141,7 +143,7 @@ class Replica(NamedTuple):
 def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
                 active: Any = None, *, axes: tuple[AxisName, ...], n: int | None = None,
                 grad_axes: tuple | None = None, grad_scatters: tuple | None = None,
-                micro_scatters: tuple | None = None,
+                micro_scatters: tuple | None = None, peel: bool = False,
                 place: Callable[[list, dict], tuple[Callable[..., Any], list]] | None = None,
                 run: Callable[[tuple, dict], Any] | None = None) -> Any:
   """One replica's run, inside :func:`jax.shard_map` or :func:`jax.pmap` over ``axes``.
@@ -177,6 +179,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     micro_scatters: per gradient leaf, the reduce-scatters applied to each micro-batch's
       gradient before it is accumulated (the per-example path under
       ``grad_scatter="micro_batch"``: :func:`_check_placement`), or ``None``.
+    peel: run the last micro-batch after the loop (``overlap_grad_reduce``).
     place: see step 2.
     run: see step 4.
 
@@ -221,7 +224,7 @@ def on_replicas(opts: Options, roles: Roles, args: Sequence[Any], kwargs: dict,
     each = functools.partial(_scatter_groups, scatters=micro_scatters)
   value, extra, grads, info = _transform.accumulate(
       opts, tuple(largs), lkwargs, active, n=n, shards=shards, combine=across, own=own,
-      each_grads=each)
+      each_grads=each, peel=peel)
   return Replica(value, extra, grads, info, seen.get("kinds"))
 
 
@@ -269,7 +272,7 @@ def _place(opts: Options, roles: Any, mesh: Any, args: tuple, kwargs: dict,
            batch_axes: dict[Any, PyTree]) -> _Placed:
   """The in_specs and gathers of every array leaf of every argument; a batch argument's
   leaves are mapped along their batch axes (``batch_axes``, per argument a tree of ints)."""
-  axes = _axes(opts)
+  axes = _data_axes(opts)
   explicit_data = bool(set(getattr(mesh, "explicit_axes", ())) & set(axes))
   all_manual = set(axes) == set(mesh.axis_names)
   named = [(j, args[j]) for j in range(len(args))] + sorted(kwargs.items())
@@ -312,7 +315,7 @@ def _gradient_layout(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
   FSDP parameter's only over those it is not sharded over (the backward pass of its
   all-gather already reduce-scattered it), and it leaves with the parameter's own spec.
   """
-  axes = _axes(opts)
+  axes = _data_axes(opts)
   grad_axes, grad_specs = [], []
   for j in roles.diff:
     specs = []
@@ -337,7 +340,7 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
                   leaf_axes: dict[Any, PyTree]) -> Options:
   """``data_axis="auto"``: the options with the axes read from the batch (and its mesh,
   when neither ``mesh=`` nor :func:`jax.set_mesh` gives one)."""
-  axes, batch_mesh = _sharding.batch_data_axes(batches, leaf_axes)
+  axes, batch_mesh = _axes.batch_data_axes(batches, leaf_axes)
   assert opts.parallel is not None
   mesh = opts.parallel.mesh
   if mesh is None and jax.sharding.get_abstract_mesh().empty:
@@ -346,7 +349,7 @@ def resolve_auto(opts: Options, batches: dict[Any, PyTree],
                                                                 mesh=mesh))
 
 
-def _axes(opts: Options) -> tuple[AxisName, ...]:
+def _data_axes(opts: Options) -> tuple[AxisName, ...]:
   """The data axes, resolved (a tuple of names: the driver resolved ``"auto"``)."""
   axes = cast(DataParallel, opts.parallel).axis
   assert isinstance(axes, tuple)
@@ -354,7 +357,7 @@ def _axes(opts: Options) -> tuple[AxisName, ...]:
 
 
 def _per_example(opts: Options) -> bool:
-  """Whether each example's gradient is transformed (``per_example_transform``, the clip of
+  """Whether each example's gradient is transformed (``per_example=``, the clip of
   DP-SGD): the transform must see the gradient with respect to the whole (gathered)
   parameter, so the FSDP gathers are differentiated as under ``grad_scatter="step"``
   (:func:`_placed_gathers`) and the reduce-scatter follows the sum over the examples."""
@@ -378,10 +381,10 @@ def _check_placement(opts: Options, roles: Any, placed: _Placed) -> tuple[tuple,
             and k not in roles.batch and k not in roles.batch_names for g in gs]
   for name, needs in (("param_gather", gathered + others), ("grad_scatter", gathered)):
     value = getattr(opts.parallel, name)
-    if value != _sharding.PLACEMENTS[name][0] and not any(needs):
+    if value != _axes.PLACEMENTS[name][0] and not any(needs):
       raise ValueError(
           f"{name}={value!r} places the all-gathers and reduce-scatters of parameters "
-          f"sharded over the data axes {_axes(opts)} (FSDP), but no differentiated "
+          f"sharded over the data axes {_data_axes(opts)} (FSDP), but no differentiated "
           "argument is sharded over them: every parameter is replicated over the data axes "
           "(or its sharding is not in its type: FSDP needs Explicit mesh axes). Shard the "
           "parameters over a data axis, e.g. jax.sharding.reshard(params, P('data')), or "
@@ -678,8 +681,13 @@ def combine(carry: Any, stacked: PyTree, kinds: PyTree, *, axes: tuple[AxisName,
   here first (over the FSDP axes), then summed over ``grad_axes`` at the shard's size.
   ``rule`` is the micro-batch rule, whose own carry entries are reduced too.
   """
-  across = _transform.Across(axes, grad_axes, grad_scatters or (), reduce_is_sum, kinds,
-                             _scatter)
+  scatters = grad_scatters or tuple(() for _ in grad_axes)
+
+  def reduce_grads(flat: list) -> list:
+    flat = [_scatter(g, sc) for g, sc in zip(flat, scatters, strict=True)]
+    return [lax.psum(g, ax) if ax else g for g, ax in zip(flat, grad_axes, strict=True)]
+
+  across = _transform.Across(axes, reduce_grads, reduce_is_sum, kinds)
   return _transform.combine_carry(carry, stacked, across, rule)
 
 

@@ -24,13 +24,13 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _options, _outputs, _sharding, _transform
 from jaxaccum._core._types import ArgNames, ArgNums
-from jaxaccum._parallel import _data_parallel
+from jaxaccum._parallel import _axes, _data_parallel
 
 
 def local_value_and_grad(
     fun: Callable[..., Any],
     *,
-    data_axis: str | Sequence[str] | _options.DataParallel,
+    data_axis: str | Sequence[str] | _axes.DataParallel,
     argnums: ArgNums = 0,
     batch_argnums: ArgNums = _options.BATCH_ARGNUMS,
     batch_argnames: ArgNames | None = None,
@@ -119,13 +119,13 @@ def local_value_and_grad(
   (True, True)
   """
   accumulate = dict(accumulate)
-  data_axis, mesh = _options.unreduced_axes("local_value_and_grad", data_axis, accumulate)
-  axes = _sharding.check_data_axis(data_axis)
+  data_axis, mesh = _axes.unreduced_axes("local_value_and_grad", data_axis, accumulate)
+  axes = _axes.check_data_axis(data_axis)
   if axes is None:
     raise TypeError(
         "local_value_and_grad needs data_axis, the mesh axis name (or names) the batch is "
         "sharded over; for a gradient reduced over the devices use jaxaccum.value_and_grad.")
-  mesh = _sharding.check_mesh(mesh, axes)
+  mesh = _axes.check_mesh(mesh, axes)
   if reduce not in ("mean", "sum"):
     raise ValueError(
         f"reduce must be 'mean' or 'sum' for local_value_and_grad (what fun returns over its "
@@ -143,7 +143,7 @@ def local_value_and_grad(
   opts = _options.make_options(
       fun, {k: v for k, v in given.items() if k in _options.DEFAULTS},
       deprecated={k: v for k, v in given.items() if k not in _options.DEFAULTS},
-      where="local_value_and_grad")
+      where="local_value_and_grad", parallel=_axes.KEYWORDS)
   _refuse_state(state)
   if opts.split.batch_axis != 0:
     raise ValueError(
@@ -166,7 +166,7 @@ def local_value_and_grad(
       return run(args, kwargs)
 
   def run(args: tuple, kwargs: dict) -> Any:
-    m = _sharding.resolve_mesh(mesh, axes)
+    m = _axes.resolve_mesh(mesh, axes)
     shards = math.prod(m.shape[a] for a in axes)
     roles = opts.roles.resolve(len(args), kwargs)
     explicit = bool(set(getattr(m, "explicit_axes", ())) & set(axes))

@@ -42,8 +42,9 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum._core import _sharding, _split
 from jaxaccum._core._types import PyTree
+from jaxaccum._parallel import _axes
 
-_STAGE_AXIS = _sharding.MeshUse(
+_STAGE_AXIS = _axes.MeshUse(
     argument="stage_axis", caller="jaxaccum.contrib.pipeline",
     along="the stages are laid out along",
     manual_fix="Call the pipeline outside your shard_map over that axis.", nest=True)
@@ -165,7 +166,7 @@ def pipeline(stage_fn: Callable[[PyTree, PyTree], PyTree], *, num_micro_batches:
     raise TypeError(f"remat must be True or False, got remat={remat!r}.")
 
   def pipe(stage_params: PyTree, x: PyTree) -> PyTree:
-    the_mesh = _sharding.resolve_mesh(mesh, (stage_axis,), _STAGE_AXIS)
+    the_mesh = _axes.resolve_mesh(mesh, (stage_axis,), _STAGE_AXIS)
     s = the_mesh.shape[stage_axis]
     _check_stage_params(stage_params, s, r, stage_axis)
     x_leaves, x_def = jax.tree.flatten(x)

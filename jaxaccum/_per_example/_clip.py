@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._core import _stats, _validate
+from jaxaccum._core import _validate
 from jaxaccum._core._types import PyTree
+from jaxaccum._per_example import _norm
 
 METHODS = ("auto", "ghost", "materialize")
 
@@ -152,12 +153,12 @@ class ClipPerExample:
     leaves, treedef = jax.tree.flatten(grads)
     groups = self.leaf_groups(grads)
     inexact = [x if _is_inexact(x) else jnp.zeros(()) for x in leaves]
-    c = self.factors(_stats.group_norms(inexact, groups, max(groups, default=0) + 1)
-                     if self.grouped else _stats.norm(grads))
+    c = self.factors(_norm.group_norms(inexact, groups, max(groups, default=0) + 1)
+                     if self.grouped else _norm.norm(grads))
     if self.grouped:
-      return jax.tree.unflatten(treedef, [_stats.scale(x, c[k]) if _is_inexact(x) else x
+      return jax.tree.unflatten(treedef, [_norm.scale(x, c[k]) if _is_inexact(x) else x
                                           for x, k in zip(leaves, groups, strict=True)])
-    return jax.tree.map(lambda g: _stats.scale(g, c) if _is_inexact(g) else g, grads)
+    return jax.tree.map(lambda g: _norm.scale(g, c) if _is_inexact(g) else g, grads)
 
 
 def _is_inexact(x: Any) -> bool:

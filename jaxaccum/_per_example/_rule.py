@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum._core import _options, _reduce, _split, _stats
+from jaxaccum._core import _options, _reduce, _split
 from jaxaccum._core._options import Options
 from jaxaccum._core._reduce import Group
 from jaxaccum._core._transform import (
@@ -38,7 +38,7 @@ from jaxaccum._core._transform import (
   vary_as,
 )
 from jaxaccum._core._validate import describe as _describe
-from jaxaccum._per_example import _clip
+from jaxaccum._per_example import _clip, _norm
 
 # --- The options: what per_example= accepts ----------------------------------------
 
@@ -528,8 +528,8 @@ def materialized_clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axe
 
   ``f(diff, x) -> (objective, out)`` is one example's objective; ``xs`` the examples,
   mapped as ``jax.vmap(f, in_axes=(None, in_axes))``. Each example's gradient ``g_e`` is
-  formed under vmap, its norm taken (:func:`jaxaccum._core._stats.norm`), ``weigh(norms)`` gives
-  the factors ``c_e``, and the result is ``sum_e c_e g_e`` (an example with ``c_e = 0``
+  formed under vmap, its norm taken (:func:`jaxaccum._per_example._norm.norm`), ``weigh``
+  gives the factors ``c_e``, and the result is ``sum_e c_e g_e`` (an example with ``c_e = 0``
   adds exactly zero). Returns ``(outs, grad_sum, norms)``: the vmapped ``out``, the sum
   with ``diff``'s structure and dtypes, and the ``(E,)`` float32 norms. The ghost-norm
   path (``jaxaccum._per_example._ghost.clipped_sum``) computes the same without the per-example
@@ -542,8 +542,8 @@ def materialized_clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axe
   def one(x):
     g, out = jax.grad(f, has_aux=True)(diff, x)
     if groups is None:
-      return out, g, _stats.norm(g)
-    return out, g, _stats.group_norms(jax.tree.leaves(g), list(groups), count)
+      return out, g, _norm.norm(g)
+    return out, g, _norm.group_norms(jax.tree.leaves(g), list(groups), count)
 
   outs, grads, norms = jax.vmap(one, in_axes=(in_axes,))(xs)
   c = weigh(norms)
@@ -556,9 +556,9 @@ def materialized_clipped_sum(f: Callable[..., Any], diff: tuple, xs: Any, in_axe
     # and cleaning only a micro-batch that needs it, a lax.cond, which stops that fusion:
     # see docs/dp-sgd.md, "NaN-safe clipping: what it costs").
     ck = c if groups is None else c[:, groups[k]]
-    return jnp.sum(_stats.scale_rows(g, ck).astype(acc), axis=0).astype(g.dtype)
+    return jnp.sum(_norm.scale_rows(g, ck).astype(acc), axis=0).astype(g.dtype)
 
   summed = jax.tree.unflatten(treedef, [total(g, k) for k, g in enumerate(leaves)])
-  return outs, summed, norms if groups is None else _stats.norm_of_norms(norms)
+  return outs, summed, norms if groups is None else _norm.norm_of_norms(norms)
 
 

@@ -29,7 +29,8 @@ from typing import Any, NamedTuple, SupportsInt, cast
 import jax
 
 from jaxaccum import _transforms
-from jaxaccum._core import _options, _sharding, _split
+from jaxaccum._core import _options, _roles, _split
+from jaxaccum._parallel import _axes
 from jaxaccum._planning import _collectives, _gpu_target
 from jaxaccum._planning._collectives import Collectives
 from jaxaccum._planning._collectives import format_bytes as _fmt_bytes
@@ -323,8 +324,8 @@ def _search(make: Callable[..., Any], args: tuple, batch_argnums: Any, budget: A
             verbose: bool | None = None, context: Callable[[], Any] | None = None,
             batch_axis: Any = 0, placements: bool = False) -> Plan:
   budget = _check_search(budget, search, verbose)
-  argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
-  argnums = _split.resolve_argnums("batch_argnums", argnums, len(args))
+  argnums = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
+  argnums = _roles.resolve_argnums("batch_argnums", argnums, len(args))
   batches = {j: args[j] for j in argnums}
   size = _split.batch_size(batches, axes=_split.batch_axes(batches, batch_axis))
   devices = _devices(args)
@@ -503,8 +504,8 @@ def _target_budget(target: _gpu_target.GpuTarget) -> int:
 def _place(args: tuple, batch_argnums: Any, mesh: Any, axis: str) -> tuple:
   """``args`` as ShapeDtypeStructs on ``mesh``: batch leaves split over ``axis``, the rest
   replicated; leaves already placed on the mesh's devices keep their sharding."""
-  argnums = _split.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
-  argnums = set(_split.resolve_argnums("batch_argnums", argnums, len(args)))
+  argnums = _roles.normalize_argnums("batch_argnums", batch_argnums, allow_empty=False)
+  argnums = set(_roles.resolve_argnums("batch_argnums", argnums, len(args)))
   mesh_devices = set(mesh.devices.flat)
   P = jax.sharding.PartitionSpec
 
@@ -647,7 +648,7 @@ def plan(
       mesh = _gpu_target.target_mesh(gpu, (num_devices,), (axis,))
       if axes is not None:
         opts = dataclasses.replace(opts, parallel=dataclasses.replace(
-            cast(_options.DataParallel, opts.parallel), mesh=mesh))
+            cast(_axes.DataParallel, opts.parallel), mesh=mesh))
   # The batch positions, resolved as the transform resolves them for this call.
   batch = opts.roles.resolve(len(args), {}).batch
   if gpu is not None:
@@ -661,7 +662,7 @@ def plan(
   def make(n: int, placement: tuple[str, str] | None = None) -> Any:
     parallel = opts.parallel
     if placement is not None:
-      parallel = dataclasses.replace(cast(_options.DataParallel, parallel),
+      parallel = dataclasses.replace(cast(_axes.DataParallel, parallel),
                                      param_gather=placement[0], grad_scatter=placement[1])
     return jax.jit(_transforms.ValueAndGrad(dataclasses.replace(
         opts, split=dataclasses.replace(opts.split, count=n, size=None), parallel=parallel)))
@@ -673,7 +674,7 @@ def plan(
       mesh = jax.sharding.get_abstract_mesh()
       mesh = None if mesh.empty else mesh  # then the transform's own error asks for a mesh
     if mesh is not None:
-      _sharding.check_mesh(mesh, axes)
+      _axes.check_mesh(mesh, axes)
       shards = math.prod(mesh.shape[a] for a in axes)
   return _search(make, args, batch, memory_budget_bytes, search, shards=shards,
                  target=gpu, verbose=verbose, batch_axis=opts.split.batch_axis,
@@ -684,7 +685,7 @@ def _placement_given(options: dict[str, Any]) -> bool:
   """Whether the options fix the FSDP placement (a :class:`jaxaccum.DataParallel` with a
   placement other than the defaults, or the deprecated keywords)."""
   dp = options["data_axis"] if "data_axis" in options else None
-  if isinstance(dp, _options.DataParallel):
+  if isinstance(dp, _axes.DataParallel):
     return not dp.default_placement
   return bool({"param_gather", "grad_scatter"} & set(options))
 
@@ -692,8 +693,8 @@ def _placement_given(options: dict[str, Any]) -> bool:
 def _shards_over(args: tuple, argnums: Any, axes: tuple[str, ...]) -> bool:
   """Whether a differentiated argument has a leaf sharded over a data axis of an Explicit
   mesh (FSDP): what ``param_gather`` and ``grad_scatter`` act on."""
-  diff = _split.normalize_argnums("argnums", argnums, allow_empty=False)
-  for j in _split.resolve_argnums("argnums", diff, len(args)):
+  diff = _roles.normalize_argnums("argnums", argnums, allow_empty=False)
+  for j in _roles.resolve_argnums("argnums", diff, len(args)):
     for leaf in jax.tree.leaves(args[j]):
       sharding = getattr(leaf, "sharding", None)
       if not isinstance(sharding, jax.sharding.NamedSharding):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jaxaccum
-from jaxaccum._core import _stats
 from jaxaccum._parallel import _data_parallel
+from jaxaccum._per_example import _norm
 from tests import _dp_fuzz
 
 # Seeds of the short budget (small cases: at most two ops, 8 rows); the long run
@@ -94,8 +94,8 @@ def test_the_generator_covers_every_op_and_both_dtypes():
 def test_the_checker_catches_a_norm_one_percent_low(monkeypatch):
   # A planted bug: every norm reads 1% low, so clipped examples add up to 1.0101 C. The
   # checker must flag all three properties on a case that passes today.
-  norm = _stats.norm
-  monkeypatch.setattr(_stats, "norm", lambda tree: 0.99 * norm(tree))
+  norm = _norm.norm
+  monkeypatch.setattr(_norm, "norm", lambda tree: 0.99 * norm(tree))
   report = _dp_fuzz.check(_dp_fuzz.REGRESSIONS["divide_by_parameter"](), ("materialize",))
   failed = _dp_fuzz.failures(report)["materialize"]
   assert set(failed) == {"norms", "sum", "bound"}, report

@@ -47,12 +47,13 @@ def _reference(w, batch, transform, c):
   """The mean over rows of each row's gradient, transformed by hand (the clip written out)."""
   grads = []
   for j in range(batch[0].shape[0]):
-    g = jax.grad(loss)(w, jax.tree.map(lambda a: np.asarray(a)[j:j + 1], batch))
+    g = jax.grad(loss)(w, (batch[0][j:j + 1], batch[1][j:j + 1]))
     if c is None:
       g = transform(g)
     else:
       norm = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(g)))
-      g = jax.tree.map(lambda v: v * min(1.0, c / max(norm, 1e-30)), g)
+      factor = min(1.0, c / max(norm, 1e-30))
+      g = {k: v * factor for k, v in g.items()}
     grads.append(g)
   return jax.tree.map(lambda *g: sum(g) / len(g), *grads)
 

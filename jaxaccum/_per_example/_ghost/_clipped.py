@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._core import _sharding, _stats
+from jaxaccum._core import _sharding
 from jaxaccum._core._types import PyTree
+from jaxaccum._per_example import _norm
 from jaxaccum._per_example._ghost import _analysis, _norms, _program, _rules
 
 
@@ -119,11 +120,11 @@ def clipped_sum(f: Callable[[tuple, PyTree], tuple[jax.Array, PyTree]], diff: tu
   for k, g in zip(t.ghost_keys, ghost_grads, strict=True):
     grads[k] = g
   for k, g in zip(t.fb_keys, fb_grads, strict=True):
-    grads[k] = jnp.sum(_stats.scale_rows(_norms.f32(g), c[:, t.gid[k]]), axis=0).astype(g.dtype)
+    grads[k] = jnp.sum(_norm.scale_rows(_norms.f32(g), c[:, t.gid[k]]), axis=0).astype(g.dtype)
   if groups is None:
     total = sq[:, 0]
   else:
-    total = _stats.norm_of_norms(sq) if norms else jnp.sum(sq, axis=1)
+    total = _norm.norm_of_norms(sq) if norms else jnp.sum(sq, axis=1)
   return outs, jax.tree.unflatten(treedef, grads), total
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._core import _reduce, _sharding, _stats
+from jaxaccum._per_example import _norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -51,7 +52,7 @@ _WIDE_SHIFTS = (0, -_WIDE_SHIFT, _WIDE_SHIFT)
 
 def peak(x: jax.Array) -> jax.Array:
   """``x``'s largest absolute entry, or 1 where that is 0 or not finite."""
-  return _stats.scale_divisor(jnp.max(jnp.abs(x), initial=0.0))
+  return _norm.scale_divisor(jnp.max(jnp.abs(x), initial=0.0))
 
 
 def _pow2(k: jax.Array) -> jax.Array:

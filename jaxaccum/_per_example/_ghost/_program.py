@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._core import _sharding, _stats
+from jaxaccum._core import _sharding
+from jaxaccum._per_example import _norm
 from jaxaccum._per_example._ghost import _norms, _walk
 
 if TYPE_CHECKING:  # for annotations only
@@ -272,7 +273,7 @@ def kept_sum(plan: Plan, jaxpr: Any, ghost: Sequence[Any], ghost_keys: Sequence[
     _, t = jax.vjp(lambda w, one=one, others=others: jax.vmap(one, in_axes=(None, 0))(w, others),
                    ops[j])
     g = _norms.widened(g)
-    prev = t(_stats.scale_rows(g, cs[j]).astype(g.dtype))[0]
+    prev = t(_norm.scale_rows(g, cs[j]).astype(g.dtype))[0]
   if prev is not None:
     sums[0] = prev
   return [s.astype(v.dtype) for s, v in zip(chain_t(sums)[0], ghost, strict=True)]
