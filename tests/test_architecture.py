@@ -183,6 +183,37 @@ def planted(tmp_path):
   return pkg
 
 
+# Modules whose tests live elsewhere: (why, the files that test them; () for none needed).
+TESTED_ELSEWHERE = {
+    "_core/_types.py": ("type aliases and a Protocol only: nothing runs", ()),
+    "_core/_sharding.py": ("the FSDP tie and the layout helpers, run by the placements",
+                           ("tests/parallel/test_fsdp_gather.py",
+                            "tests/parallel/test_sharding_recipe.py")),
+    "_planning/_gpu_target.py": ("needs the gpu-plan extra, so its own suite",
+                                 ("tests_gpu_target/test_gpu_target.py",)),
+}
+
+
+def test_every_wing_module_has_its_test_file():
+  """``jaxaccum/_<wing>/_<x>.py`` is tested by ``tests/<wing>/test_<x>.py``."""
+  missing = architecture.untested_modules()
+  assert sorted(missing) == sorted(TESTED_ELSEWHERE), missing
+  for _, paths in TESTED_ELSEWHERE.values():
+    assert all((ROOT / path).exists() for path in paths), paths
+
+
+def test_the_untested_module_measure_on_a_planted_package(tmp_path):
+  pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+  for path in ("_core/__init__.py", "_core/_a.py", "_core/_b.py", "_core/_sub/__init__.py",
+               "_wing/__init__.py", "_wing/_c.py", "top.py"):
+    (pkg / path).parent.mkdir(parents=True, exist_ok=True)
+    (pkg / path).write_text("")
+  for path in ("core/test_a.py", "wing/test_c.py"):
+    (tests / path).parent.mkdir(parents=True, exist_ok=True)
+    (tests / path).write_text("")
+  assert architecture.untested_modules(pkg, tests) == ["_core/_b.py", "_core/_sub"]
+
+
 def test_the_measures_on_a_planted_package(planted):
   mods = architecture.modules(planted)
   assert set(mods) == {"pkg", "pkg._a", "pkg._b", "pkg._sub", "pkg._sub._c"}

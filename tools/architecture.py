@@ -306,6 +306,24 @@ def wing_words(mods: dict[str, Module], prefix: str, allowed: dict[str, set[str]
   return sorted(found)
 
 
+def untested_modules(package: pathlib.Path = PACKAGE,
+                     tests: pathlib.Path = ROOT / "tests") -> list[str]:
+  """The modules of each wing (``jaxaccum/_<wing>/_<x>.py``, or a sub-package
+  ``_<x>/``) without their test file ``tests/<wing>/test_<x>.py``."""
+  missing = []
+  for wing in sorted(p for p in package.iterdir() if p.is_dir() and p.name.startswith("_")
+                     and (p / "__init__.py").exists()):
+    for part in sorted(wing.iterdir()):
+      name = part.stem if part.suffix == ".py" else part.name
+      if not name.startswith("_") or name == "__init__" or name.startswith("__"):
+        continue
+      if part.suffix != ".py" and not (part / "__init__.py").exists():
+        continue
+      if not (tests / wing.name.lstrip("_") / f"test_{name.lstrip('_')}.py").exists():
+        missing.append(f"{wing.name}/{part.name}")
+  return missing
+
+
 def report() -> str:
   mods = modules()
   api = next(n for n in mods if n.endswith("._api") or n == "jaxaccum._api")

@@ -353,7 +353,7 @@ def _check_batch_axis(batch_axis: Any, batch: tuple[int, ...], names: tuple[str,
 
 
 # The keyword options of :func:`jaxaccum.value_and_grad`, with their defaults: its signature
-# lists these (tests/core/test_option_records.py checks that they agree).
+# lists these (tests/core/test_options.py checks that they agree).
 DEFAULTS: dict[str, Any] = {
     "num_micro_batches": None, "micro_batch_size": None, "argnums": 0,
     "batch_argnums": BATCH_ARGNUMS, "batch_argnames": None, "batch_axis": 0,

@@ -10,7 +10,7 @@ References, written without the library's split:
   back at ``i::N``.
 The last part runs ``rng_argnames`` and ``batch_axis`` through the adapters against the same
 kind of references (``per_example`` and ``batch_axis`` on the adapters'
-value_and_grad are in tests/per_example/test_rule.py and tests/core/test_batch_axis.py).
+value_and_grad are in tests/per_example/test_rule.py and tests/core/test_split.py).
 float32, rtol 1e-5.
 """
 

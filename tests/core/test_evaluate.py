@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from tests import _problems
 from tests._problems import micro_batch, micro_batches
-from tests.core.test_kinds import optax_accumulator
+from tests.core.test_reduce import optax_accumulator
 
 RTOL, ATOL = 1e-5, 1e-6
 
