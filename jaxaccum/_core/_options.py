@@ -511,6 +511,8 @@ def make_options(fun: Any, given: dict[str, Any], *, deprecated: dict[str, Any] 
   a caller that gives none refuses it.
   """
   old = dict(deprecated or {})
+  if evaluate:
+    refuse_gradient_options(where, old, "jaxaccum.value_and_grad")
   unknown = [k for k in given if k not in DEFAULTS] + [
       k for k in old if k not in DEPRECATED or evaluate and DEPRECATED[k].gradient]
   if unknown:
@@ -560,9 +562,9 @@ def warn_deprecated(where: str, name: str, stacklevel: int = 3) -> None:
 
 
 def refuse_gradient_options(where: str, options: dict[str, Any], instead: str) -> None:
-  """An adapter's ``evaluate`` given an option about gradients (one that
-  :func:`jaxaccum.value_and_grad` has and :func:`jaxaccum.evaluate` has not) gets a
-  ``TypeError`` naming it and ``instead``, the adapter's transform that takes it."""
+  """An ``evaluate`` (the public one or an adapter's) given an option about gradients (one
+  that :func:`jaxaccum.value_and_grad` has and :func:`jaxaccum.evaluate` has not) gets a
+  ``TypeError`` naming it and ``instead``, the transform that takes it."""
   gradient = GRADIENT_OPTIONS | {k for k, f in DEPRECATED.items() if f.gradient}
   given = sorted(k for k in options if k in gradient)
   if given:
