@@ -43,11 +43,14 @@ def _case(seed):
   return w, batch, n, jaxaccum.dp.clip_per_example(c), c
 
 
+_row_grad = jax.jit(jax.grad(loss))
+
+
 def _reference(w, batch, transform, c):
   """The mean over rows of each row's gradient, transformed by hand (the clip written out)."""
   grads = []
   for j in range(batch[0].shape[0]):
-    g = jax.grad(loss)(w, (batch[0][j:j + 1], batch[1][j:j + 1]))
+    g = _row_grad(w, (batch[0][j:j + 1], batch[1][j:j + 1]))
     if c is None:
       g = transform(g)
     else:
@@ -72,11 +75,12 @@ def _front_ends():
     def linen_loss(params, batch, model_state, rngs):
       del rngs
       return loss(params, batch), model_state
-    step = jaxaccum.linen.value_and_grad(linen_loss, num_micro_batches=n, **{kw: t})
+    step = jax.jit(jaxaccum.linen.value_and_grad(linen_loss, num_micro_batches=n, **{kw: t}))
     return lambda w, b: step(w, b, {}, {})[1]
 
   def eqx(kw, t, n):
-    return jaxaccum.eqx.filter_grad(lambda w, b: loss(w, b), num_micro_batches=n, **{kw: t})
+    return jax.jit(jaxaccum.eqx.filter_grad(lambda w, b: loss(w, b), num_micro_batches=n,
+                                            **{kw: t}))
 
   def nnx(kw, t, n):
     from flax import nnx as fnnx
