@@ -350,7 +350,7 @@ class CachedValueAndGrad:
         args, {**kwargs, _COTANGENT: cotangent}, None)
     found = {"reps": _stats.relative_difference(_inexact_leaves(rows), float_whole),
              "grads": _stats.relative_difference(grads_alone, grads_whole)}
-    if not all(np.isfinite(v) and v <= rtol for v in found.values()):
+    if not _stats.within(found, float(rtol)):
       raise ValueError(
           "check_encode: encode's reps computed from each example alone differ from the "
           f"batch's (relative difference {found['reps']:.3g} in the reps and "

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxaccum import _transforms
 from jaxaccum._core import _options
-from jaxaccum._core._stats import relative_difference
+from jaxaccum._core._stats import relative_difference, within
 from jaxaccum._per_example._clip import ClipPerExample as ClipPerExample
 from jaxaccum._per_example._clip import clip_per_example as clip_per_example
 from jaxaccum._per_example._dp import DpNoiseState as DpNoiseState
@@ -181,7 +181,7 @@ def check_per_example_loss(fun: Callable[..., Any], *, rtol: float = 1e-4,
     v_alone, g_alone = value_of(alone(*args, **kwargs))
     found = {"value": relative_difference(v_alone, v_batch),
              "grads": relative_difference(g_alone, g_batch)}
-    if not all(np.isfinite(v) and v <= rtol for v in found.values()):
+    if not within(found, rtol):
       raise ValueError(
           "check_per_example_loss: the loss computed from each example alone differs from "
           f"the batch's (relative difference {found['value']:.3g} in the value and "

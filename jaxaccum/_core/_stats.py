@@ -53,3 +53,9 @@ def relative_difference(actual: PyTree, expected: PyTree) -> float:
   diff = np.sqrt(sum(float(np.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True)))
   size = np.sqrt(sum(float(np.sum(y ** 2)) for y in b))
   return float(diff / size) if size > 0 else float(diff)
+
+
+def within(found: dict[str, float], rtol: float) -> bool:
+  """Whether every relative difference a check measured (:func:`relative_difference`) is
+  finite and at most ``rtol``: the verdict of the checks of a rule on a sample batch."""
+  return all(np.isfinite(v) and v <= rtol for v in found.values())

@@ -67,3 +67,13 @@ def test_relative_difference_is_the_closed_form(seed):
   zero = {k: np.zeros_like(v) for k, v in b.items()}
   assert _stats.relative_difference(a, zero) == pytest.approx(
       np.sqrt(sum(np.sum(a[k] ** 2) for k in a)), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_within_passes_only_finite_differences_at_most_rtol(seed):
+  rng = np.random.default_rng(seed)
+  rtol = float(10.0 ** rng.uniform(-7, -2))
+  found = {f"d{k}": float(rtol * rng.uniform(0, 2)) for k in range(int(rng.integers(1, 4)))}
+  assert _stats.within(found, rtol) == all(v <= rtol for v in found.values())
+  assert not _stats.within({**found, "bad": float(rng.choice([np.nan, np.inf]))}, rtol)
+  assert _stats.within({"exact": rtol}, rtol) and _stats.within({}, rtol)
