@@ -71,6 +71,44 @@ def test_the_import_graph_has_no_circle_and_few_floors():
   assert max(floors.values()) + 1 <= MAX_FLOORS, sorted(floors.items(), key=lambda x: x[1])
 
 
+# The package imports one way, at the top of each module; two exceptions, each for a reason:
+# the top level's `if TYPE_CHECKING:` names what its `__getattr__` loads on first use, and
+# the per-example wing is loaded when a `per_example=` is first given, so that `import
+# jaxaccum` loads no DP module (tests/test_tiers.py).
+HIDDEN_IMPORTS_ALLOWED = {"jaxaccum": "TYPE_CHECKING",
+                          "jaxaccum._transforms": "the per-example wing"}
+
+
+def test_the_package_imports_at_the_top_of_its_modules():
+  hidden = {where.split(":")[0] for where in architecture.hidden_imports(MODS)}
+  assert hidden <= set(HIDDEN_IMPORTS_ALLOWED), architecture.hidden_imports(MODS)
+  lazy = [w for w in architecture.hidden_imports(MODS) if w.startswith("jaxaccum._transforms")]
+  assert len(lazy) == 1, lazy
+
+
+def test_the_hidden_import_measure_on_a_planted_module(tmp_path):
+  pkg = tmp_path / "jaxaccum"
+  (pkg / "_a").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "_a" / "__init__.py").write_text("")
+  (pkg / "_a" / "_b.py").write_text(textwrap.dedent("""\
+      from typing import TYPE_CHECKING
+      import numpy as np
+      from jaxaccum._a import _c
+      if TYPE_CHECKING:
+        from jaxaccum._a import _d
+      def f():
+        import json
+        from . import _e
+        return _e
+      class K:
+        def g(self):
+          import jaxaccum._a._f
+  """))
+  found = architecture.hidden_imports(architecture.modules(pkg))
+  assert found == ["jaxaccum._a._b:5", "jaxaccum._a._b:8", "jaxaccum._a._b:12"], found
+
+
 def test_only_the_per_example_wing_imports_the_ghost_analysis():
   ghosts = [n for n in MODS if n.rsplit(".", 1)[-1] == "_ghost"]
   assert ghosts

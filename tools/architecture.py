@@ -83,6 +83,29 @@ def imports(mod: Module, names: dict[str, Module]) -> set[str]:
   return out
 
 
+def hidden_imports(mods: dict[str, Module]) -> list[str]:
+  """``module:line`` of each import of the package that is not at a module's top level: one
+  inside a function, or under ``if TYPE_CHECKING:`` (an edge the import graph does not
+  show, which can close a circle)."""
+  found = []
+
+  def visit(mod: Module, node: ast.AST, hidden: bool) -> None:
+    for child in ast.iter_child_nodes(node):
+      inner = hidden or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+          isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
+      if inner and isinstance(child, ast.Import) and any(
+          a.name.split(".")[0] == "jaxaccum" for a in child.names):
+        found.append(f"{mod.name}:{child.lineno}")
+      elif inner and isinstance(child, ast.ImportFrom) and (
+          child.level or _absolute(mod, child).split(".")[0] == "jaxaccum"):
+        found.append(f"{mod.name}:{child.lineno}")
+      visit(mod, child, inner)
+
+  for mod in mods.values():
+    visit(mod, mod.tree, False)
+  return found
+
+
 def private_uses(mod: Module, names: dict[str, Module]) -> list[str]:
   """Where ``mod`` reads another module's private name: ``from x import _y`` (``_y`` not a
   module) or ``x._y`` with ``x`` an imported package module."""

@@ -31,14 +31,11 @@ import inspect
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from jaxaccum._core import _reduce, _roles, _split, _validate
-
-if TYPE_CHECKING:  # the data-parallel wing's record, which the core holds and never reads
-  from jaxaccum._parallel._axes import DataParallel
 
 
 class Roles(NamedTuple):
@@ -285,7 +282,7 @@ class Options:
   has_aux: bool = False
   with_info: bool = False
   skip_nonfinite: bool = False
-  parallel: DataParallel | None = None
+  parallel: Any = None  # the data-parallel wing's DataParallel: held here, never read
   per_example: Any = None
 
   def __post_init__(self):

@@ -38,7 +38,7 @@ from jaxaccum._core._transform import (
   vary_as,
 )
 from jaxaccum._core._validate import describe as _describe
-from jaxaccum._per_example import _clip, _norm
+from jaxaccum._per_example import _clip, _ghost, _norm
 
 # --- The options: what per_example= accepts ----------------------------------------
 
@@ -493,8 +493,6 @@ def _clipped(opts: Options, objective: Callable[..., Any], diff: list, xs: tuple
 
   ghost, failed = None, None
   if clip.method != "materialize":
-    from jaxaccum._per_example import _ghost  # here: importing jaxaccum loads no ghost analysis
-
     try:  # norms=True: the norms themselves, finite even where their squares overflow;
       # only nan_safe and a mask give a factor of 0 that must stop a non-finite example
       # (zero_safe costs a parameter-sized buffer when sites sit in a scan body).

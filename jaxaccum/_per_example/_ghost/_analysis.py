@@ -21,47 +21,7 @@ from jax.extend import core as jcore
 
 from jaxaccum._core._types import PyTree
 from jaxaccum._per_example._ghost import _norms, _rules, _walk
-
-
-@dataclasses.dataclass(frozen=True)
-class View:
-  """A value derived from differentiated leaf ``leaf`` by layout operations.
-
-  ``perm[d]`` is the leaf dimension of the value's dimension ``d`` while only transposes and
-  converts were applied (``None`` after a reshape); ``post`` holds the broadcasts (and what
-  followed them) after the last norm-preserving value, whose aval is ``anchor``; ``base``,
-  where not empty, is the path of the scan of whose ``xs`` the value is one iteration's
-  slice (see ``in_scan``). ``region``: after static slices, the entries of the base (the leaf, or
-  the iteration's slice) the value holds, ``(start, limit, stride)`` per base dimension; two
-  sites whose regions are disjoint have gradients with disjoint supports, so their norms add.
-  """
-
-  leaf: int
-  perm: tuple[int, ...] | None
-  anchor: Any  # jax.core.ShapedArray of the last norm-preserving value
-  post: tuple[Any, ...] = ()  # JaxprEqns applied after the anchor (broadcast_in_dim ...)
-  base: tuple[int, ...] = ()
-  region: tuple[tuple[int, int, int], ...] | None = None
-  sign: int = 1  # -1 after an odd number of ``neg``: the leaf's gradient is minus the view's
-
-  @property
-  def in_scan(self) -> bool:
-    """Whether the value is one iteration's slice of a leaf stacked along a scan's ``xs``."""
-    return bool(self.base)
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """One use of a leaf with a norm rule: the equation at ``path``, how it uses the leaf, and
-  the rule of its kind (one of :data:`_rules.SITE_RULES`)."""
-
-  leaf: int
-  path: tuple[int, ...]
-  rule: _rules.SiteRule
-  eqn: Any
-  pos: int  # which operand of eqn is the leaf's view
-  view: View
-  batched: bool  # whether an operand other than the view depends on the example
+from jaxaccum._per_example._ghost._sites import Site, View
 
 
 @dataclasses.dataclass

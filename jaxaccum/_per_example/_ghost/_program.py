@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,7 @@ import numpy as np
 from jaxaccum._core import _sharding
 from jaxaccum._per_example import _norm
 from jaxaccum._per_example._ghost import _norms, _walk
-
-if TYPE_CHECKING:  # for annotations only
-  from jaxaccum._per_example._ghost._analysis import Site
+from jaxaccum._per_example._ghost._sites import Site
 
 # Cheap elementwise results that a backward pass reads (tanh's ``1 - y``, a LayerNorm's
 # normalised rows, a residual stream's sums). Inside a scan body with sites, the policy

@@ -10,11 +10,10 @@ this file.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +21,7 @@ import numpy as np
 
 from jaxaccum._core import _sharding
 from jaxaccum._per_example._ghost import _norms
-
-if TYPE_CHECKING:  # for annotations only: _analysis imports this module
-  from jaxaccum._per_example._ghost._analysis import Site, View
+from jaxaccum._per_example._ghost._sites import Site, SiteRule, View
 
 # The gather modes whose transpose :func:`_norms.gather_rows` follows (any other: the site's own
 # transpose, ``"direct"``).
@@ -199,32 +196,6 @@ def multi_sq_norm(sites: Sequence[Site], others: Sequence[Any],
 
   s = _norms.guarded(_norms.untrusted(terms, total), direct, total, arrays)
   return _norms.wide_exp(s, 2 * top)
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteRule:
-  """How one kind of site gets its leaf's per-example squared norm.
-
-  ``match(eqn, pos, view)``: whether leaf view ``view``, operand ``pos`` of ``eqn``, is used
-  at a site of this kind (:data:`SITE_RULES` is tried in order: the first match wins).
-  ``sq_norm(site, saved, g, axes)``: one example's wide squared norm of the leaf's gradient
-  through the site, from its other operands ``saved`` and its output's cotangent ``g``
-  (``axes``: the ``shard_map`` axes the leaf varies over). ``sides(site)``: the leaf
-  dimensions on the two factors of its factor form ``A^T B`` (``None``: none at this site),
-  and ``factor(site, other, g)``: one example's ``(A, B)`` (:func:`_factor`), both ``None``
-  for a kind without a factor form (no cross terms with another site). ``saves_operands``:
-  whether a tapped site keeps its other operands for its backward rule. ``forms_gradient``:
-  whether the norm is read from the leaf-sized per-example gradient
-  (``_clipped._little_saved``).
-  """
-
-  name: str
-  match: Callable[[Any, int, View], bool]
-  sq_norm: Callable[[Site, Sequence[Any], jax.Array, tuple], jax.Array]
-  sides: Callable[[Site], tuple[tuple[int, ...], tuple[int, ...]] | None] | None = None
-  factor: Callable[[Site, Any, jax.Array], tuple[Any, Any]] | None = None
-  saves_operands: bool = True
-  forms_gradient: bool = False
 
 
 def _is_dot(eqn: Any, pos: int, view: View) -> bool:
