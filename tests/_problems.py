@@ -91,6 +91,15 @@ def mlp_batch(key: jax.Array, batch_size: int = 16, d_in: int = 5, d_out: int = 
   return _cast(batch, dtype)
 
 
+def mlp_problem(seed: int, sizes=(5, 7, 3), batch_size: int = 16, *, bias: bool = True,
+                dtype: Any = jnp.float32) -> tuple[PyTree, PyTree]:
+  """``(mlp_params, mlp_batch)`` drawn from ``seed``: an MLP of ``sizes`` and a batch that fits
+  it."""
+  kp, kb = jax.random.split(jax.random.key(seed))
+  return (mlp_params(kp, sizes, bias=bias, dtype=dtype),
+          mlp_batch(kb, batch_size, sizes[0], sizes[-1], dtype=dtype))
+
+
 def mlp_apply(params: PyTree, x: jax.Array) -> jax.Array:
   """tanh hidden layers, a linear output layer."""
   layers = params["layers"]

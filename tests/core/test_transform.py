@@ -35,9 +35,7 @@ mlp_grad = jax.jit(jax.grad(mlp_loss))
 
 
 def make_mlp(seed, din=5, dh=7, dout=3, batch=B, dtype=jnp.float32):
-  kp, kb = jax.random.split(jax.random.key(seed))
-  return (_problems.mlp_params(kp, (din, dh, dout), dtype=dtype),
-          _problems.mlp_batch(kb, batch, din, dout, dtype=dtype))
+  return _problems.mlp_problem(seed, (din, dh, dout), batch, dtype=dtype)
 
 
 def assert_all_close(actual, expected, rtol=RTOL, atol=ATOL):

@@ -28,9 +28,7 @@ def loss(params, batch):
 
 
 def _problem():
-  kp, kb = jax.random.split(jax.random.key(11))
-  params = _problems.mlp_params(kp, SIZES)
-  return params, _problems.mlp_batch(kb, BATCH, SIZES[0], SIZES[-1])
+  return _problems.mlp_problem(11, SIZES, BATCH)
 
 
 def _numpy(tree):

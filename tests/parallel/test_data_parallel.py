@@ -38,9 +38,7 @@ PARAM_SHAPES = {(FEATURES, HIDDEN), (HIDDEN, CLASSES)}
 def _problem(seed=0):
   """The shared MLP as a classifier, without biases: every parameter is a matrix, which
   the FSDP layout shards over its rows."""
-  kp, kb = jax.random.split(jax.random.key(seed))
-  params = _problems.mlp_params(kp, (FEATURES, HIDDEN, CLASSES), bias=False)
-  return params, _problems.mlp_batch(kb, BATCH, FEATURES, CLASSES)
+  return _problems.mlp_problem(seed, (FEATURES, HIDDEN, CLASSES), BATCH, bias=False)
 
 
 _nll = _problems.mlp_nll

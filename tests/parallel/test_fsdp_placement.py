@@ -39,9 +39,7 @@ def loss(params, batch):
 
 
 def _problem():
-  kp, kb = jax.random.split(jax.random.key(3))
-  params = _problems.mlp_params(kp, SIZES)
-  return params, _problems.mlp_batch(kb, BATCH, SIZES[0], SIZES[-1])
+  return _problems.mlp_problem(3, SIZES, BATCH)
 
 
 def _placed(mesh, param_axis, batch_axes):
